@@ -1,0 +1,62 @@
+# One command sets everything up (make setup), one runs every test tier (make test).
+# Demos and benchmarks have their own targets. Everything runs as root (XDP, namespaces).
+
+SHELL := /bin/bash
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+DEBS  := python3-bpfcc python3-venv linux-headers-amd64 libbpf1 bpftool clang llvm \
+         iproute2 iperf3 tcpdump ethtool iputils-ping memcached procps
+KREL  := $(shell uname -r)
+
+.PHONY: setup debs kernel-headers bpffs venv test test-python test-bpf test-e2e demo bench clean
+
+setup: debs kernel-headers bpffs venv
+	@echo "setup: OK ($(VENV) ready; run 'make test')"
+
+debs:
+	@missing=$$(for p in $(DEBS); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing: $$missing"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
+
+# BCC compiles against /lib/modules/$(uname -r)/build. Link Debian's headers there only when the
+# running kernel has none of its own (idempotent).
+kernel-headers:
+	@if [ -e /lib/modules/$(KREL)/build/include ]; then exit 0; fi; \
+	hdr=$$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -1); \
+	[ -n "$$hdr" ] || { echo "setup: no /usr/src/linux-headers-*-amd64; install linux-headers-amd64" >&2; exit 1; }; \
+	mkdir -p /lib/modules/$(KREL); \
+	ln -sfn $$hdr /lib/modules/$(KREL)/build; \
+	ln -sfn $${hdr%-amd64}-common /lib/modules/$(KREL)/source; \
+	echo "linked kernel headers $$hdr for $(KREL)"
+
+bpffs:
+	@mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf
+
+venv:
+	@[ -x $(PY) ] || /usr/bin/python3 -m venv --system-site-packages $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@$(PY) -m pip install -q -e '.[test]'
+
+test:
+	$(PY) -m pytest -q tests
+
+test-python:
+	$(PY) -m pytest -q -m "not bpf and not e2e" tests
+
+test-bpf:
+	$(PY) -m pytest -q -m bpf tests
+
+test-e2e:
+	$(PY) -m pytest -q -m e2e tests
+
+demo:
+	$(VENV)/bin/testbed demo
+
+bench:
+	$(VENV)/bin/testbed bench incast --json bench/results/incast.json
+
+clean:
+	-$(VENV)/bin/testbed down --all 2>/dev/null
+	rm -rf build *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""hostagent: the KV block protocol endpoints (pool-node server, inference-node client)."""

@@ -1,0 +1,166 @@
+"""The `hostagent` command line: serve a pool node, put and get whole blocks, hash token ids.
+
+Results print as one JSON object per command so scripts (and the testbed) can read them.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+import sys
+
+import click
+
+from . import client as kvclient
+from .hashing import DEFAULT_BLOCK_TOKENS, block_hashes
+from .protocol import MAX_PAYLOAD, PORT
+from .server import serve as serve_forever
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]i?B?|B)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'4096', '64KiB', '256MiB', '1G' -> bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size like 4096, 64KiB or 1GiB")
+    unit = (m.group(2) or "").lower()[:1]
+    return int(m.group(1)) * _UNITS[unit]
+
+
+class SizeType(click.ParamType):
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        return value if isinstance(value, int) else parse_size(value)
+
+
+def _key(text: str) -> bytes:
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not hex") from None
+    if len(key) != 16:
+        raise click.BadParameter("a block key is 16 bytes: 32 hex digits")
+    return key
+
+
+def _pools(values) -> list[tuple[str, int]]:
+    try:
+        return [kvclient.parse_addr(v) for v in values]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+pool_opt = click.option("--pool", "pools", multiple=True, required=True, metavar="IP[:PORT]",
+                        help="Pool node address (repeatable; blocks are spread by key).")
+ns_opt = click.option("--ns", type=click.IntRange(0, 0xFFFFFFFF), default=1, show_default=True,
+                      help="Namespace id.")
+key_opt = click.option("--key", required=True, help="Block key, 32 hex digits.")
+chunk_opt = click.option("--chunk-size", type=click.IntRange(1, MAX_PAYLOAD), default=1024,
+                         show_default=True, help="Bytes per chunk (one datagram each).")
+window_opt = click.option("--window", type=click.IntRange(1, 4096), default=64,
+                          show_default=True, help="Chunk requests in flight per block.")
+deadline_opt = click.option("--deadline", type=click.FloatRange(min=0, min_open=True),
+                            default=30.0, show_default=True, help="Seconds before giving up.")
+
+
+def _run(coro):
+    try:
+        return asyncio.run(coro)
+    except (kvclient.BlockNotFound, kvclient.TransferTimeout, kvclient.Refused) as exc:
+        click.echo(f"hostagent: error: {exc.args[0] if exc.args else exc}", err=True)
+        sys.exit(1)
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True)
+def main(verbose):
+    """KV block protocol endpoints: pool node server and inference node client."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(name)s: %(message)s")
+
+
+@main.command()
+@click.option("--bind", default="0.0.0.0", show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=PORT, show_default=True)
+@click.option("--capacity", type=SizeType(), default="1GiB", show_default=True,
+              help="Bytes of block payload this node holds.")
+def serve(bind, port, capacity):
+    """Run a pool (storage) node until interrupted."""
+    if capacity <= 0:
+        raise click.BadParameter("capacity must be positive", param_hint="--capacity")
+
+    async def go():
+        ready = asyncio.Event()
+        task = asyncio.create_task(serve_forever(bind, port, capacity, ready))
+        await ready.wait()
+        click.echo(f"hostagent: pool node ready on {bind}:{port}", err=True)
+        await task
+
+    try:
+        asyncio.run(go())
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        click.echo(f"hostagent: error: cannot serve on {bind}:{port}: {exc.strerror}", err=True)
+        sys.exit(1)
+
+
+@main.command()
+@pool_opt
+@ns_opt
+@key_opt
+@click.option("--file", "path", type=click.File("rb"), required=True,
+              help="The block's bytes ('-' for stdin).")
+@chunk_opt
+@window_opt
+@deadline_opt
+def put(pools, ns, key, path, chunk_size, window, deadline):
+    """Store a whole block on its pool node."""
+    data = path.read()
+    if not data:
+        raise click.BadParameter("the block is empty", param_hint="--file")
+
+    async def go():
+        async with kvclient.KVClient(_pools(pools), chunk_size, window, deadline) as c:
+            return await c.put_block(ns, _key(key), data)
+
+    stats = _run(go())
+    click.echo(json.dumps({"op": "put", "ns": ns, "key": key, **stats.as_dict()}))
+
+
+@main.command()
+@pool_opt
+@ns_opt
+@key_opt
+@click.option("--out", type=click.File("wb"), help="Write the block here.")
+@click.option("--no-cache", is_flag=True, help="Bypass the switch cache.")
+@chunk_opt
+@window_opt
+@deadline_opt
+def get(pools, ns, key, out, no_cache, chunk_size, window, deadline):
+    """Fetch a whole block, byte-exact; prints where its chunks came from."""
+    async def go():
+        async with kvclient.KVClient(_pools(pools), chunk_size, window, deadline) as c:
+            return await c.get_block(ns, _key(key), no_cache=no_cache)
+
+    data, stats = _run(go())
+    if out:
+        out.write(data)
+    click.echo(json.dumps({"op": "get", "ns": ns, "key": key,
+                           "sha256": hashlib.sha256(data).hexdigest(), **stats.as_dict()}))
+
+
+@main.command("hash")
+@click.argument("tokens", nargs=-1, type=int, required=True)
+@click.option("--block-tokens", type=click.IntRange(1), default=DEFAULT_BLOCK_TOKENS,
+              show_default=True)
+@click.option("--extra", default="", help="Cache-separating salt (model id, adapter...).")
+def hash_cmd(tokens, block_tokens, extra):
+    """Chained prefix keys of a token sequence (one per full block)."""
+    for key in block_hashes(tokens, block_tokens, extra.encode()):
+        click.echo(key.hex())

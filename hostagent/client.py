@@ -1,0 +1,309 @@
+"""The inference-node client: puts and gets whole KV blocks over the KV block protocol.
+
+A block is cut into chunks of ``chunk_size`` bytes; each chunk is one request. Requests are
+pipelined (a window of them in flight per block), lost ones are sent again after an adaptive
+retransmission timeout (RFC 6298 estimator, Karn's rule, exponential backoff), and the whole
+operation fails with TransferTimeout after ``deadline`` seconds. Every reply is checked against
+what was asked (namespace, key, chunk) and its payload against its CRC-32; a chunk whose bytes
+are wrong is counted and fetched again with KV_F_NO_CACHE so the switch's copy is bypassed.
+Which pool node owns a block is decided by rendezvous hashing over the configured pools.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+from .protocol import MAX_PAYLOAD, PORT, Flag, Message, Op, ProtocolError, Status
+from .udp import grow_buffers
+
+DEFAULT_CHUNK = 1024
+DEFAULT_WINDOW = 64
+
+
+class BlockNotFound(KeyError):
+    """The pool node does not have (all of) the block."""
+
+
+class TransferTimeout(TimeoutError):
+    """Chunks were still missing when the deadline passed."""
+
+
+class Refused(RuntimeError):
+    """The peer answered ERROR; ``status`` says why."""
+
+    def __init__(self, status: int, what: str):
+        super().__init__(f"{what}: refused with {Status(status).name}")
+        self.status = status
+
+
+@dataclass
+class TransferStats:
+    chunks: int = 0
+    bytes: int = 0
+    from_switch: int = 0      # replies written by the switch (cache hits)
+    replicas: int = 0         # replies the switch copied from another reader's fetch
+    from_pool: int = 0        # replies sent by the pool node itself
+    retransmits: int = 0
+    checksum_errors: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_addr(text: str, default_port: int = PORT) -> tuple[str, int]:
+    """'10.0.0.1' or '10.0.0.1:19286' -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        return text, default_port
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"bad port in address {text!r}")
+    return host, int(port)
+
+
+def pool_for(pools: Sequence[tuple[str, int]], ns: int, key: bytes) -> tuple[str, int]:
+    """The pool node that owns a block: highest rendezvous hash of (pool, ns, key)."""
+    if not pools:
+        raise ValueError("no pool nodes configured")
+    tag = ns.to_bytes(4, "big") + key
+    return max(pools, key=lambda p: hashlib.sha256(f"{p[0]}:{p[1]}".encode() + tag).digest())
+
+
+# what a reply means for the chunk it answers
+DONE, IGNORE, RETRY_BYPASS = "done", "ignore", "retry-bypass"
+
+
+class _RttEstimator:
+    """RFC 6298 retransmission timeout."""
+
+    def __init__(self, initial: float = 0.1, floor: float = 0.02, ceiling: float = 2.0):
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+        self.rto, self.floor, self.ceiling = initial, floor, ceiling
+
+    def sample(self, rtt: float) -> None:
+        if self.srtt is None:
+            self.srtt, self.rttvar = rtt, rtt / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
+            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+        self.rto = min(self.ceiling, max(self.floor, self.srtt + 4 * self.rttvar))
+
+
+class _Transfer:
+    """One block's chunks in flight: window, retransmission, completion."""
+
+    def __init__(self, client: KVClient, addr, items: Sequence[int],
+                 build: Callable[[int, int, int], bytes],
+                 accept: Callable[[int, Message], str], stats: TransferStats, deadline: float):
+        self.client, self.addr, self.build, self.accept, self.stats = (
+            client, addr, build, accept, stats)
+        self.todo = list(reversed(items))
+        self.left = len(items)
+        self.outstanding: dict[int, tuple[int, float, float, int]] = {}  # item -> rid, sent, due, tries
+        self.rid_item: dict[int, int] = {}
+        self.loop = asyncio.get_running_loop()
+        self.future = self.loop.create_future()
+        self.deadline = time.monotonic() + deadline
+        self.timer = None
+
+    async def run(self) -> None:
+        if not self.left:
+            return
+        self._fill()
+        self._arm()
+        try:
+            await self.future
+        finally:
+            if self.timer:
+                self.timer.cancel()
+            for rid in self.rid_item:
+                self.client._waiters.pop(rid, None)
+
+    def _send(self, item: int, tries: int = 1, flags: int = 0) -> None:
+        rid = self.client._next_rid()
+        self.client._waiters[rid] = self
+        self.rid_item[rid] = item
+        now = time.monotonic()
+        rto = min(self.client.rtt.ceiling, self.client.rtt.rto * (2 ** (tries - 1)))
+        self.outstanding[item] = (rid, now, now + rto, tries)
+        self.client._transport.sendto(self.build(item, rid, flags), self.addr)
+
+    def _fill(self) -> None:
+        while self.todo and len(self.outstanding) < self.client.window:
+            self._send(self.todo.pop())
+
+    def _arm(self) -> None:
+        self.timer = self.loop.call_later(max(0.002, self.client.rtt.rto / 4), self._tick)
+
+    def _tick(self) -> None:
+        if self.future.done():
+            return
+        now = time.monotonic()
+        if now > self.deadline:
+            self.future.set_exception(TransferTimeout(
+                f"{self.left} chunk(s) still missing from {self.addr[0]}:{self.addr[1]} "
+                f"after {self.stats.retransmits} retransmissions"))
+            return
+        for item, (rid, _sent, due, tries) in list(self.outstanding.items()):
+            if now >= due:
+                self.rid_item.pop(rid, None)
+                self.client._waiters.pop(rid, None)
+                self.stats.retransmits += 1
+                self._send(item, tries + 1)
+        self._arm()
+
+    def on_message(self, msg: Message) -> None:
+        item = self.rid_item.get(msg.req_id)
+        if item is None or self.future.done():
+            return
+        rid, sent, _due, tries = self.outstanding[item]
+        try:
+            verdict = self.accept(item, msg)
+        except Exception as exc:  # a fatal answer (not found, refused, inconsistent)
+            self.future.set_exception(exc)
+            return
+        if verdict == IGNORE:
+            return
+        del self.rid_item[rid]
+        self.client._waiters.pop(rid, None)
+        if verdict == RETRY_BYPASS:
+            self._send(item, tries, Flag.NO_CACHE)
+            return
+        if tries == 1:  # Karn: only unambiguous samples
+            self.client.rtt.sample(time.monotonic() - sent)
+        del self.outstanding[item]
+        self.left -= 1
+        if not self.left:
+            self.future.set_result(None)
+        else:
+            self._fill()
+
+
+class _Endpoint(asyncio.DatagramProtocol):
+    def __init__(self, client: KVClient):
+        self.client = client
+
+    def datagram_received(self, data, addr):
+        try:
+            msg = Message.decode(data)
+        except ProtocolError:
+            self.client.malformed += 1
+            return
+        waiter = self.client._waiters.get(msg.req_id)
+        if waiter is not None:
+            waiter.on_message(msg)
+
+
+class KVClient:
+    """Put and get whole blocks. Use as ``async with KVClient(pools) as c: ...``."""
+
+    def __init__(self, pools: Sequence[str | tuple[str, int]], chunk_size: int = DEFAULT_CHUNK,
+                 window: int = DEFAULT_WINDOW, deadline: float = 30.0, bind: str = "0.0.0.0"):
+        if not 1 <= chunk_size <= MAX_PAYLOAD:
+            raise ValueError(f"chunk size must be 1..{MAX_PAYLOAD} bytes")
+        if window < 1:
+            raise ValueError("window must be at least 1")
+        self.pools = [parse_addr(p) if isinstance(p, str) else tuple(p) for p in pools]
+        if not self.pools:
+            raise ValueError("no pool nodes configured")
+        self.chunk_size, self.window, self.deadline, self.bind = chunk_size, window, deadline, bind
+        self.rtt = _RttEstimator()
+        self.malformed = 0
+        self._waiters: dict[int, _Transfer] = {}
+        self._rids = itertools.count(random.getrandbits(31))
+        self._transport = None
+
+    async def __aenter__(self) -> KVClient:
+        loop = asyncio.get_running_loop()
+        self._transport, _ = await loop.create_datagram_endpoint(
+            lambda: _Endpoint(self), local_addr=(self.bind, 0))
+        grow_buffers(self._transport.get_extra_info("socket"))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._transport.close()
+
+    def _next_rid(self) -> int:
+        return next(self._rids) & 0xFFFFFFFF
+
+    def pool_for(self, ns: int, key: bytes) -> tuple[str, int]:
+        return pool_for(self.pools, ns, key)
+
+    async def put_block(self, ns: int, key: bytes, data: bytes) -> TransferStats:
+        """Store a whole block on its pool node; returns when every chunk is acknowledged."""
+        if not data:
+            raise ValueError("a block must not be empty")
+        cs = self.chunk_size
+        chunks = [data[i:i + cs] for i in range(0, len(data), cs)]
+        stats = TransferStats(chunks=len(chunks), bytes=len(data))
+
+        def build(i: int, rid: int, flags: int) -> bytes:
+            return Message(Op.PUT, ns, key, i, len(chunks), rid, flags,
+                           payload=chunks[i]).encode()
+
+        def accept(i: int, msg: Message) -> str:
+            if msg.op == Op.ERROR:
+                raise Refused(msg.status, f"PUT of chunk {i}")
+            return DONE if msg.op == Op.PUT_ACK and msg.chunk == i else IGNORE
+
+        await self._transfer(ns, key, range(len(chunks)), build, accept, stats)
+        return stats
+
+    async def get_block(self, ns: int, key: bytes, nchunks: int | None = None,
+                        no_cache: bool = False) -> tuple[bytes, TransferStats]:
+        """Fetch a whole block, byte-exact. ``nchunks`` (if known) saves a first round trip."""
+        stats = TransferStats()
+        parts: dict[int, bytes] = {}
+        known = {"n": nchunks}
+        room, base_flags = self.chunk_size, Flag.NO_CACHE if no_cache else 0
+
+        def build(i: int, rid: int, flags: int) -> bytes:
+            return Message(Op.GET, ns, key, i, 0, rid, base_flags | flags, room=room).encode()
+
+        def accept(i: int, msg: Message) -> str:
+            if msg.op == Op.NACK:
+                raise BlockNotFound(f"block {key.hex()} in namespace {ns}: "
+                                    f"{Status(msg.status).name}")
+            if msg.op == Op.ERROR:
+                raise Refused(msg.status, f"GET of chunk {i}")
+            if msg.op != Op.GET_REPLY or msg.ns != ns or msg.key != key or msg.chunk != i:
+                return IGNORE
+            if not msg.checksum_ok():
+                stats.checksum_errors += 1
+                return RETRY_BYPASS
+            if known["n"] is None:
+                known["n"] = msg.nchunks
+            elif msg.nchunks != known["n"]:
+                raise ProtocolError(f"chunk {i} says the block has {msg.nchunks} chunks, "
+                                    f"not {known['n']}")
+            parts[i] = msg.payload
+            if msg.flags & Flag.REPLICA:
+                stats.replicas += 1
+            elif msg.flags & Flag.FROM_SWITCH:
+                stats.from_switch += 1
+            else:
+                stats.from_pool += 1
+            return DONE
+
+        start = time.monotonic()
+        if known["n"] is None:
+            await self._transfer(ns, key, [0], build, accept, stats, timed=False)
+        await self._transfer(ns, key, [i for i in range(known["n"]) if i not in parts],
+                             build, accept, stats, timed=False)
+        stats.seconds = time.monotonic() - start
+        data = b"".join(parts[i] for i in range(known["n"]))
+        stats.chunks, stats.bytes = known["n"], len(data)
+        return data, stats
+
+    async def _transfer(self, ns, key, items, build, accept, stats, timed=True) -> None:
+        start = time.monotonic()
+        await _Transfer(self, self.pool_for(ns, key), list(items), build, accept, stats,
+                        self.deadline).run()
+        if timed:
+            stats.seconds = time.monotonic() - start

@@ -1,0 +1,127 @@
+"""The KV block protocol v1 codec: one message per UDP datagram, a 48-byte header then payload.
+
+The constants (port, magic, ops, flags, status codes) are read from ``xdp/kvproto.h``, the one
+definition shared with the data plane; the header's field order below is checked against that
+header's ``struct kvhdr`` through BCC by the test suite. docs/protocol.md documents the format.
+"""
+from __future__ import annotations
+
+import re
+import struct
+import zlib
+from dataclasses import dataclass, replace
+from enum import IntEnum, IntFlag
+from pathlib import Path
+
+HEADER_FILE = Path(__file__).resolve().parents[1] / "xdp" / "kvproto.h"
+
+
+def read_constants(path: Path = HEADER_FILE) -> dict[str, int]:
+    """Every ``#define KV_<NAME> <integer>`` of the C header, by name."""
+    text = path.read_text()
+    pattern = re.compile(r"^#define\s+(KV_\w+)\s+(0x[0-9a-fA-F]+|\d+)\b", re.M)
+    return {name: int(value, 0) for name, value in pattern.findall(text)}
+
+
+CONSTANTS = read_constants()
+PORT = CONSTANTS["KV_UDP_PORT"]
+MAGIC = CONSTANTS["KV_MAGIC"]
+VERSION = CONSTANTS["KV_VERSION"]
+HEADER_LEN = CONSTANTS["KV_HDR_LEN"]
+MAX_PAYLOAD = CONSTANTS["KV_MAX_PAYLOAD"]
+KEY_LEN = 16
+
+
+def _enum_from(prefix: str, base: type) -> type:
+    members = {n[len(prefix):]: v for n, v in CONSTANTS.items() if n.startswith(prefix)}
+    return base(prefix.strip("_").title().replace("_", ""), members)
+
+
+Op: type[IntEnum] = _enum_from("KV_OP_", IntEnum)
+Flag: type[IntFlag] = _enum_from("KV_F_", IntFlag)
+Status: type[IntEnum] = _enum_from("KV_ST_", IntEnum)
+
+# struct kvhdr, in order: magic version op flags status ns req_id key chunk nchunks len reserved csum
+HEADER = struct.Struct("!HBBHHII16sIIHHI")
+FIELDS = ("magic", "version", "op", "flags", "status", "ns", "req_id", "key", "chunk",
+          "nchunks", "len", "reserved", "csum")
+assert HEADER.size == HEADER_LEN, "struct kvhdr and the codec disagree on the header size"
+
+
+class ProtocolError(ValueError):
+    """A datagram that is not a valid v1 message; ``status`` is the code to answer with."""
+
+    def __init__(self, reason: str, status: int = Status.BAD_REQUEST):
+        super().__init__(reason)
+        self.status = status
+
+
+def checksum(payload: bytes) -> int:
+    """The payload checksum carried in every message: CRC-32 (IEEE 802.3, as zlib.crc32)."""
+    return zlib.crc32(payload) & 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Message:
+    """One protocol message. A GET carries ``room`` zeroed bytes instead of a payload."""
+
+    op: int
+    ns: int
+    key: bytes
+    chunk: int = 0
+    nchunks: int = 0
+    req_id: int = 0
+    flags: int = 0
+    status: int = 0
+    payload: bytes = b""
+    room: int = 0
+    csum: int | None = None  # None: computed from the payload when encoded
+
+    def encode(self) -> bytes:
+        if len(self.key) != KEY_LEN:
+            raise ValueError(f"block key must be {KEY_LEN} bytes, got {len(self.key)}")
+        if self.op == Op.GET:
+            if self.payload:
+                raise ValueError("a GET carries room, not payload")
+            length, body, csum = self.room, bytes(self.room), 0
+        else:
+            length, body = len(self.payload), self.payload
+            csum = checksum(body) if self.csum is None else self.csum
+        if length > MAX_PAYLOAD:
+            raise ValueError(f"payload of {length} bytes exceeds the {MAX_PAYLOAD}-byte maximum")
+        head = HEADER.pack(MAGIC, VERSION, self.op, self.flags, self.status, self.ns,
+                           self.req_id, self.key, self.chunk, self.nchunks, length, 0, csum)
+        return head + body
+
+    @classmethod
+    def decode(cls, data: bytes) -> Message:
+        if len(data) < HEADER_LEN:
+            raise ProtocolError(f"datagram of {len(data)} bytes is shorter than the header")
+        (magic, version, op, flags, status, ns, req_id, key, chunk, nchunks, length, reserved,
+         csum) = HEADER.unpack_from(data)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic 0x{magic:04x}")
+        if version != VERSION:
+            raise ProtocolError(f"version {version} is not spoken here", Status.BAD_VERSION)
+        if reserved:
+            raise ProtocolError("reserved field is not zero")
+        if op not in Op._value2member_map_:
+            raise ProtocolError(f"unknown op {op}")
+        if length != len(data) - HEADER_LEN:
+            raise ProtocolError(f"header says {length} payload bytes, datagram has "
+                                f"{len(data) - HEADER_LEN}")
+        if length > MAX_PAYLOAD:
+            raise ProtocolError(f"payload of {length} bytes is too large", Status.TOO_LARGE)
+        if op == Op.GET:
+            return cls(Op(op), ns, key, chunk, nchunks, req_id, flags, status, b"", length, 0)
+        return cls(Op(op), ns, key, chunk, nchunks, req_id, flags, status,
+                   bytes(data[HEADER_LEN:]), 0, csum)
+
+    def checksum_ok(self) -> bool:
+        return self.csum == checksum(self.payload)
+
+    def answer(self, op: int, **changes) -> Message:
+        """A reply to this request: same namespace, key, chunk and request id."""
+        base = dict(op=op, flags=0, status=0, payload=b"", room=0, csum=None)
+        base.update(changes)
+        return replace(self, **base)

@@ -1,0 +1,1 @@
+"""switchd: the control plane of the in-network KV-cache switch (loader, maps, policy, CLI)."""

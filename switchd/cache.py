@@ -1,0 +1,135 @@
+"""Cache entries and the admit set, edited from userspace: put/get/ls/evict/flush chunks in
+kv_cache, admit/unadmit blocks in kv_admit (whose passing pool replies the data plane learns).
+Keys and values are the ctypes types BCC built from xdp/kvproto.h."""
+from __future__ import annotations
+
+import ctypes
+import time
+from dataclasses import dataclass
+
+from hostagent.protocol import CONSTANTS, KEY_LEN, checksum
+
+from .dataplane import DataPlane, SwitchError
+
+FILLED = CONSTANTS["KV_CF_FILLED"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    ns: int
+    key: bytes
+    chunk: int
+    len: int
+    nchunks: int
+    csum: int
+    hits: int
+    filled: bool
+
+    def as_dict(self) -> dict:
+        return {"ns": self.ns, "key": self.key.hex(), "chunk": self.chunk, "len": self.len,
+                "nchunks": self.nchunks, "csum": self.csum, "hits": self.hits,
+                "source": "filled" if self.filled else "put"}
+
+
+def parse_key(text: str) -> bytes:
+    """A block key given as 32 hex digits."""
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise SwitchError(f"block key {text!r} is not hex") from None
+    if len(key) != KEY_LEN:
+        raise SwitchError(f"block key must be {KEY_LEN} bytes (32 hex digits), got {len(key)}")
+    return key
+
+
+def _set_bytes(field, data: bytes) -> None:
+    ctypes.memmove(ctypes.addressof(field), data, len(data))
+
+
+class Cache:
+    def __init__(self, dp: DataPlane):
+        self.dp = dp
+        self.table, self.admit_table = dp.cache, dp.admit
+        self.chunk_size = dp.deployment.chunk_size
+
+    def _chunk_key(self, ns: int, key: bytes, chunk: int):
+        k = self.table.Key()
+        k.ns, k.chunk = ns, chunk
+        _set_bytes(k.key, key)
+        return k
+
+    def _block_key(self, ns: int, key: bytes):
+        k = self.admit_table.Key()
+        k.ns = ns
+        _set_bytes(k.key, key)
+        return k
+
+    def put(self, ns: int, key: bytes, chunk: int, payload: bytes, nchunks: int = 1) -> None:
+        if not 1 <= len(payload) <= self.chunk_size:
+            raise SwitchError(f"chunk payload must be 1..{self.chunk_size} bytes, "
+                              f"got {len(payload)}")
+        if not 0 <= chunk < nchunks:
+            raise SwitchError(f"chunk {chunk} is outside a {nchunks}-chunk block")
+        v = self.table.Leaf()
+        v.len, v.csum, v.nchunks = len(payload), checksum(payload), nchunks
+        _set_bytes(v.data, payload)
+        try:
+            self.table[self._chunk_key(ns, key, chunk)] = v
+        except Exception as exc:
+            raise SwitchError(f"cache full or map error: {exc}") from None
+
+    def put_block(self, ns: int, key: bytes, data: bytes) -> int:
+        """Put every chunk of a block (as the host agent would cut it); returns chunks put."""
+        cs = self.chunk_size
+        chunks = [data[i:i + cs] for i in range(0, len(data), cs)]
+        for i, payload in enumerate(chunks):
+            self.put(ns, key, i, payload, len(chunks))
+        return len(chunks)
+
+    def get(self, ns: int, key: bytes, chunk: int) -> tuple[Entry, bytes] | None:
+        k = self._chunk_key(ns, key, chunk)
+        try:
+            v = self.table[k]
+        except KeyError:
+            return None
+        return self._entry(k, v), bytes(v.data[:v.len])
+
+    @staticmethod
+    def _entry(k, v) -> Entry:
+        return Entry(k.ns, bytes(k.key), k.chunk, v.len, v.nchunks, v.csum, v.hits,
+                     bool(v.flags & FILLED))
+
+    def entries(self, ns: int | None = None) -> list[Entry]:
+        out = [self._entry(k, v) for k, v in self.table.items()]
+        return sorted((e for e in out if ns is None or e.ns == ns),
+                      key=lambda e: (e.ns, e.key, e.chunk))
+
+    def evict(self, ns: int, key: bytes, chunk: int | None = None) -> int:
+        """Remove one chunk, or (chunk=None) every chunk of the block; returns chunks removed."""
+        if chunk is not None:
+            return self._delete(self.table, self._chunk_key(ns, key, chunk))
+        return sum(self._delete(self.table, self._chunk_key(e.ns, e.key, e.chunk))
+                   for e in self.entries(ns) if e.key == key)
+
+    def flush(self, ns: int | None = None) -> int:
+        return sum(self._delete(self.table, self._chunk_key(e.ns, e.key, e.chunk))
+                   for e in self.entries(ns))
+
+    @staticmethod
+    def _delete(table, k) -> int:
+        try:
+            del table[k]
+            return 1
+        except KeyError:
+            return 0
+
+    def admit(self, ns: int, key: bytes, ttl: float | None = None) -> None:
+        v = self.admit_table.Leaf()
+        v.expires_ns = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(ttl * 1e9) if ttl else 0
+        self.admit_table[self._block_key(ns, key)] = v
+
+    def unadmit(self, ns: int, key: bytes) -> bool:
+        return bool(self._delete(self.admit_table, self._block_key(ns, key)))
+
+    def admitted(self) -> list[tuple[int, bytes]]:
+        return sorted((k.ns, bytes(k.key)) for k in self.admit_table.keys())

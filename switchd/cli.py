@@ -1,0 +1,244 @@
+"""The `switchd` command line: run the switch daemon, read its counters, edit its cache by hand.
+
+Every command accepts --netns (act inside that network namespace) and --pin-dir (where the maps
+are pinned). Errors the user can fix print one line and exit non-zero.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import click
+
+from . import netns
+from .cache import Cache, parse_key
+from .dataplane import (DEFAULT_PIN_DIR, DataPlane, Deployment, SwitchError, detach_port,
+                        pinned_deployment, preflight)
+
+
+class Context:
+    def __init__(self, netns_name: str | None, pin_dir: str):
+        self.netns, self.pin_dir = netns_name, pin_dir
+
+    def enter(self) -> None:
+        preflight(self.pin_dir)
+        if self.netns:
+            if not netns.exists(self.netns):
+                raise SwitchError(f"no network namespace named {self.netns!r}")
+            netns.enter(self.netns)
+
+    def maps(self) -> DataPlane:
+        """The pinned maps of a running (or crashed) switch."""
+        self.enter()
+        return DataPlane(pinned_deployment(self.pin_dir), programs=False)
+
+
+pass_ctx = click.make_pass_decorator(Context)
+
+
+class SwitchdGroup(click.Group):
+    """Turns SwitchError into one line on stderr and exit status 1."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except SwitchError as exc:
+            click.echo(f"switchd: error: {exc}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=SwitchdGroup)
+@click.option("--netns", "netns_name", metavar="NAME", help="Network namespace of the ports.")
+@click.option("--pin-dir", default=DEFAULT_PIN_DIR, show_default=True,
+              help="bpffs directory holding the switch's maps.")
+@click.pass_context
+def main(ctx, netns_name, pin_dir):
+    """In-network KV-cache switch: XDP data plane control daemon."""
+    ctx.obj = Context(netns_name, pin_dir.rstrip("/"))
+
+
+def _load_config(path: str | None) -> dict:
+    if not path:
+        return {}
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SwitchError(f"cannot read config {path}: {exc}") from None
+
+
+@main.command()
+@click.option("--port", "ports", multiple=True, metavar="IF", help="Switch port (repeatable).")
+@click.option("--pool-port", "pool_ports", multiple=True, metavar="IF",
+              help="Port facing a pool node; only its replies are learned (repeatable).")
+@click.option("--config", type=click.Path(dir_okay=False), help="TOML file with the same keys.")
+@click.option("--chunk-size", type=int, help="Chunk payload bytes (default 1024).")
+@click.option("--cache-entries", type=int, help="Chunks the cache holds (default 65536).")
+@click.option("--mode", type=click.Choice(["native", "generic"]), default="native",
+              show_default=True, help="XDP attach mode.")
+@pass_ctx
+def run(obj: Context, ports, pool_ports, config, chunk_size, cache_entries, mode):
+    """Load the data plane, attach it to the ports, and run until SIGINT/SIGTERM."""
+    from .daemon import Daemon
+    cfg = _load_config(config)
+    ports = list(ports) or list(cfg.get("ports", []))
+    pool_ports = list(pool_ports) or list(cfg.get("pool_ports", []))
+    for p in pool_ports:
+        if p not in ports:
+            ports.append(p)
+    if not ports:
+        raise SwitchError("no ports: give --port IF (repeatable) or a --config with 'ports'")
+    dep = Deployment(chunk_size or cfg.get("chunk_size", 1024),
+                     cache_entries or cfg.get("cache_entries", 65536), obj.pin_dir)
+    obj.enter()
+    Daemon(dep, ports, pool_ports, mode).run()
+
+
+def _render_counters(counters: dict[str, int], dep: Deployment, used: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    table = Table(title=f"switch counters (cache {used}/{dep.cache_entries} chunks of "
+                        f"{dep.chunk_size} B)")
+    table.add_column("counter")
+    table.add_column("value", justify="right")
+    for name, value in counters.items():
+        table.add_row(name, f"{value:,}")
+    Console().print(table)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--watch", type=float, metavar="SECS", help="Refresh every SECS seconds.")
+@pass_ctx
+def stats(obj: Context, as_json, watch):
+    """Counters of the running switch, read from its pinned maps."""
+    dp = obj.maps()
+    while True:
+        counters = dp.counters()
+        used = len(dp.cache)
+        if as_json:
+            click.echo(json.dumps({"counters": counters, "cache_entries": used,
+                                   "cache_capacity": dp.deployment.cache_entries,
+                                   "chunk_size": dp.deployment.chunk_size}))
+        else:
+            _render_counters(counters, dp.deployment, used)
+        if not watch:
+            return
+        time.sleep(watch)
+
+
+@main.command()
+@click.option("--port", "ports", multiple=True, required=True, metavar="IF")
+@pass_ctx
+def detach(obj: Context, ports):
+    """Remove the XDP program from ports (after a crash, say)."""
+    obj.enter()
+    for p in ports:
+        detach_port(p)
+        click.echo(f"detached {p}")
+
+
+@main.command()
+@pass_ctx
+def reset(obj: Context):
+    """Remove the pinned maps (the cache and counters are lost)."""
+    import shutil
+    obj.enter()
+    shutil.rmtree(obj.pin_dir, ignore_errors=True)
+    click.echo(f"removed {obj.pin_dir}")
+
+
+# ---- cache ----------------------------------------------------------------------------------
+ns_opt = click.option("--ns", type=click.IntRange(0, 0xFFFFFFFF), required=True,
+                      help="Namespace id.")
+key_opt = click.option("--key", required=True, help="Block key, 32 hex digits.")
+
+
+@main.group()
+def cache():
+    """Inspect and edit cache entries and the admit set by hand."""
+
+
+@cache.command("put")
+@ns_opt
+@key_opt
+@click.option("--chunk", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--nchunks", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--file", "path", type=click.File("rb"), required=True,
+              help="Payload of the chunk ('-' for stdin).")
+@pass_ctx
+def cache_put(obj, ns, key, chunk, nchunks, path):
+    """Put one chunk into the switch cache."""
+    Cache(obj.maps()).put(ns, parse_key(key), chunk, path.read(), nchunks)
+    click.echo(f"put ns={ns} key={key} chunk={chunk}")
+
+
+@cache.command("get")
+@ns_opt
+@key_opt
+@click.option("--chunk", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--out", type=click.File("wb"), help="Write the payload here.")
+@pass_ctx
+def cache_get(obj, ns, key, chunk, out):
+    """Show one cached chunk."""
+    got = Cache(obj.maps()).get(ns, parse_key(key), chunk)
+    if got is None:
+        raise SwitchError(f"chunk {chunk} of block {key} (ns {ns}) is not cached")
+    entry, payload = got
+    if out:
+        out.write(payload)
+    click.echo(json.dumps(entry.as_dict()))
+
+
+@cache.command("ls")
+@click.option("--ns", type=click.IntRange(0, 0xFFFFFFFF), help="Only this namespace.")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def cache_ls(obj, ns, as_json):
+    """List cached chunks."""
+    c = Cache(obj.maps())
+    entries = c.entries(ns)
+    if as_json:
+        click.echo(json.dumps({"entries": [e.as_dict() for e in entries],
+                               "admitted": [{"ns": n, "key": k.hex()} for n, k in c.admitted()]}))
+        return
+    for e in entries:
+        click.echo(f"ns={e.ns} key={e.key.hex()} chunk={e.chunk}/{e.nchunks} len={e.len} "
+                   f"hits={e.hits} {'filled' if e.filled else 'put'}")
+    click.echo(f"{len(entries)} chunk(s)")
+
+
+@cache.command("evict")
+@ns_opt
+@key_opt
+@click.option("--chunk", type=click.IntRange(0), help="Only this chunk (default: whole block).")
+@pass_ctx
+def cache_evict(obj, ns, key, chunk):
+    """Remove a block's chunks (and its admission) from the switch."""
+    c = Cache(obj.maps())
+    n = c.evict(ns, parse_key(key), chunk)
+    if chunk is None:
+        c.unadmit(ns, parse_key(key))
+    click.echo(f"evicted {n} chunk(s)")
+
+
+@cache.command("flush")
+@click.option("--ns", type=click.IntRange(0, 0xFFFFFFFF), help="Only this namespace.")
+@pass_ctx
+def cache_flush(obj, ns):
+    """Remove every cached chunk (of one namespace)."""
+    click.echo(f"flushed {Cache(obj.maps()).flush(ns)} chunk(s)")
+
+
+@cache.command("admit")
+@ns_opt
+@key_opt
+@click.option("--ttl", type=click.FloatRange(min=0, min_open=True),
+              help="Seconds (default: until evicted).")
+@pass_ctx
+def cache_admit(obj, ns, key, ttl):
+    """Admit a block: the switch keeps its chunks as pool replies pass."""
+    Cache(obj.maps()).admit(ns, parse_key(key), ttl)
+    click.echo(f"admitted ns={ns} key={key}")

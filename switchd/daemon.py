@@ -1,0 +1,41 @@
+"""The switch daemon's lifetime: attach the data plane to the ports, mark pool-node ports, stay
+up until SIGINT/SIGTERM, then detach cleanly. The maps stay pinned, so a restarted daemon (even
+after SIGKILL, when nothing is detached) carries on with the same cache and counters."""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+from hostagent.protocol import CONSTANTS
+
+from .dataplane import DataPlane, Deployment
+
+log = logging.getLogger("switchd")
+
+
+class Daemon:
+    def __init__(self, deployment: Deployment, ports: list[str], pool_ports: list[str],
+                 mode: str = "native"):
+        self.deployment, self.ports, self.pool_ports, self.mode = (
+            deployment, ports, pool_ports, mode)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        dp = DataPlane(self.deployment)
+        for port in self.ports:
+            role = "KV_ROLE_POOL" if port in self.pool_ports else "KV_ROLE_HOST"
+            dp.set_port_role(port, CONSTANTS[role])
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self.stop.set())
+        try:
+            for port in self.ports:
+                dp.attach(port, self.mode)
+            print(f"switchd: serving on {','.join(self.ports)} ({self.mode} XDP), pool ports "
+                  f"{','.join(self.pool_ports) or 'none'}, maps in {self.deployment.pin_dir}",
+                  flush=True)
+            while not self.stop.wait(1.0):
+                pass
+        finally:
+            dp.detach_all()
+            print("switchd: detached", flush=True)

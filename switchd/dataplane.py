@@ -1,0 +1,158 @@
+"""The switch's data plane as userspace sees it: compiles xdp/kvswitch.c with BCC for one
+deployment (chunk size, cache entries, pin directory), attaches it to switch ports, and opens the
+BPF maps whose layouts BCC reads from xdp/kvproto.h. This module and the maps are the only
+meeting point of data plane and control plane."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from hostagent.protocol import CONSTANTS, MAX_PAYLOAD
+
+from . import libbpf
+
+XDP_DIR = Path(__file__).resolve().parents[1] / "xdp"
+DEFAULT_PIN_DIR = "/sys/fs/bpf/kvswitch"
+XDP_FLAGS = {"native": 1 << 2, "generic": 1 << 1}
+CACHE_VAL_HEADER = 32  # bytes of struct kv_cache_val before data[]
+STAT_NAMES = {v: n[len("KV_STAT_"):].lower() for n, v in CONSTANTS.items()
+              if n.startswith("KV_STAT_") and n != "KV_STAT_MAX"}
+MAP_NAMES = ("kv_cache", "kv_admit", "kv_ports", "kv_stats")
+
+
+class SwitchError(Exception):
+    """A problem the user can fix; its message is one line that says how."""
+
+
+@dataclass(frozen=True)
+class Deployment:
+    chunk_size: int = 1024
+    cache_entries: int = 65536
+    pin_dir: str | None = DEFAULT_PIN_DIR
+
+    def __post_init__(self):
+        if not 8 <= self.chunk_size <= MAX_PAYLOAD or self.chunk_size % 8:
+            raise SwitchError(f"chunk size must be a multiple of 8 between 8 and {MAX_PAYLOAD}")
+        if not 1 <= self.cache_entries <= 1 << 24:
+            raise SwitchError("cache entries must be between 1 and 16777216")
+
+    def cflags(self) -> list[str]:
+        flags = [f"-I{XDP_DIR}", f"-DKV_CHUNK_MAX={self.chunk_size}",
+                 f"-DKV_CACHE_ENTRIES={self.cache_entries}"]
+        if self.pin_dir:
+            flags.append(f'-DKV_PIN_DIR="{self.pin_dir}"')
+        return flags
+
+
+def _import_bcc():
+    try:
+        import bcc
+    except ImportError:
+        raise SwitchError("BCC is not importable: install Debian's python3-bpfcc and run from "
+                          "/usr/bin/python3 or a venv made with --system-site-packages "
+                          "('make setup' does both)") from None
+    return bcc
+
+
+def _bpffs_mounts() -> list[str]:
+    with open("/proc/self/mounts") as f:
+        return [line.split()[1] for line in f if line.split()[2] == "bpf"]
+
+
+def preflight(pin_dir: str | None) -> None:
+    """Fail early, with one clear line, on what would otherwise be a BCC traceback."""
+    if os.geteuid() != 0:
+        raise SwitchError("must run as root: loading XDP programs and pinning maps need "
+                          "CAP_BPF and CAP_NET_ADMIN")
+    build = Path("/lib/modules") / os.uname().release / "build"
+    if not (build / "include").exists():
+        raise SwitchError(f"no kernel headers at {build}: install linux-headers-amd64 and link "
+                          "them there ('make setup' does it)")
+    if pin_dir and not any(pin_dir == m or pin_dir.startswith(m.rstrip("/") + "/")
+                           for m in _bpffs_mounts()):
+        raise SwitchError(f"{pin_dir} is not on a bpf filesystem: mount one with "
+                          "'mount -t bpf bpf /sys/fs/bpf'")
+    _import_bcc()
+
+
+def pinned_deployment(pin_dir: str) -> Deployment:
+    """The deployment the maps pinned in ``pin_dir`` were made for."""
+    path = os.path.join(pin_dir, "kv_cache")
+    if not os.path.exists(path):
+        raise SwitchError(f"no switch maps pinned in {pin_dir}: is 'switchd run' started "
+                          "(with the same --pin-dir / --netns)?")
+    info = libbpf.map_info(path)
+    return Deployment(info.value_size - CACHE_VAL_HEADER, info.max_entries, pin_dir)
+
+
+def ifindex(name: str) -> int:
+    try:
+        return socket.if_nametoindex(name)
+    except OSError:
+        raise SwitchError(f"no interface named {name!r} in this network namespace") from None
+
+
+def detach_port(ifname: str, flags: int = XDP_FLAGS["native"]) -> None:
+    """Remove whatever XDP program is attached to ``ifname`` in that mode."""
+    ifindex(ifname)
+    _import_bcc().BPF.remove_xdp(ifname.encode(), flags)
+
+
+class DataPlane:
+    """The compiled programs and their maps. ``programs=False`` opens just the maps (pinned ones
+    when the deployment has a pin directory), for tools that only read or edit them."""
+
+    def __init__(self, deployment: Deployment, programs: bool = True):
+        bcc = _import_bcc()
+        self.bcc, self.deployment = bcc, deployment
+        if deployment.pin_dir:
+            os.makedirs(deployment.pin_dir, exist_ok=True)
+            self._check_pins_match(deployment)
+        src = XDP_DIR / ("kvswitch.c" if programs else "kvmaps.h")
+        try:
+            if programs:
+                self.bpf = bcc.BPF(src_file=str(src).encode(), cflags=deployment.cflags())
+            else:
+                self.bpf = bcc.BPF(text=b'#include "kvmaps.h"\n', cflags=deployment.cflags())
+        except Exception as exc:
+            raise SwitchError(f"compiling {src.name} failed: {exc}") from None
+        self.ingress = self.bpf.load_func(b"kv_ingress", bcc.BPF.XDP) if programs else None
+        self.cache, self.admit, self.ports, self.stats = (
+            self.bpf.get_table(n.encode()) for n in MAP_NAMES)
+        self.attached: dict[str, int] = {}
+
+    @staticmethod
+    def _check_pins_match(dep: Deployment) -> None:
+        if os.path.exists(os.path.join(dep.pin_dir, "kv_cache")):
+            pinned = pinned_deployment(dep.pin_dir)
+            if (pinned.chunk_size, pinned.cache_entries) != (dep.chunk_size, dep.cache_entries):
+                raise SwitchError(
+                    f"maps pinned in {dep.pin_dir} hold {pinned.cache_entries} chunks of "
+                    f"{pinned.chunk_size} bytes; start with those settings or remove the pins "
+                    f"('switchd reset')")
+
+    def attach(self, ifname: str, mode: str = "native") -> None:
+        ifindex(ifname)
+        try:
+            self.bcc.BPF.attach_xdp(ifname.encode(), self.ingress, XDP_FLAGS[mode])
+        except Exception as exc:
+            raise SwitchError(f"attaching to {ifname} ({mode} mode) failed: {exc}") from None
+        self.attached[ifname] = XDP_FLAGS[mode]
+
+    def detach(self, ifname: str) -> None:
+        detach_port(ifname, self.attached.pop(ifname, XDP_FLAGS["native"]))
+
+    def detach_all(self) -> None:
+        for name in list(self.attached):
+            self.detach(name)
+
+    def set_port_role(self, ifname: str, role: int) -> None:
+        key = self.ports.Key(ifindex(ifname))
+        self.ports[key] = self.ports.Leaf(role=role)
+
+    def counters(self) -> dict[str, int]:
+        """Per-CPU counters summed, by name."""
+        return {name: int(self.stats.sum(self.stats.Key(idx)).value)
+                for idx, name in sorted(STAT_NAMES.items())}

@@ -1,0 +1,1 @@
+"""testbed: veth/namespace topologies, traffic, demos, benchmarks and trace replay."""

@@ -1,0 +1,198 @@
+"""veth/network-namespace testbeds: a switch namespace whose Linux bridge joins one veth port per
+node, inference-node namespaces (h1, h2, ...) and pool-node namespaces (p1, ...).
+
+Every object a testbed makes is named from its prefix: namespaces ``<prefix>-sw``,
+``<prefix>-h<i>``, ``<prefix>-p<j>`` and the pin directory ``/sys/fs/bpf/kvswitch-<prefix>``, so
+``down`` finds and removes all of it (and any processes left in it), also after a crash.
+Addresses come from 198.18.0.0/24, the range RFC 2544 sets aside for benchmark networks.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from switchd import netns
+
+SUBNET = "198.18.0"
+BRIDGE = "br0"
+PASS_PROG_MODE = 1 << 2  # native
+
+
+class TestbedError(RuntimeError):
+    pass
+
+
+def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(argv, capture_output=True, text=True)
+    if check and r.returncode:
+        raise TestbedError(f"{' '.join(argv)}: {r.stderr.strip() or r.stdout.strip()}")
+    return r
+
+
+def ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    return sh(*(["ip", "-n", ns] if ns else ["ip"]), *args, check=check)
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str          # h1, p1: also the name of its switch port
+    netns: str
+    ip: str
+    role: str          # "host" or "pool"
+
+
+@dataclass
+class Topology:
+    prefix: str = "kv"
+    hosts: int = 2
+    pools: int = 1
+    mtu: int = 1500
+    nodes: list[Node] = field(init=False)
+
+    def __post_init__(self):
+        if not (1 <= self.hosts <= 99 and 1 <= self.pools <= 99):
+            raise TestbedError("a testbed has 1..99 hosts and 1..99 pool nodes")
+        if not 1 <= len(self.prefix) <= 8 or not self.prefix.replace("-", "").isalnum():
+            raise TestbedError("testbed name must be 1-8 letters, digits or '-'")
+        self.nodes = ([Node(f"h{i}", f"{self.prefix}-h{i}", f"{SUBNET}.{i}", "host")
+                       for i in range(1, self.hosts + 1)] +
+                      [Node(f"p{j}", f"{self.prefix}-p{j}", f"{SUBNET}.{100 + j}", "pool")
+                       for j in range(1, self.pools + 1)])
+
+    # ---- names ---------------------------------------------------------------------------
+    @property
+    def switch_ns(self) -> str:
+        return f"{self.prefix}-sw"
+
+    @property
+    def pin_dir(self) -> str:
+        return f"/sys/fs/bpf/kvswitch-{self.prefix}"
+
+    def node(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
+
+    @property
+    def host_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.role == "host"]
+
+    @property
+    def pool_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.role == "pool"]
+
+    @property
+    def ports(self) -> list[str]:
+        return [n.name for n in self.nodes]
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def up(self) -> Topology:
+        """Build the topology from scratch (removing leftovers of the same name first)."""
+        down(self.prefix)
+        try:
+            self._build()
+        except BaseException:
+            down(self.prefix)
+            raise
+        return self
+
+    def _build(self) -> None:
+        sw = self.switch_ns
+        ip("netns", "add", sw)
+        _quiet_namespace(sw)
+        ip("link", "add", BRIDGE, "type", "bridge", ns=sw)
+        ip("link", "set", BRIDGE, "up", ns=sw)
+        for n in self.nodes:
+            ip("netns", "add", n.netns)
+            _quiet_namespace(n.netns)
+            ip("link", "add", n.name, "type", "veth", "peer", "name", "eth0", "netns", n.netns,
+               ns=sw)
+            ip("link", "set", n.name, "mtu", str(self.mtu), "master", BRIDGE, "up", ns=sw)
+            ip("link", "set", "eth0", "mtu", str(self.mtu), "up", ns=n.netns)
+            ip("link", "set", "lo", "up", ns=n.netns)
+            ip("addr", "add", f"{n.ip}/24", "dev", "eth0", ns=n.netns)
+        attach_pass_programs([n.netns for n in self.nodes])
+
+    def down(self) -> None:
+        down(self.prefix)
+
+    def __enter__(self) -> Topology:
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    # ---- running things in nodes ---------------------------------------------------------
+    def exec_argv(self, node: str, argv: list[str]) -> list[str]:
+        ns = self.switch_ns if node == "sw" else self.node(node).netns
+        return ["ip", "netns", "exec", ns, *argv]
+
+    def popen(self, node: str, argv: list[str], **kw) -> subprocess.Popen:
+        return subprocess.Popen(self.exec_argv(node, argv), **kw)
+
+    def run(self, node: str, argv: list[str], timeout: float = 120,
+            check: bool = True) -> subprocess.CompletedProcess:
+        r = subprocess.run(self.exec_argv(node, argv), capture_output=True, text=True,
+                           timeout=timeout)
+        if check and r.returncode:
+            raise TestbedError(f"{node}: {' '.join(argv)} exited {r.returncode}: "
+                               f"{r.stderr.strip()[-800:]}")
+        return r
+
+
+def _quiet_namespace(ns: str) -> None:
+    """No IPv6 (router solicitations and DAD would add frames to every count)."""
+    sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1",
+       "net.ipv6.conf.default.disable_ipv6=1")
+
+
+def attach_pass_programs(namespaces: list[str], ifname: str = "eth0") -> None:
+    """The XDP_PASS program on each node's veth end: frames the switch sends with XDP_TX (or
+    redirects) are dropped by a veth whose peer has no XDP program."""
+    from switchd.dataplane import XDP_DIR, _import_bcc
+    bcc = _import_bcc()
+    bpf = bcc.BPF(src_file=str(XDP_DIR / "pass.c").encode())
+    fn = bpf.load_func(b"xdp_pass", bcc.BPF.XDP)
+    for ns in namespaces:
+        with netns.inside(ns):
+            bcc.BPF.attach_xdp(ifname.encode(), fn, PASS_PROG_MODE)
+
+
+def namespaces_of(prefix: str) -> list[str]:
+    r = sh("ip", "netns", "list", check=False)
+    names = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
+    return [n for n in names if n.startswith(f"{prefix}-")]
+
+
+def down(prefix: str) -> list[str]:
+    """Remove every namespace of testbed ``prefix``, the processes in them and its pins."""
+    removed = namespaces_of(prefix)
+    for ns in removed:
+        _kill_processes(ns)
+    for ns in removed:
+        ip("netns", "del", ns, check=False)
+    shutil.rmtree(f"/sys/fs/bpf/kvswitch-{prefix}", ignore_errors=True)
+    return removed
+
+
+def _kill_processes(ns: str) -> None:
+    pids = [int(p) for p in sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+    pids = [p for p in pids if p != os.getpid()]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 3
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if os.path.exists(f"/proc/{p}")]
+            time.sleep(0.05)
+
+
+def python_argv(module: str, *args: str) -> list[str]:
+    """Run one of our console programs with this interpreter (works without the venv on PATH)."""
+    return [sys.executable, "-m", module, *args]

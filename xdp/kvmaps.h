@@ -1,0 +1,24 @@
+/* kvmaps.h - the switch's BPF maps (layouts in kvproto.h). Compiled with -DKV_PIN_DIR="..."
+ * every map is pinned there, so a restarted switchd (or `switchd stats`) finds the same maps;
+ * without it (unit tests) the maps are private to the loaded object. */
+#ifndef KVMAPS_H
+#define KVMAPS_H
+
+#include "kvproto.h"
+
+#ifdef KV_PIN_DIR
+#define KV_MAP(type, k, v, name, n) BPF_TABLE_PINNED(type, k, v, name, n, KV_PIN_DIR "/" #name)
+#else
+#define KV_MAP(type, k, v, name, n) BPF_TABLE(type, k, v, name, n)
+#endif
+
+/* chunk cache: (ns, chunk, key) -> payload; switchd evicts by deleting */
+KV_MAP("hash", struct kv_cache_key, struct kv_cache_val, kv_cache, KV_CACHE_ENTRIES);
+/* admit set: blocks whose passing pool replies are copied into kv_cache */
+KV_MAP("hash", struct kv_block_key, struct kv_admit_val, kv_admit, KV_ADMIT_ENTRIES);
+/* port roles by ifindex; a port without an entry is an inference-node port */
+KV_MAP("hash", __u32, struct kv_port_cfg, kv_ports, KV_PORT_ENTRIES);
+/* per-CPU counters, KV_STAT_* */
+KV_MAP("percpu_array", __u32, __u64, kv_stats, KV_STAT_MAX);
+
+#endif /* KVMAPS_H */

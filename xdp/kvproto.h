@@ -1,0 +1,130 @@
+/* kvproto.h - the one definition of the KV block protocol (v1) wire format and of the switch's
+ * BPF map layouts. The XDP programs include it; the Python side reads the #define constants from
+ * this file and the struct layouts through BCC, so there is no hand-kept twin. docs/protocol.md
+ * explains every field.
+ *
+ * Constants are plain `#define KV_<NAME> <integer>` lines so tools can read them; keep it that way.
+ */
+#ifndef KVPROTO_H
+#define KVPROTO_H
+
+#include <linux/types.h>
+
+/* ---- wire format ------------------------------------------------------------------------- */
+#define KV_UDP_PORT 19286          /* 0x4B56, "KV": servers listen here */
+#define KV_MAGIC 19286             /* 0x4B56 */
+#define KV_VERSION 1
+#define KV_HDR_LEN 48              /* sizeof(struct kvhdr) */
+
+/* ops */
+#define KV_OP_GET 1                /* request one chunk; carries `len` zeroed bytes of room */
+#define KV_OP_GET_REPLY 2          /* one chunk of payload */
+#define KV_OP_PUT 3                /* store one chunk of a block */
+#define KV_OP_PUT_ACK 4            /* chunk stored (status tells if the block is complete) */
+#define KV_OP_NACK 5               /* the block or chunk is not there (status says why) */
+#define KV_OP_ERROR 6              /* the request was refused (status says why) */
+
+/* flags (bit set) */
+#define KV_F_FROM_SWITCH 1         /* reply written by the switch's data plane */
+#define KV_F_NO_CACHE 2            /* GET: do not serve from (and do not hold at) the switch */
+#define KV_F_REPLICA 4             /* reply is a switch-made copy for a coalesced waiter */
+#define KV_F_BLOCK_DONE 8          /* PUT_ACK: every chunk of the block is now stored */
+
+/* status codes (0 in every successful message) */
+#define KV_ST_OK 0
+#define KV_ST_NOT_FOUND 1          /* NACK: no such block */
+#define KV_ST_BAD_REQUEST 2        /* ERROR: malformed or inconsistent header */
+#define KV_ST_NO_SPACE 3           /* ERROR: the pool node cannot hold the block */
+#define KV_ST_CHECKSUM 4           /* ERROR: PUT payload does not match its checksum */
+#define KV_ST_BAD_VERSION 5        /* ERROR: version not spoken here */
+#define KV_ST_TOO_LARGE 6          /* ERROR: chunk larger than the node accepts */
+#define KV_ST_INCOMPLETE 7         /* NACK: the block exists but not all chunks are stored */
+
+/* All multi-byte fields are big-endian (network order). 48 bytes, naturally aligned. */
+struct kvhdr {
+    __be16 magic;                  /* KV_MAGIC */
+    __u8   version;                /* KV_VERSION */
+    __u8   op;                     /* KV_OP_* */
+    __be16 flags;                  /* KV_F_* */
+    __be16 status;                 /* KV_ST_* */
+    __be32 ns;                     /* namespace (tenant / model version); part of every key */
+    __be32 req_id;                 /* chosen by the requester, echoed in the reply */
+    __u8   key[16];                /* 128-bit block key (chained prefix hash) */
+    __be32 chunk;                  /* chunk index within the block */
+    __be32 nchunks;                /* chunks in the block (0 in a GET: unknown to the asker) */
+    __be16 len;                    /* payload bytes after the header (GET: bytes of room) */
+    __be16 reserved;               /* must be 0 */
+    __be32 csum;                   /* CRC-32 (IEEE) of the payload; 0 in a GET */
+};
+
+/* Largest payload of any frame: veth XDP without multi-buffer stops at a 3520-byte MTU,
+ * minus IPv4 (20), UDP (8) and kvhdr (48). */
+#define KV_MAX_PAYLOAD 3444
+
+/* ---- switch map layouts -------------------------------------------------------------------- */
+/* Chunk payload a cache entry holds: the deployment's chunk size, set at compile time. */
+#ifndef KV_CHUNK_MAX
+#define KV_CHUNK_MAX 1024
+#endif
+#ifndef KV_CACHE_ENTRIES
+#define KV_CACHE_ENTRIES 65536
+#endif
+#define KV_ADMIT_ENTRIES 65536
+#define KV_PORT_ENTRIES 256
+
+struct kv_block_key {              /* a block: key of the admit set */
+    __u32 ns;                      /* host order */
+    __u8  key[16];                 /* as on the wire */
+};
+
+struct kv_cache_key {              /* a chunk: key of the cache */
+    __u32 ns;                      /* host order */
+    __u32 chunk;                   /* host order */
+    __u8  key[16];                 /* as on the wire */
+};
+
+struct kv_cache_val {
+    __u16 len;                     /* payload bytes held, 1..KV_CHUNK_MAX */
+    __u16 flags;                   /* KV_CF_* */
+    __u32 csum;                    /* CRC-32 of data[0..len), as carried on the wire */
+    __u32 nchunks;                 /* chunks in the block */
+    __u32 reserved;
+    __u64 hits;                    /* GETs answered from this entry (data plane adds) */
+    __u64 last_hit_ns;             /* bpf_ktime_get_ns() of the last hit */
+    __u8  data[KV_CHUNK_MAX];
+};
+#define KV_CF_FILLED 1             /* learned from a passing pool reply (else put by switchd) */
+
+struct kv_admit_val {              /* admit set: replies for these blocks are cached as they pass */
+    __u64 expires_ns;              /* 0: until removed */
+    __u32 flags;
+    __u32 reserved;
+};
+
+#define KV_ROLE_HOST 0             /* inference node port: its replies are never learned */
+#define KV_ROLE_POOL 1             /* pool (storage) node port: its replies may fill the cache */
+struct kv_port_cfg {
+    __u32 role;                    /* KV_ROLE_* */
+    __u32 reserved;
+};
+
+/* per-CPU counters, indexes into kv_stats */
+#define KV_STAT_PACKETS 0          /* frames seen */
+#define KV_STAT_NON_KV 1           /* not KV protocol: passed untouched */
+#define KV_STAT_MALFORMED 2        /* KV port but invalid: passed untouched, never answered */
+#define KV_STAT_GET_HIT 3          /* GET answered by the switch */
+#define KV_STAT_GET_MISS 4         /* GET forwarded to the pool node */
+#define KV_STAT_HIT_BYTES 5        /* payload bytes served by the switch */
+#define KV_STAT_FILL 6             /* chunks learned from passing replies */
+#define KV_STAT_FILL_FAIL 7        /* admitted reply that could not be stored (cache full) */
+#define KV_STAT_NO_ROOM 8          /* hit whose request carried too little room: forwarded */
+#define KV_STAT_OTHER_KV 9         /* other KV messages (PUT, ACK, ...) forwarded */
+#define KV_STAT_FORGED 10          /* reply for an admitted block from a non-pool port: not learned */
+#define KV_STAT_XDP_ABORTED 11     /* verdict counters: KV_STAT_XDP_ABORTED + XDP_* verdict */
+#define KV_STAT_XDP_DROP 12
+#define KV_STAT_XDP_PASS 13
+#define KV_STAT_XDP_TX 14
+#define KV_STAT_XDP_REDIRECT 15
+#define KV_STAT_MAX 16
+
+#endif /* KVPROTO_H */
