@@ -78,7 +78,7 @@ def map_info(path: str) -> MapInfo:
         os.close(fd)
 
 
-def test_run(prog_fd: int, frame: bytes, *, ifindex: int = 0, repeat: int = 1,
+def xdp_test_run(prog_fd: int, frame: bytes, *, ifindex: int = 0, repeat: int = 1,
              out_room: int = 4096) -> tuple[int, bytes]:
     """Run an XDP program once on ``frame``; returns (verdict, frame as the program left it)."""
     data_in = ctypes.create_string_buffer(frame, len(frame))

@@ -1,0 +1,30 @@
+"""Test tiers: pure Python (no marker), `bpf` (XDP programs on crafted frames through
+BPF_PROG_TEST_RUN) and `e2e` (a veth/namespace testbed with real traffic). The bpf and e2e tiers
+never skip: when something they need is missing they fail and say what to install."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+
+def _missing_for_kernel_tiers() -> str | None:
+    if os.geteuid() != 0:
+        return "the bpf and e2e tiers must run as root (sudo make test)"
+    try:
+        from switchd.dataplane import SwitchError, preflight
+        preflight(None)
+    except SwitchError as exc:
+        return f"{exc}"
+    if not shutil.which("ip"):
+        return "iproute2 is missing: apt-get install iproute2 (or run 'make setup')"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _kernel_tier_requirements(request):
+    if request.node.get_closest_marker("bpf") or request.node.get_closest_marker("e2e"):
+        problem = _missing_for_kernel_tiers()
+        if problem:
+            pytest.fail(f"cannot run this tier: {problem}", pytrace=False)

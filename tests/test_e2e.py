@@ -1,0 +1,134 @@
+"""End to end on a veth testbed in namespaces this module creates and always removes: blocks put
+and fetched through the switch with real UDP, ordinary traffic through the switch with the
+program attached, switchd's lifecycle and its command-line errors."""
+import os
+import random
+import re
+import subprocess
+
+import pytest
+
+from testbed.lab import Lab
+from testbed.topology import namespaces_of, python_argv
+
+pytestmark = pytest.mark.e2e
+
+NS = 1
+
+
+@pytest.fixture(scope="module")
+def lab():
+    prefix = f"t{os.getpid() % 100000}"
+    try:
+        with Lab(prefix, hosts=2, pools=1) as running:
+            yield running
+    finally:
+        assert not namespaces_of(prefix), "testbed left namespaces behind"
+
+
+def test_put_miss_admit_hit_byte_exact(lab):
+    key, block = os.urandom(16), random.Random(1).randbytes(100 * 1024 + 17)
+    assert lab.put("h1", NS, key, block)["chunks"] == 101
+
+    first, data = lab.get("h1", NS, key)
+    assert data == block and first["from_pool"] == 101 and first["from_switch"] == 0
+
+    lab.switchd("cache", "admit", "--ns", str(NS), "--key", key.hex())
+    before = lab.stats()
+    learn, data = lab.get("h2", NS, key)          # misses, learned as the replies pass
+    assert data == block and learn["from_pool"] == 101
+    hit, data = lab.get("h1", NS, key)            # every chunk from the switch
+    assert data == block and hit["from_switch"] == 101 and hit["from_pool"] == 0
+    after = lab.stats()
+    assert after["fill"] - before["fill"] == 101
+    assert after["get_hit"] - before["get_hit"] == 101
+    assert after["malformed"] == 0
+
+    ls = lab.switchd("cache", "ls", "--ns", str(NS)).stdout
+    assert f"key={key.hex()} chunk=0/101 len=1024" in ls
+
+    # another namespace with the same key never sees it
+    with pytest.raises(Exception, match="NOT_FOUND"):
+        lab.get("h2", NS + 1, key)
+
+    # evicting the block sends the next fetch back to the pool node
+    assert "evicted 101" in lab.switchd("cache", "evict", "--ns", str(NS),
+                                        "--key", key.hex()).stdout
+    again, data = lab.get("h2", NS, key)
+    assert data == block and again["from_pool"] == 101
+
+
+TCP_SERVER = """
+import hashlib, socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 5201)); s.listen(1); print("listening", flush=True)
+c, _ = s.accept(); h = hashlib.sha256()
+while (b := c.recv(1 << 16)): h.update(b)
+c.sendall(h.hexdigest().encode()); c.close()
+"""
+
+TCP_CLIENT = """
+import hashlib, random, socket, sys
+data = random.Random(7).randbytes(8 << 20)
+c = socket.create_connection((sys.argv[1], 5201), timeout=20); c.sendall(data)
+c.shutdown(socket.SHUT_WR); got = c.recv(64).decode()
+print("ok" if got == hashlib.sha256(data).hexdigest() else "mismatch " + got)
+"""
+
+
+def test_ordinary_traffic_crosses_the_switch(lab):
+    pool_ip = lab.pool_addrs[0]
+    assert " 0% packet loss" in lab.topo.run("h2", ["ping", "-c", "3", "-i", "0.2",
+                                                   pool_ip]).stdout
+    server = lab.topo.popen("p1", ["python3", "-c", TCP_SERVER], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert server.stdout.readline().strip() == "listening"
+        r = lab.topo.run("h1", ["python3", "-c", TCP_CLIENT, pool_ip], timeout=60)
+        assert r.stdout.strip() == "ok"
+    finally:
+        server.kill()
+        server.wait()
+    assert lab.stats()["non_kv"] > 100
+
+
+def test_restart_keeps_the_cache_and_sigterm_detaches(lab):
+    key, block = os.urandom(16), os.urandom(20 * 1024)
+    lab.put("h1", NS, key, block)
+    lab.switchd("cache", "admit", "--ns", str(NS), "--key", key.hex())
+    lab.get("h1", NS, key)
+    assert lab.stop_switch() == 0
+    links = subprocess.run(["ip", "-n", lab.topo.switch_ns, "link", "show"],
+                           capture_output=True, text=True).stdout
+    assert "xdp" not in links, "SIGTERM must detach the program from every port"
+    miss, data = lab.get("h2", NS, key)            # no program: the bridge forwards to the pool
+    assert data == block and miss["from_pool"] == 20
+    lab.start_switch()
+    hit, data = lab.get("h2", NS, key)             # the pinned cache survived the restart
+    assert data == block and hit["from_switch"] == 20
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--port", "nosuchif"], "no interface named 'nosuchif'"),
+    (["run"], "no ports"),
+    (["run", "--port", "h1", "--chunk-size", "1000000"], "chunk size must be"),
+    (["cache", "get", "--ns", "1", "--key", "zz"], "is not hex"),
+    (["cache", "get", "--ns", "1", "--key", "00" * 16], "is not cached"),
+])
+def test_switchd_errors_are_one_clear_line(lab, args, message):
+    r = lab.switchd(*args, check=False)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("switchd: error:") and message in lines[0]
+
+
+def test_switchd_environment_errors(tmp_path):
+    r = subprocess.run(python_argv("switchd", "--pin-dir", str(tmp_path), "stats"),
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "is not on a bpf filesystem" in r.stderr
+    r = subprocess.run(python_argv("switchd", "--netns", "no-such-ns", "stats"),
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "no network namespace named 'no-such-ns'" in r.stderr
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        *python_argv("switchd", "stats")], capture_output=True, text=True)
+    assert r.returncode == 1 and re.search(r"must run as root", r.stderr), r.stderr

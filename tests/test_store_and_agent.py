@@ -1,0 +1,139 @@
+"""The pool node's store, and the client against a real server over loopback UDP: whole blocks
+byte-exact, missing blocks, refused PUTs, and recovery from lost datagrams."""
+import asyncio
+import os
+
+import pytest
+
+from hostagent.client import BlockNotFound, KVClient, pool_for, parse_addr
+from hostagent.protocol import Status, checksum
+from hostagent.server import PoolServer
+from hostagent.store import BlockStore, StoreError
+
+KEY = bytes(range(16))
+
+
+def test_store_put_get_and_incomplete():
+    s = BlockStore(1 << 20)
+    assert not s.put_chunk(1, KEY, 0, 2, b"ab", checksum(b"ab"))
+    with pytest.raises(StoreError) as e:
+        s.get_chunk(1, KEY, 0)
+    assert e.value.status == Status.INCOMPLETE
+    assert s.put_chunk(1, KEY, 1, 2, b"c", checksum(b"c"))
+    assert s.get_chunk(1, KEY, 1) == (b"c", checksum(b"c"), 2)
+    with pytest.raises(StoreError) as e:
+        s.get_chunk(2, KEY, 0)  # another namespace never sees it
+    assert e.value.status == Status.NOT_FOUND
+
+
+def test_store_refuses_bad_checksums_and_rewrites():
+    s = BlockStore(1 << 20)
+    with pytest.raises(StoreError) as e:
+        s.put_chunk(1, KEY, 0, 1, b"ab", checksum(b"ab") ^ 1)
+    assert e.value.status == Status.CHECKSUM
+    s.put_chunk(1, KEY, 0, 1, b"ab", checksum(b"ab"))
+    assert s.put_chunk(1, KEY, 0, 1, b"ab", checksum(b"ab"))  # retransmission is fine
+    with pytest.raises(StoreError):
+        s.put_chunk(1, KEY, 0, 1, b"xy", checksum(b"xy"))     # immutable
+
+
+def test_store_evicts_least_recently_used_complete_blocks():
+    s = BlockStore(10)
+    for i in range(3):
+        s.put_chunk(1, bytes([i]) * 16, 0, 1, b"x" * 4, checksum(b"x" * 4))
+    assert s.used <= 10 and s.evicted_blocks == 1
+    with pytest.raises(StoreError):
+        s.get_chunk(1, bytes([0]) * 16, 0)
+    with pytest.raises(StoreError) as e:
+        s.put_chunk(1, KEY, 0, 1, b"y" * 11, checksum(b"y" * 11))
+    assert e.value.status == Status.NO_SPACE
+
+
+def test_pool_for_is_stable_and_spreads():
+    pools = [("198.18.0.101", 1), ("198.18.0.102", 1), ("198.18.0.103", 1)]
+    owners = {pool_for(pools, 1, os.urandom(16)) for _ in range(200)}
+    assert owners == set(pools)
+    assert pool_for(pools, 1, KEY) == pool_for(list(reversed(pools)), 1, KEY)
+    assert parse_addr("1.2.3.4") == ("1.2.3.4", 19286)
+    with pytest.raises(ValueError):
+        parse_addr("1.2.3.4:99999")
+
+
+class LossyServer(PoolServer):
+    """Drops every 7th datagram it receives and every 5th it would send."""
+
+    def __init__(self, store):
+        super().__init__(store)
+        self.rx = self.tx = 0
+
+    def datagram_received(self, data, addr):
+        self.rx += 1
+        if self.rx % 7 == 0:
+            return
+        super().datagram_received(data, addr)
+
+    def handle(self, msg):
+        reply = super().handle(msg)
+        self.tx += 1
+        return None if self.tx % 5 == 0 else reply
+
+
+async def _with_server(factory, body):
+    loop = asyncio.get_running_loop()
+    transport, proto = await loop.create_datagram_endpoint(
+        lambda: factory(BlockStore(64 << 20)), local_addr=("127.0.0.1", 0))
+    try:
+        return await body(transport.get_extra_info("sockname"), proto)
+    finally:
+        transport.close()
+
+
+@pytest.mark.parametrize("factory", [PoolServer, LossyServer])
+def test_blocks_round_trip_byte_exact(factory):
+    data = os.urandom(300_000)
+
+    async def body(addr, proto):
+        async with KVClient([addr], chunk_size=1024, window=32, deadline=20) as c:
+            put = await c.put_block(3, KEY, data)
+            got, stats = await c.get_block(3, KEY)
+            return put, got, stats
+
+    put, got, stats = asyncio.run(_with_server(factory, body))
+    assert got == data
+    assert stats.chunks == put.chunks == 293 and stats.from_pool == 293
+    if factory is LossyServer:
+        assert put.retransmits > 0 and stats.retransmits > 0
+    else:
+        assert put.retransmits == 0 and stats.retransmits == 0
+
+
+def test_missing_block_is_reported_not_retried():
+    async def body(addr, proto):
+        async with KVClient([addr], deadline=5) as c:
+            with pytest.raises(BlockNotFound):
+                await c.get_block(1, KEY)
+
+    asyncio.run(_with_server(PoolServer, body))
+
+
+def test_server_answers_garbage_with_error_or_silence():
+    async def body(addr, proto):
+        from hostagent.protocol import Message, Op
+        loop = asyncio.get_running_loop()
+        got = asyncio.Queue()
+
+        class Peer(asyncio.DatagramProtocol):
+            def datagram_received(self, data, a):
+                got.put_nowait(data)
+
+        t, _ = await loop.create_datagram_endpoint(Peer, remote_addr=addr)
+        t.sendto(b"not a kv message at all, though long enough for a header......")
+        good = Message(Op.GET, 1, KEY, req_id=9, room=16).encode()
+        t.sendto(good[:2] + b"\x09" + good[3:])                   # version 9
+        reply = Message.decode(await asyncio.wait_for(got.get(), 2))
+        t.close()
+        return reply, proto.counters["malformed"]
+
+    reply, malformed = asyncio.run(_with_server(PoolServer, body))
+    assert reply.status == Status.BAD_VERSION and reply.req_id == 9
+    assert malformed == 2

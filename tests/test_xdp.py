@@ -1,0 +1,213 @@
+"""The switch's XDP program on crafted frames through BPF_PROG_TEST_RUN: exact replies for hits,
+untouched frames for everything else, learning only what it should. No interface needed."""
+import os
+import socket
+import zlib
+
+import pytest
+from scapy.layers.inet import IP, TCP, UDP
+from scapy.layers.inet6 import IPv6
+from scapy.layers.l2 import ARP, Dot1Q, Ether
+from scapy.packet import Raw
+
+from hostagent.protocol import PORT, Flag, Op
+from switchd.cache import Cache
+from switchd.dataplane import DataPlane, Deployment
+from switchd import netns
+from switchd.libbpf import xdp_test_run
+from testbed.topology import ip
+from testbed.kvscapy import KV
+
+pytestmark = pytest.mark.bpf
+
+XDP_DROP, XDP_PASS, XDP_TX = 1, 2, 3
+HOST_MAC, POOL_MAC = "02:00:00:00:00:01", "02:00:00:00:00:65"
+HOST_IP, POOL_IP = "198.18.0.1", "198.18.0.101"
+KEY = bytes.fromhex("00112233445566778899aabbccddeeff")
+PAYLOAD = bytes((i * 7) & 0xFF for i in range(700))
+PORTS = {}  # "host"/"pool" -> ifindex of a veth end in the test's own namespace
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ports_namespace():
+    """Frames are run as if received on real ports: a veth pair in a namespace of our own."""
+    name = f"kvbpf{os.getpid()}"
+    ip("netns", "add", name)
+    try:
+        ip("link", "add", "hostport", "type", "veth", "peer", "name", "poolport", ns=name)
+        with netns.inside(name):
+            PORTS.update(host=socket.if_nametoindex("hostport"),
+                         pool=socket.if_nametoindex("poolport"))
+            yield
+    finally:
+        ip("netns", "del", name, check=False)
+
+
+@pytest.fixture(scope="module")
+def dp(ports_namespace):
+    dp = DataPlane(Deployment(chunk_size=1024, cache_entries=4096, pin_dir=None))
+    dp.ports[dp.ports.Key(PORTS["pool"])] = dp.ports.Leaf(role=1)
+    return dp
+
+
+@pytest.fixture
+def cache(dp):
+    c = Cache(dp)
+    c.flush()
+    for k in list(dp.admit.keys()):
+        del dp.admit[k]
+    return c
+
+
+def get_frame(key=KEY, chunk=3, room=1024, ns=5, kvflags=0, req_id=0xABCD, **ip):
+    return (Ether(src=HOST_MAC, dst=POOL_MAC) /
+            IP(src=HOST_IP, dst=POOL_IP, id=77, **ip) /
+            UDP(sport=40000, dport=PORT) /
+            KV(op=Op.GET, ns=ns, req_id=req_id, key=key, chunk=chunk, flags=kvflags) /
+            Raw(bytes(room)))
+
+
+def reply_frame(payload=PAYLOAD, key=KEY, chunk=3, ns=5, flags=0):
+    return (Ether(src=POOL_MAC, dst=HOST_MAC) / IP(src=POOL_IP, dst=HOST_IP) /
+            UDP(sport=PORT, dport=40000) /
+            KV(op=Op.GET_REPLY, ns=ns, key=key, chunk=chunk, nchunks=9, flags=flags) /
+            Raw(payload))
+
+
+def run(dp, frame, port="host"):
+    return xdp_test_run(dp.ingress.fd, bytes(frame), ifindex=PORTS[port])
+
+
+def test_hit_becomes_the_exact_reply(dp, cache):
+    cache.put(5, KEY, 3, PAYLOAD, nchunks=9)
+    before = dp.counters()
+    verdict, out = run(dp, get_frame())
+    assert verdict == XDP_TX
+    expected = (Ether(src=POOL_MAC, dst=HOST_MAC) /
+                IP(src=POOL_IP, dst=HOST_IP, id=77, ttl=64) /
+                UDP(sport=PORT, dport=40000, chksum=0) /
+                KV(op=Op.GET_REPLY, ns=5, req_id=0xABCD, key=KEY, chunk=3, nchunks=9,
+                   flags=Flag.FROM_SWITCH, csum=zlib.crc32(PAYLOAD)) /
+                Raw(PAYLOAD))
+    assert out == bytes(expected)
+    after = dp.counters()
+    assert after["get_hit"] - before["get_hit"] == 1
+    assert after["hit_bytes"] - before["hit_bytes"] == len(PAYLOAD)
+    assert after["xdp_tx"] - before["xdp_tx"] == 1
+    entry, _ = cache.get(5, KEY, 3)
+    assert entry.hits == 1
+
+
+def test_hit_with_exactly_enough_room(dp, cache):
+    cache.put(5, KEY, 3, PAYLOAD, nchunks=9)
+    verdict, out = run(dp, get_frame(room=len(PAYLOAD)))
+    assert verdict == XDP_TX and Ether(out)[Raw].load == PAYLOAD
+
+
+def test_miss_passes_unchanged(dp, cache):
+    frame = bytes(get_frame())
+    before = dp.counters()
+    assert run(dp, frame) == (XDP_PASS, frame)
+    assert dp.counters()["get_miss"] - before["get_miss"] == 1
+
+
+@pytest.mark.parametrize("what", ["other ns", "other chunk", "other key"])
+def test_near_misses_are_misses(dp, cache, what):
+    cache.put(5, KEY, 3, PAYLOAD, nchunks=9)
+    frame = bytes({"other ns": get_frame(ns=6), "other chunk": get_frame(chunk=4),
+                   "other key": get_frame(key=KEY[:-1] + b"\x00")}[what])
+    assert run(dp, frame) == (XDP_PASS, frame)
+
+
+def test_too_little_room_or_no_cache_flag_is_forwarded(dp, cache):
+    cache.put(5, KEY, 3, PAYLOAD, nchunks=9)
+    for frame in (bytes(get_frame(room=len(PAYLOAD) - 1)),
+                  bytes(get_frame(kvflags=Flag.NO_CACHE))):
+        assert run(dp, frame) == (XDP_PASS, frame)
+
+
+def _malformed_frames():
+    good = get_frame()
+    raw = bytes(good)
+    kv_off = 14 + 20 + 8
+
+    def patch(offset, value):
+        return raw[:offset] + value + raw[offset + len(value):]
+
+    yield "truncated in kv header", raw[:kv_off + 20]
+    yield "truncated in udp header", raw[:14 + 20 + 4]
+    yield "truncated in ip header", raw[:14 + 10]
+    yield "truncated room", raw[:-100]
+    yield "bad magic", patch(kv_off, b"\x4b\x57")
+    yield "bad version", patch(kv_off + 2, b"\x02")
+    yield "reserved set", patch(kv_off + 42, b"\x00\x01")
+    yield "kv len too long", patch(kv_off + 40, (1025).to_bytes(2, "big"))
+    yield "kv len too short", patch(kv_off + 40, (1023).to_bytes(2, "big"))
+    yield "ip len beyond frame", bytes(get_frame(len=20 + 8 + 48 + 1024 + 10))
+    yield "udp len lies", patch(14 + 20 + 4, (100).to_bytes(2, "big"))
+    yield "bad ip checksum", patch(14 + 10, b"\x00\x00")
+    yield "wrong port", patch(14 + 20 + 2, (PORT + 1).to_bytes(2, "big"))
+    yield "ip options", bytes(Ether(src=HOST_MAC, dst=POOL_MAC) /
+                              IP(src=HOST_IP, dst=POOL_IP, options=b"\x01\x01\x01\x01") /
+                              good[UDP])
+    yield "fragment (more fragments)", bytes(get_frame(flags="MF"))
+    yield "fragment (offset)", bytes(get_frame(frag=8))
+    yield "vlan tagged", bytes(Ether(src=HOST_MAC, dst=POOL_MAC) / Dot1Q(vlan=7) / good[IP])
+    yield "ipv6", bytes(Ether(src=HOST_MAC, dst=POOL_MAC) /
+                        IPv6(src="2001:db8::1", dst="2001:db8::2") / good[UDP])
+    yield "tcp to kv port", bytes(Ether() / IP(src=HOST_IP, dst=POOL_IP) /
+                                  TCP(dport=PORT) / Raw(raw[kv_off:]))
+
+
+@pytest.mark.parametrize("name, frame", list(_malformed_frames()),
+                         ids=[n for n, _ in _malformed_frames()])
+def test_malformed_or_foreign_frames_are_never_answered(dp, cache, name, frame):
+    cache.put(5, KEY, 3, PAYLOAD, nchunks=9)
+    entries = cache.entries()
+    verdict, out = run(dp, frame)
+    assert verdict == XDP_PASS, name
+    assert out == frame, f"{name}: frame was altered"
+    assert cache.entries() == entries, f"{name}: cache changed"
+
+
+def test_non_kv_traffic_is_untouched(dp, cache):
+    before = dp.counters()
+    for frame in (bytes(Ether() / ARP(pdst=POOL_IP)),
+                  bytes(Ether() / IP(src=HOST_IP, dst=POOL_IP) / TCP(dport=5201) / Raw(b"x" * 99)),
+                  bytes(Ether() / IP() / UDP(dport=53) / Raw(b"q"))):
+        assert run(dp, frame) == (XDP_PASS, frame)
+    assert dp.counters()["non_kv"] - before["non_kv"] == 3
+
+
+def test_admitted_reply_from_pool_port_is_learned_and_passed(dp, cache):
+    cache.admit(5, KEY)
+    frame = bytes(reply_frame())
+    assert run(dp, frame, port="pool") == (XDP_PASS, frame)
+    entry, payload = cache.get(5, KEY, 3)
+    assert payload == PAYLOAD and entry.csum == zlib.crc32(PAYLOAD)
+    assert entry.nchunks == 9 and entry.filled
+    # and the next GET for it is a hit carrying exactly those bytes
+    verdict, out = run(dp, get_frame())
+    assert verdict == XDP_TX and Ether(out)[Raw].load == PAYLOAD
+
+
+@pytest.mark.parametrize("case", ["not admitted", "host port", "switch-made", "error status"])
+def test_replies_that_must_not_be_learned(dp, cache, case):
+    if case != "not admitted":
+        cache.admit(5, KEY)
+    frame = reply_frame(flags=Flag.FROM_SWITCH if case == "switch-made" else 0)
+    if case == "error status":
+        frame[KV].status = 1
+    before = dp.counters()
+    raw = bytes(frame)
+    assert run(dp, raw, port="host" if case == "host port" else "pool") == (XDP_PASS, raw)
+    assert cache.get(5, KEY, 3) is None
+    if case == "host port":
+        assert dp.counters()["forged"] - before["forged"] == 1
+
+
+def test_reply_larger_than_a_cache_entry_is_not_learned(dp, cache):
+    cache.admit(5, KEY)
+    raw = bytes(reply_frame(payload=bytes(1100)))
+    assert run(dp, raw, port="pool") == (XDP_PASS, raw)
+    assert cache.get(5, KEY, 3) is None
