@@ -9,7 +9,9 @@ import hashlib
 import json
 import logging
 import re
+import signal
 import sys
+import time
 
 import click
 
@@ -89,17 +91,30 @@ def main(verbose):
 @click.option("--port", type=click.IntRange(1, 65535), default=PORT, show_default=True)
 @click.option("--capacity", type=SizeType(), default="1GiB", show_default=True,
               help="Bytes of block payload this node holds.")
-def serve(bind, port, capacity):
+@click.option("--stats-file", type=click.Path(dir_okay=False),
+              help="Write the request counters here as JSON on SIGUSR1 and on exit.")
+def serve(bind, port, capacity, stats_file):
     """Run a pool (storage) node until interrupted."""
     if capacity <= 0:
         raise click.BadParameter("capacity must be positive", param_hint="--capacity")
 
     async def go():
-        ready = asyncio.Event()
-        task = asyncio.create_task(serve_forever(bind, port, capacity, ready))
+        ready, stop = asyncio.Event(), asyncio.Event()
+        server = {}
+        task = asyncio.create_task(serve_forever(bind, port, capacity, ready, stop, server))
         await ready.wait()
+        loop = asyncio.get_running_loop()
+
+        def dump():
+            if stats_file:
+                with open(stats_file, "w") as f:
+                    json.dump(dict(server["protocol"].counters), f)
+
+        loop.add_signal_handler(signal.SIGUSR1, dump)
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
         click.echo(f"hostagent: pool node ready on {bind}:{port}", err=True)
         await task
+        dump()
 
     try:
         asyncio.run(go())
@@ -139,13 +154,17 @@ def put(pools, ns, key, path, chunk_size, window, deadline):
 @key_opt
 @click.option("--out", type=click.File("wb"), help="Write the block here.")
 @click.option("--no-cache", is_flag=True, help="Bypass the switch cache.")
+@click.option("--start-at", type=float, metavar="UNIXTIME",
+              help="Wait until this wall-clock time before asking (to start many readers at once).")
 @chunk_opt
 @window_opt
 @deadline_opt
-def get(pools, ns, key, out, no_cache, chunk_size, window, deadline):
+def get(pools, ns, key, out, no_cache, start_at, chunk_size, window, deadline):
     """Fetch a whole block, byte-exact; prints where its chunks came from."""
     async def go():
         async with kvclient.KVClient(_pools(pools), chunk_size, window, deadline) as c:
+            if start_at:
+                await asyncio.sleep(max(0.0, start_at - time.time()))
             return await c.get_block(ns, _key(key), no_cache=no_cache)
 
     data, stats = _run(go())

@@ -150,19 +150,17 @@ class _Transfer:
                 f"{self.left} chunk(s) still missing from {self.addr[0]}:{self.addr[1]} "
                 f"after {self.stats.retransmits} retransmissions"))
             return
-        for item, (rid, _sent, due, tries) in list(self.outstanding.items()):
-            if now >= due:
-                self.rid_item.pop(rid, None)
-                self.client._waiters.pop(rid, None)
+        for item, (_rid, _sent, due, tries) in list(self.outstanding.items()):
+            if now >= due:  # earlier request ids stay valid: a late answer to one still counts
                 self.stats.retransmits += 1
                 self._send(item, tries + 1)
         self._arm()
 
     def on_message(self, msg: Message) -> None:
         item = self.rid_item.get(msg.req_id)
-        if item is None or self.future.done():
+        if item is None or item not in self.outstanding or self.future.done():
             return
-        rid, sent, _due, tries = self.outstanding[item]
+        _rid, sent, _due, tries = self.outstanding[item]
         try:
             verdict = self.accept(item, msg)
         except Exception as exc:  # a fatal answer (not found, refused, inconsistent)
@@ -170,8 +168,6 @@ class _Transfer:
             return
         if verdict == IGNORE:
             return
-        del self.rid_item[rid]
-        self.client._waiters.pop(rid, None)
         if verdict == RETRY_BYPASS:
             self._send(item, tries, Flag.NO_CACHE)
             return

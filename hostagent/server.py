@@ -65,13 +65,16 @@ class PoolServer(asyncio.DatagramProtocol):
 
 
 async def serve(host: str, port: int, capacity_bytes: int,
-                ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
-    """Serve until ``stop`` is set (or forever)."""
+                ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
+                handle: dict | None = None) -> None:
+    """Serve until ``stop`` is set (or forever). ``handle['protocol']`` gets the PoolServer."""
     loop = asyncio.get_running_loop()
     store = BlockStore(capacity_bytes)
     transport, proto = await loop.create_datagram_endpoint(
         lambda: PoolServer(store), local_addr=(host, port))
     grow_buffers(transport.get_extra_info("socket"))
+    if handle is not None:
+        handle["protocol"] = proto
     log.info("pool node serving on %s:%d, capacity %d bytes", host, port, capacity_bytes)
     if ready is not None:
         ready.set()

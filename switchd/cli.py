@@ -78,8 +78,13 @@ def _load_config(path: str | None) -> dict:
 @click.option("--cache-entries", type=int, help="Chunks the cache holds (default 65536).")
 @click.option("--mode", type=click.Choice(["native", "generic"]), default="native",
               show_default=True, help="XDP attach mode.")
+@click.option("--coalesce/--no-coalesce", default=None,
+              help="Hold concurrent misses for a chunk and replicate its reply (default on).")
+@click.option("--pending-timeout-ms", type=click.FloatRange(min=0, min_open=True),
+              help="A held round older than this is retried upstream (default 50).")
 @pass_ctx
-def run(obj: Context, ports, pool_ports, config, chunk_size, cache_entries, mode):
+def run(obj: Context, ports, pool_ports, config, chunk_size, cache_entries, mode, coalesce,
+        pending_timeout_ms):
     """Load the data plane, attach it to the ports, and run until SIGINT/SIGTERM."""
     from .daemon import Daemon
     cfg = _load_config(config)
@@ -92,8 +97,10 @@ def run(obj: Context, ports, pool_ports, config, chunk_size, cache_entries, mode
         raise SwitchError("no ports: give --port IF (repeatable) or a --config with 'ports'")
     dep = Deployment(chunk_size or cfg.get("chunk_size", 1024),
                      cache_entries or cfg.get("cache_entries", 65536), obj.pin_dir)
+    coalesce = cfg.get("coalesce", True) if coalesce is None else coalesce
+    timeout_ms = pending_timeout_ms or cfg.get("pending_timeout_ms", 50)
     obj.enter()
-    Daemon(dep, ports, pool_ports, mode).run()
+    Daemon(dep, ports, pool_ports, mode, coalesce, timeout_ms / 1000).run()
 
 
 def _render_counters(counters: dict[str, int], dep: Deployment, used: int) -> None:

@@ -16,9 +16,10 @@ log = logging.getLogger("switchd")
 
 class Daemon:
     def __init__(self, deployment: Deployment, ports: list[str], pool_ports: list[str],
-                 mode: str = "native"):
+                 mode: str = "native", coalesce: bool = True, pending_timeout: float = 0.05):
         self.deployment, self.ports, self.pool_ports, self.mode = (
             deployment, ports, pool_ports, mode)
+        self.coalesce, self.pending_timeout = coalesce, pending_timeout
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -26,13 +27,17 @@ class Daemon:
         for port in self.ports:
             role = "KV_ROLE_POOL" if port in self.pool_ports else "KV_ROLE_HOST"
             dp.set_port_role(port, CONSTANTS[role])
+        dp.set_replication_ports(self.ports)
+        dp.set("coalesce", int(self.coalesce))
+        dp.set("pending_ns", int(self.pending_timeout * 1e9))
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stop.set())
         try:
             for port in self.ports:
                 dp.attach(port, self.mode)
             print(f"switchd: serving on {','.join(self.ports)} ({self.mode} XDP), pool ports "
-                  f"{','.join(self.pool_ports) or 'none'}, maps in {self.deployment.pin_dir}",
+                  f"{','.join(self.pool_ports) or 'none'}, coalescing "
+                  f"{'on' if self.coalesce else 'off'}, maps in {self.deployment.pin_dir}",
                   flush=True)
             while not self.stop.wait(1.0):
                 pass

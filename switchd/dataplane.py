@@ -19,7 +19,10 @@ XDP_FLAGS = {"native": 1 << 2, "generic": 1 << 1}
 CACHE_VAL_HEADER = 32  # bytes of struct kv_cache_val before data[]
 STAT_NAMES = {v: n[len("KV_STAT_"):].lower() for n, v in CONSTANTS.items()
               if n.startswith("KV_STAT_") and n != "KV_STAT_MAX"}
-MAP_NAMES = ("kv_cache", "kv_admit", "kv_ports", "kv_stats")
+MAP_NAMES = ("kv_cache", "kv_admit", "kv_ports", "kv_stats", "kv_settings", "kv_pending",
+             "kv_waiters")
+SETTINGS = {n[len("KV_SET_"):].lower(): v for n, v in CONSTANTS.items()
+            if n.startswith("KV_SET_") and n != "KV_SET_MAX"}
 
 
 class SwitchError(Exception):
@@ -118,9 +121,14 @@ class DataPlane:
                 self.bpf = bcc.BPF(text=b'#include "kvmaps.h"\n', cflags=deployment.cflags())
         except Exception as exc:
             raise SwitchError(f"compiling {src.name} failed: {exc}") from None
-        self.ingress = self.bpf.load_func(b"kv_ingress", bcc.BPF.XDP) if programs else None
-        self.cache, self.admit, self.ports, self.stats = (
-            self.bpf.get_table(n.encode()) for n in MAP_NAMES)
+        self.ingress = self.egress = self.devmap = None
+        if programs:
+            self.ingress = self.bpf.load_func(b"kv_ingress", bcc.BPF.XDP)
+            self.egress = self.bpf.load_func(b"kv_egress", bcc.BPF.XDP, None,
+                                             bcc.BPFAttachType.XDP_DEVMAP)
+            self.devmap = self.bpf.get_table(b"kv_devmap")
+        (self.cache, self.admit, self.ports, self.stats, self.settings, self.pending,
+         self.waiters) = (self.bpf.get_table(n.encode()) for n in MAP_NAMES)
         self.attached: dict[str, int] = {}
 
     @staticmethod
@@ -147,6 +155,21 @@ class DataPlane:
     def detach_all(self) -> None:
         for name in list(self.attached):
             self.detach(name)
+
+    def set_replication_ports(self, ifnames: list[str]) -> None:
+        """The ports a reply can be replicated to, each with the egress program."""
+        slots = CONSTANTS["KV_DEVMAP_SLOTS"]
+        if len(ifnames) > slots:
+            raise SwitchError(f"at most {slots} ports can share replicated replies")
+        for i, name in enumerate(ifnames):
+            self.devmap[self.devmap.Key(i)] = self.devmap.Leaf(ifindex(name), self.egress.fd)
+
+    def set(self, name: str, value: int) -> None:
+        """Write one data-plane setting (KV_SET_<NAME>)."""
+        self.settings[self.settings.Key(SETTINGS[name])] = self.settings.Leaf(value)
+
+    def get(self, name: str) -> int:
+        return int(self.settings[self.settings.Key(SETTINGS[name])].value)
 
     def set_port_role(self, ifname: str, role: int) -> None:
         key = self.ports.Key(ifindex(ifname))

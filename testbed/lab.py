@@ -49,7 +49,8 @@ class Lab:
         try:
             for node in self.topo.pool_nodes:
                 p = self.topo.popen(node.name, python_argv(
-                    "hostagent", "serve", "--capacity", self.pool_capacity),
+                    "hostagent", "serve", "--capacity", self.pool_capacity,
+                    "--stats-file", self._pool_stats_path(node.name)),
                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                 self.pools.append(p)
                 _await_line(p, p.stderr, "ready", 30, f"pool server on {node.name}")
@@ -93,6 +94,27 @@ class Lab:
         self.switch = None
         return code
 
+    def _pool_stats_path(self, node: str) -> str:
+        return os.path.join(self.tmp.name, f"pool-{node}.json")
+
+    def pool_counters(self, index: int = 0) -> dict:
+        """The request counters of a pool server, as it reports them (SIGUSR1)."""
+        path = self._pool_stats_path(self.topo.pool_nodes[index].name)
+        if os.path.exists(path):
+            os.unlink(path)
+        self.pools[index].send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.05)  # let the writer finish
+        with open(path) as f:
+            return json.load(f)
+
+    def link_bytes(self, node: str, direction: str = "tx") -> int:
+        """Bytes the node's interface has sent (tx) or received (rx), from the kernel."""
+        r = self.topo.run(node, ["cat", f"/sys/class/net/eth0/statistics/{direction}_bytes"])
+        return int(r.stdout)
+
     # ---- driving it ----------------------------------------------------------------------
     def switchd(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         r = subprocess.run(self.switchd_argv(*args), capture_output=True, text=True, timeout=120)
@@ -126,3 +148,26 @@ class Lab:
                              *flags)
         with open(path, "rb") as f:
             return result, f.read()
+
+    def get_many(self, nodes: list[str], ns: int, key: bytes, *flags: str,
+                 start_delay: float = 2.0, timeout: float = 180) -> list[tuple[dict, bytes]]:
+        """The same block fetched by several nodes starting at the same instant."""
+        start_at = f"{time.time() + start_delay:.6f}"
+        pools = [a for ip in self.pool_addrs for a in ("--pool", ip)]
+        procs, outs = [], []
+        for node in nodes:
+            out = os.path.join(self.tmp.name, f"many-{node}-{key.hex()}")
+            argv = python_argv("hostagent", "get", *pools, "--chunk-size", str(self.chunk_size),
+                               "--ns", str(ns), "--key", key.hex(), "--out", out,
+                               "--start-at", start_at, *flags)
+            procs.append(self.topo.popen(node, argv, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True))
+            outs.append(out)
+        results = []
+        for node, p, out in zip(nodes, procs, outs):
+            stdout, stderr = p.communicate(timeout=timeout)
+            if p.returncode:
+                raise TestbedError(f"{node}: get failed: {stderr.strip()[-500:]}")
+            with open(out, "rb") as f:
+                results.append((json.loads(stdout.strip().splitlines()[-1]), f.read()))
+        return results

@@ -132,3 +132,22 @@ def test_switchd_environment_errors(tmp_path):
     r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                         *python_argv("switchd", "stats")], capture_output=True, text=True)
     assert r.returncode == 1 and re.search(r"must run as root", r.stderr), r.stderr
+
+
+def test_four_readers_one_upstream_request_per_chunk():
+    prefix = f"c{os.getpid() % 100000}"
+    with Lab(prefix, hosts=4, pools=1) as lab4:
+        key, block = os.urandom(16), os.urandom(200 * 1024)
+        lab4.put("h1", NS, key, block)
+        lab4.switchd("cache", "admit", "--ns", str(NS), "--key", key.hex())
+        gets_before = lab4.pool_counters().get("rx_get", 0)
+        results = lab4.get_many(["h1", "h2", "h3", "h4"], NS, key)
+        upstream = lab4.pool_counters()["rx_get"] - gets_before
+        counters = lab4.stats()
+    assert not namespaces_of(prefix)
+    assert all(data == block for _, data in results), "every reader byte-exact"
+    assert upstream == 200, f"{upstream} GETs reached the pool node for 200 chunks: {counters}"
+    served = [r["from_pool"] + r["replicas"] + r["from_switch"] for r, _ in results]
+    assert served == [200] * 4
+    assert counters["coalesced"] > 0 and counters["replicas"] > 0
+    assert counters["fill"] == 200

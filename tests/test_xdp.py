@@ -1,5 +1,6 @@
 """The switch's XDP program on crafted frames through BPF_PROG_TEST_RUN: exact replies for hits,
 untouched frames for everything else, learning only what it should. No interface needed."""
+import ctypes
 import os
 import socket
 import zlib
@@ -25,7 +26,7 @@ HOST_MAC, POOL_MAC = "02:00:00:00:00:01", "02:00:00:00:00:65"
 HOST_IP, POOL_IP = "198.18.0.1", "198.18.0.101"
 KEY = bytes.fromhex("00112233445566778899aabbccddeeff")
 PAYLOAD = bytes((i * 7) & 0xFF for i in range(700))
-PORTS = {}  # "host"/"pool" -> ifindex of a veth end in the test's own namespace
+PORTS = {}  # "host", "host2", "pool" -> ifindex of a veth end in the test's own namespace
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,9 +36,10 @@ def ports_namespace():
     ip("netns", "add", name)
     try:
         ip("link", "add", "hostport", "type", "veth", "peer", "name", "poolport", ns=name)
+        ip("link", "add", "host2port", "type", "veth", "peer", "name", "spare", ns=name)
         with netns.inside(name):
-            PORTS.update(host=socket.if_nametoindex("hostport"),
-                         pool=socket.if_nametoindex("poolport"))
+            PORTS.update({p: socket.if_nametoindex(f"{p}port")
+                          for p in ("host", "host2", "pool")})
             yield
     finally:
         ip("netns", "del", name, check=False)
@@ -54,15 +56,17 @@ def dp(ports_namespace):
 def cache(dp):
     c = Cache(dp)
     c.flush()
-    for k in list(dp.admit.keys()):
-        del dp.admit[k]
+    for table in (dp.admit, dp.pending, dp.waiters):
+        table.clear()
+    dp.set("coalesce", 0)
     return c
 
 
-def get_frame(key=KEY, chunk=3, room=1024, ns=5, kvflags=0, req_id=0xABCD, **ip):
+def get_frame(key=KEY, chunk=3, room=1024, ns=5, kvflags=0, req_id=0xABCD, src=HOST_IP,
+              sport=40000, **ip):
     return (Ether(src=HOST_MAC, dst=POOL_MAC) /
-            IP(src=HOST_IP, dst=POOL_IP, id=77, **ip) /
-            UDP(sport=40000, dport=PORT) /
+            IP(src=src, dst=POOL_IP, id=77, **ip) /
+            UDP(sport=sport, dport=PORT) /
             KV(op=Op.GET, ns=ns, req_id=req_id, key=key, chunk=chunk, flags=kvflags) /
             Raw(bytes(room)))
 
@@ -211,3 +215,101 @@ def test_reply_larger_than_a_cache_entry_is_not_learned(dp, cache):
     raw = bytes(reply_frame(payload=bytes(1100)))
     assert run(dp, raw, port="pool") == (XDP_PASS, raw)
     assert cache.get(5, KEY, 3) is None
+
+
+# ---- miss coalescing --------------------------------------------------------------------------
+XDP_REDIRECT = 4
+HOST2_IP = "198.18.0.2"
+
+
+@pytest.fixture
+def coalescing(dp, cache):
+    dp.set("coalesce", 1)
+    dp.set("pending_ns", 10 ** 9)
+    return dp
+
+
+def _waiter(dp, port):
+    k = dp.waiters.Key()
+    k.chunk.ns, k.chunk.chunk, k.ifindex = 5, 3, PORTS[port]
+    ctypes.memmove(ctypes.addressof(k.chunk.key), KEY, 16)
+    try:
+        return dp.waiters[k]
+    except KeyError:
+        return None
+
+
+def test_first_miss_goes_upstream_later_ones_are_held(coalescing):
+    dp = coalescing
+    before = dp.counters()
+    first = bytes(get_frame(req_id=1))
+    assert run(dp, first) == (XDP_PASS, first)
+    assert len(dp.pending) == 1
+    assert run(dp, get_frame(req_id=2, src=HOST2_IP), port="host2")[0] == XDP_DROP
+    assert run(dp, get_frame(req_id=3), port="host")[0] == XDP_DROP   # the first asker again
+    pending = list(dp.pending.values())[0]
+    assert pending.waiters == 2 and pending.first_ifindex == PORTS["host"]
+    w1, w2 = _waiter(dp, "host"), _waiter(dp, "host2")
+    assert (w1.req_id, w1.coalesced) == (socket.htonl(3), 0)
+    assert (w2.req_id, w2.coalesced, w2.ip) == (socket.htonl(2), 1, socket.htonl(0xC6120002))
+    after = dp.counters()
+    assert after["get_miss"] - before["get_miss"] == 1
+    assert after["coalesced"] - before["coalesced"] == 2
+
+
+def test_a_second_client_behind_a_waiting_port_is_not_held(coalescing):
+    dp = coalescing
+    run(dp, get_frame(req_id=1))
+    other = bytes(get_frame(req_id=9, sport=40001))
+    assert run(dp, other) == (XDP_PASS, other)
+    assert dp.counters()["uncoalesced"] >= 1
+
+
+def test_reply_to_several_waiters_is_broadcast(coalescing):
+    dp = coalescing
+    run(dp, get_frame(req_id=1))
+    run(dp, get_frame(req_id=2, src=HOST2_IP), port="host2")
+    gen = list(dp.pending.values())[0].gen
+    reply = bytes(reply_frame())
+    verdict, out = run(dp, reply, port="pool")
+    assert verdict == XDP_REDIRECT
+    # test-run output starts at the metadata: the round's generation, then the untouched reply
+    assert out[8:] == reply and int.from_bytes(out[:8], "little") == gen
+    assert len(dp.pending) == 0, "the round is closed"
+    assert _waiter(dp, "host2") is not None, "waiters are consumed by the egress copies"
+
+
+def test_reply_to_a_single_waiter_goes_the_ordinary_way(coalescing):
+    dp = coalescing
+    run(dp, get_frame(req_id=1))
+    reply = bytes(reply_frame())
+    assert run(dp, reply, port="pool") == (XDP_PASS, reply)
+    assert len(dp.pending) == 0 and _waiter(dp, "host") is None
+
+
+def test_forged_reply_from_a_host_port_releases_nobody(coalescing):
+    dp = coalescing
+    run(dp, get_frame(req_id=1))
+    run(dp, get_frame(req_id=2, src=HOST2_IP), port="host2")
+    reply = bytes(reply_frame())
+    assert run(dp, reply, port="host2") == (XDP_PASS, reply)
+    assert len(dp.pending) == 1 and list(dp.pending.values())[0].waiters == 2
+
+
+def test_stale_round_is_retried_upstream(coalescing):
+    dp = coalescing
+    dp.set("pending_ns", 1)                 # every round is stale at once
+    run(dp, get_frame(req_id=1))
+    before = dp.counters()
+    again = bytes(get_frame(req_id=2, src=HOST2_IP))
+    assert run(dp, again, port="host2") == (XDP_PASS, again)
+    after = dp.counters()
+    assert after["expired"] - before["expired"] == 1
+    assert list(dp.pending.values())[0].first_ifindex == PORTS["host2"]
+
+
+def test_coalescing_off_forwards_every_miss(dp, cache):
+    for port, req in (("host", 1), ("host2", 2)):
+        frame = bytes(get_frame(req_id=req))
+        assert run(dp, frame, port=port) == (XDP_PASS, frame)
+    assert len(dp.pending) == 0

@@ -108,6 +108,46 @@ struct kv_port_cfg {
     __u32 reserved;
 };
 
+/* ---- miss coalescing (incast relief) ---- */
+#define KV_PENDING_ENTRIES 65536
+#define KV_WAITER_ENTRIES 262144
+#define KV_DEVMAP_SLOTS 64         /* switch ports a reply can be replicated to */
+
+struct kv_pending {                /* a chunk whose GET went upstream and whose reply is awaited */
+    __u64 gen;                     /* bpf_ktime_get_ns() when the upstream GET passed */
+    __u32 waiters;                 /* ports waiting (the first asker included) */
+    __u32 first_ifindex;           /* port of the first asker */
+};
+
+struct kv_waiter_key {
+    struct kv_cache_key chunk;
+    __u32 ifindex;                 /* switch port the GET came in on */
+};
+
+struct kv_waiter {                 /* where a replica for this port goes */
+    __u64 gen;                     /* kv_pending.gen of the round it joined */
+    __u8  mac[6];
+    __be16 port;                   /* UDP source port of the GET */
+    __be32 ip;                     /* IPv4 source of the GET */
+    __be32 req_id;                 /* the asker's latest request id */
+    __u32 coalesced;               /* 1: held here (its reply is a KV_F_REPLICA copy) */
+    __u32 reserved;
+};
+
+struct kv_meta {                   /* XDP metadata a replicated reply carries to the egress */
+    __u64 gen;
+};
+
+struct kv_devport {                /* devmap value: BCC's layout for an egress program */
+    __u32 ifindex;
+    int prog_fd;
+};
+
+/* settings (u64 array, written by switchd) */
+#define KV_SET_COALESCE 0          /* 1: hold concurrent misses and replicate the reply */
+#define KV_SET_PENDING_NS 1        /* a pending round older than this is retried upstream */
+#define KV_SET_MAX 4
+
 /* per-CPU counters, indexes into kv_stats */
 #define KV_STAT_PACKETS 0          /* frames seen */
 #define KV_STAT_NON_KV 1           /* not KV protocol: passed untouched */
@@ -125,6 +165,12 @@ struct kv_port_cfg {
 #define KV_STAT_XDP_PASS 13
 #define KV_STAT_XDP_TX 14
 #define KV_STAT_XDP_REDIRECT 15
-#define KV_STAT_MAX 16
+#define KV_STAT_COALESCED 16       /* GETs held because the same chunk was already asked for */
+#define KV_STAT_REPLICATED 17      /* replies broadcast to several waiting ports */
+#define KV_STAT_REPLICAS 18        /* copies delivered by the egress program */
+#define KV_STAT_REPLICA_SKIP 19    /* broadcast copies dropped at ports with no waiter */
+#define KV_STAT_EXPIRED 20         /* pending rounds found stale and retried upstream */
+#define KV_STAT_UNCOALESCED 21     /* GETs not held: a second asker on a port already waiting */
+#define KV_STAT_MAX 24
 
 #endif /* KVPROTO_H */

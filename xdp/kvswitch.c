@@ -2,21 +2,34 @@
  *
  *  - GET whose chunk is cached: the request is rewritten in place into the reply (payload from
  *    kv_cache, room trimmed, addresses swapped, KV_F_FROM_SWITCH set) and sent back with XDP_TX.
- *  - GET_REPLY from a pool-node port for an admitted block: copied into kv_cache as it passes.
- *  - everything else (misses, PUTs, malformed KV frames, non-KV traffic): XDP_PASS, untouched,
- *    so the kernel bridge forwards it.
+ *  - GET miss: with coalescing on, the first asker's GET goes on to the pool node and opens a
+ *    pending round; GETs for the same chunk from other ports while it is open are held (dropped
+ *    here, remembered in kv_waiters). A round older than the pending timeout is retried.
+ *  - GET_REPLY from a pool-node port: copied into kv_cache if its block is admitted; if several
+ *    ports wait for it, broadcast through kv_devmap, where kv_egress rewrites each copy for the
+ *    waiter on its port and drops the copies for ports that did not ask.
+ *  - everything else (PUTs, malformed KV frames, non-KV traffic): XDP_PASS, untouched, so the
+ *    kernel bridge forwards it.
  */
 #include <linux/bpf.h>
 #include "kvmaps.h"
 #include "parse.h"
 
 BPF_PERCPU_ARRAY(kv_fill_scratch, struct kv_cache_val, 1);
+/* every switch port, with kv_egress as its egress program (filled by switchd) */
+BPF_XDP_REDIRECT_MAP("devmap", struct kv_devport, kv_devmap, KV_DEVMAP_SLOTS);
 
 static __always_inline void count(__u32 idx, __u64 n)
 {
     __u64 *c = kv_stats.lookup(&idx);
     if (c)
         *c += n;
+}
+
+static __always_inline __u64 setting(__u32 idx)
+{
+    __u64 *v = kv_settings.lookup(&idx);
+    return v ? *v : 0;
 }
 
 static __always_inline int verdict(int v)
@@ -111,6 +124,64 @@ static __always_inline void chunk_key(struct kv_cache_key *k, struct kvhdr *kv)
     __builtin_memcpy(k->key, kv->key, sizeof(k->key));
 }
 
+/* A GET miss: the first asker of a round goes upstream, later askers on other ports wait. */
+static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *f,
+                                           struct kv_cache_key *k)
+{
+    if (!setting(KV_SET_COALESCE)) {
+        count(KV_STAT_GET_MISS, 1);
+        return XDP_PASS;
+    }
+    __u64 now = bpf_ktime_get_ns();
+    struct kv_waiter_key wk = {};
+    wk.chunk = *k;
+    wk.ifindex = ctx->ingress_ifindex;
+    struct kv_waiter w = {};
+    __builtin_memcpy(w.mac, f->eth->h_source, ETH_ALEN);
+    w.ip = f->ip->saddr;
+    w.port = f->udp->source;
+    w.req_id = f->kv->req_id;
+
+    struct kv_pending *p = kv_pending.lookup(k);
+    if (p && now - p->gen < setting(KV_SET_PENDING_NS)) {
+        struct kv_waiter *old = kv_waiters.lookup(&wk);
+        if (old && old->gen == p->gen) {
+            if (old->ip != w.ip || old->port != w.port) {
+                count(KV_STAT_UNCOALESCED, 1);  /* one waiter per port: let this one through */
+                count(KV_STAT_GET_MISS, 1);
+                return XDP_PASS;
+            }
+            old->req_id = w.req_id;  /* the same asker again: answer its latest request */
+            count(KV_STAT_COALESCED, 1);
+            return XDP_DROP;
+        }
+        w.gen = p->gen;
+        w.coalesced = 1;
+        kv_waiters.update(&wk, &w);
+        __sync_fetch_and_add(&p->waiters, 1);
+        count(KV_STAT_COALESCED, 1);
+        return XDP_DROP;
+    }
+    if (p) {
+        count(KV_STAT_EXPIRED, 1);
+    } else {
+        /* No round open: maybe one just closed on another CPU, whose reply was learned before
+         * the round was deleted. Look again rather than send a needless request upstream. */
+        struct kv_cache_val *v = kv_cache.lookup(k);
+        if (v)
+            return answer_get(ctx, v, f->payload_len);
+    }
+    struct kv_pending np = {};
+    np.gen = now;
+    np.waiters = 1;
+    np.first_ifindex = wk.ifindex;
+    w.gen = now;
+    kv_waiters.update(&wk, &w);
+    kv_pending.update(k, &np);
+    count(KV_STAT_GET_MISS, 1);
+    return XDP_PASS;
+}
+
 static __always_inline int handle_get(struct xdp_md *ctx, struct kv_frame *f)
 {
     if (f->kv->flags & bpf_htons(KV_F_NO_CACHE)) {
@@ -120,33 +191,25 @@ static __always_inline int handle_get(struct xdp_md *ctx, struct kv_frame *f)
     struct kv_cache_key k = {};
     chunk_key(&k, f->kv);
     struct kv_cache_val *v = kv_cache.lookup(&k);
-    if (!v) {
-        count(KV_STAT_GET_MISS, 1);
-        return XDP_PASS;
-    }
+    if (!v)
+        return hold_or_forward(ctx, f, &k);
     return answer_get(ctx, v, f->payload_len);
 }
 
-/* A pool node's reply passing through: learn it if its block is admitted. Never alters it. */
-static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f)
+/* Copy a pool reply's payload into the cache if its block is admitted. Leaves the frame as it
+ * was, but invalidates packet pointers. */
+static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
+                                        struct kv_cache_key *k)
 {
     struct kvhdr *kv = f->kv;
-    if (kv->status != 0 || kv->flags & bpf_htons(KV_F_FROM_SWITCH))
-        return;
     struct kv_block_key bk = {};
-    bk.ns = bpf_ntohl(kv->ns);
-    __builtin_memcpy(bk.key, kv->key, sizeof(bk.key));
+    bk.ns = k->ns;
+    __builtin_memcpy(bk.key, k->key, sizeof(bk.key));
     struct kv_admit_val *a = kv_admit.lookup(&bk);
     if (!a)
         return;
     if (a->expires_ns && a->expires_ns < bpf_ktime_get_ns())
         return;
-    __u32 ifindex = ctx->ingress_ifindex;
-    struct kv_port_cfg *port = kv_ports.lookup(&ifindex);
-    if (!port || port->role != KV_ROLE_POOL) {
-        count(KV_STAT_FORGED, 1);  /* replies from inference-node ports are never learned */
-        return;
-    }
     __u64 len = opaque_len(f->payload_len);
     __u32 zero = 0;
     struct kv_cache_val *s = kv_fill_scratch.lookup(&zero);
@@ -161,14 +224,58 @@ static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f)
     s->reserved = 0;
     s->hits = 0;
     s->last_hit_ns = bpf_ktime_get_ns();
-    struct kv_cache_key k = {};
-    chunk_key(&k, kv);             /* read before load_bytes: helpers invalidate packet pointers */
-    if (bpf_xdp_load_bytes(ctx, KV_PAYLOAD_OFF, s->data, len) ||
-        kv_cache.update(&k, s)) {
+    if (bpf_xdp_load_bytes(ctx, KV_PAYLOAD_OFF, s->data, len) || kv_cache.update(k, s)) {
         count(KV_STAT_FILL_FAIL, 1);
         return;
     }
     count(KV_STAT_FILL, 1);
+}
+
+/* Close the chunk's pending round: one waiter gets the reply the ordinary way, several get it
+ * through a devmap broadcast carrying the round's generation in XDP metadata. */
+static __always_inline int release_waiters(struct xdp_md *ctx, struct kv_cache_key *k)
+{
+    struct kv_pending *p = kv_pending.lookup(k);
+    if (!p)
+        return XDP_PASS;
+    __u64 gen = p->gen;
+    __u32 waiters = p->waiters;
+    struct kv_waiter_key wk = {};
+    wk.chunk = *k;
+    wk.ifindex = p->first_ifindex;
+    kv_pending.delete(k);
+    if (waiters <= 1) {
+        kv_waiters.delete(&wk);
+        return XDP_PASS;
+    }
+    if (bpf_xdp_adjust_meta(ctx, -(int)sizeof(struct kv_meta)))
+        return XDP_PASS;           /* the first asker still gets it; the others retransmit */
+    void *data = (void *)(long)ctx->data;
+    struct kv_meta *meta = (void *)(long)ctx->data_meta;
+    if ((void *)(meta + 1) > data)
+        return XDP_PASS;
+    meta->gen = gen;
+    count(KV_STAT_REPLICATED, 1);
+    return kv_devmap.redirect_map(0, BPF_F_BROADCAST | BPF_F_EXCLUDE_INGRESS);
+}
+
+/* A reply from a pool node passing through: learn it, then hand it to whoever waits. Replies
+ * that did not come in on a pool-node port are forwarded but never learned or replicated. */
+static __always_inline int handle_reply(struct xdp_md *ctx, struct kv_frame *f)
+{
+    struct kvhdr *kv = f->kv;
+    if (kv->status != 0 || kv->flags & bpf_htons(KV_F_FROM_SWITCH))
+        return XDP_PASS;
+    __u32 ifindex = ctx->ingress_ifindex;
+    struct kv_port_cfg *port = kv_ports.lookup(&ifindex);
+    if (!port || port->role != KV_ROLE_POOL) {
+        count(KV_STAT_FORGED, 1);
+        return XDP_PASS;
+    }
+    struct kv_cache_key k = {};
+    chunk_key(&k, kv);
+    learn_reply(ctx, f, &k);
+    return release_waiters(ctx, &k);
 }
 
 int kv_ingress(struct xdp_md *ctx)
@@ -189,10 +296,41 @@ int kv_ingress(struct xdp_md *ctx)
     }
     if (f.kv->op == KV_OP_GET && f.udp->dest == bpf_htons(KV_UDP_PORT))
         return verdict(handle_get(ctx, &f));
-    if (f.kv->op == KV_OP_GET_REPLY && f.udp->source == bpf_htons(KV_UDP_PORT)) {
-        learn_reply(ctx, &f);
-        return verdict(XDP_PASS);
-    }
+    if (f.kv->op == KV_OP_GET_REPLY && f.udp->source == bpf_htons(KV_UDP_PORT))
+        return verdict(handle_reply(ctx, &f));
     count(KV_STAT_OTHER_KV, 1);
     return verdict(XDP_PASS);
+}
+
+/* Devmap egress program: runs on each copy of a broadcast reply as it leaves a port. The copy
+ * goes out rewritten for the waiter on that port (MAC, IP, UDP port, request id) if that waiter
+ * joined this round; every other copy is dropped, so each waiter gets exactly one. */
+int kv_egress(struct xdp_md *ctx)
+{
+    void *data = (void *)(long)ctx->data;
+    void *data_end = (void *)(long)ctx->data_end;
+    struct kv_meta *meta = (void *)(long)ctx->data_meta;
+    struct kv_frame f = {};
+    if ((void *)(meta + 1) > data || kv_parse(data, data_end, &f) != KV_OK)
+        return XDP_DROP;
+    struct kv_waiter_key wk = {};
+    chunk_key(&wk.chunk, f.kv);
+    wk.ifindex = ctx->egress_ifindex;
+    struct kv_waiter *w = kv_waiters.lookup(&wk);
+    if (!w || w->gen != meta->gen) {
+        count(KV_STAT_REPLICA_SKIP, 1);
+        return XDP_DROP;
+    }
+    __builtin_memcpy(f.eth->h_dest, w->mac, ETH_ALEN);
+    f.ip->daddr = w->ip;
+    f.ip->check = 0;
+    f.ip->check = kv_ip_csum(f.ip);
+    f.udp->dest = w->port;
+    f.udp->check = 0;
+    f.kv->req_id = w->req_id;
+    if (w->coalesced)
+        f.kv->flags |= bpf_htons(KV_F_REPLICA);
+    kv_waiters.delete(&wk);
+    count(KV_STAT_REPLICAS, 1);
+    return XDP_PASS;
 }
