@@ -1,7 +1,8 @@
 """The inference-node client: puts and gets whole KV blocks over the KV block protocol.
 
 A block is cut into chunks of ``chunk_size`` bytes; each chunk is one request. Requests are
-pipelined (a window of them in flight per block), lost ones are sent again after an adaptive
+pipelined (a window of them in flight per block, halved when a timeout fires and regrown by one
+per window's worth of answers, as TCP does), lost ones are sent again after an adaptive
 retransmission timeout (RFC 6298 estimator, Karn's rule, exponential backoff), and the whole
 operation fails with TransferTimeout after ``deadline`` seconds. Every reply is checked against
 what was asked (namespace, key, chunk) and its payload against its CRC-32; a chunk whose bytes
@@ -111,6 +112,7 @@ class _Transfer:
         self.future = self.loop.create_future()
         self.deadline = time.monotonic() + deadline
         self.timer = None
+        self.cwnd = float(client.window)
 
     async def run(self) -> None:
         if not self.left:
@@ -135,7 +137,7 @@ class _Transfer:
         self.client._transport.sendto(self.build(item, rid, flags), self.addr)
 
     def _fill(self) -> None:
-        while self.todo and len(self.outstanding) < self.client.window:
+        while self.todo and len(self.outstanding) < int(self.cwnd):
             self._send(self.todo.pop())
 
     def _arm(self) -> None:
@@ -150,10 +152,13 @@ class _Transfer:
                 f"{self.left} chunk(s) still missing from {self.addr[0]}:{self.addr[1]} "
                 f"after {self.stats.retransmits} retransmissions"))
             return
-        for item, (_rid, _sent, due, tries) in list(self.outstanding.items()):
-            if now >= due:  # earlier request ids stay valid: a late answer to one still counts
-                self.stats.retransmits += 1
-                self._send(item, tries + 1)
+        expired = [(item, tries) for item, (_r, _s, due, tries) in self.outstanding.items()
+                   if now >= due]
+        if expired:
+            self.cwnd = max(2.0, self.cwnd / 2)
+        for item, tries in expired:  # earlier request ids stay valid: a late answer still counts
+            self.stats.retransmits += 1
+            self._send(item, tries + 1)
         self._arm()
 
     def on_message(self, msg: Message) -> None:
@@ -174,6 +179,7 @@ class _Transfer:
         if tries == 1:  # Karn: only unambiguous samples
             self.client.rtt.sample(time.monotonic() - sent)
         del self.outstanding[item]
+        self.cwnd = min(float(self.client.window), self.cwnd + 1 / self.cwnd)
         self.left -= 1
         if not self.left:
             self.future.set_result(None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import struct
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import IntEnum, IntFlag
 from pathlib import Path
 
@@ -46,6 +46,9 @@ HEADER = struct.Struct("!HBBHHII16sIIHHI")
 FIELDS = ("magic", "version", "op", "flags", "status", "ns", "req_id", "key", "chunk",
           "nchunks", "len", "reserved", "csum")
 assert HEADER.size == HEADER_LEN, "struct kvhdr and the codec disagree on the header size"
+
+
+_OPS = frozenset(int(o) for o in Op)
 
 
 class ProtocolError(ValueError):
@@ -105,7 +108,7 @@ class Message:
             raise ProtocolError(f"version {version} is not spoken here", Status.BAD_VERSION)
         if reserved:
             raise ProtocolError("reserved field is not zero")
-        if op not in Op._value2member_map_:
+        if op not in _OPS:
             raise ProtocolError(f"unknown op {op}")
         if length != len(data) - HEADER_LEN:
             raise ProtocolError(f"header says {length} payload bytes, datagram has "
@@ -113,15 +116,16 @@ class Message:
         if length > MAX_PAYLOAD:
             raise ProtocolError(f"payload of {length} bytes is too large", Status.TOO_LARGE)
         if op == Op.GET:
-            return cls(Op(op), ns, key, chunk, nchunks, req_id, flags, status, b"", length, 0)
-        return cls(Op(op), ns, key, chunk, nchunks, req_id, flags, status,
+            return cls(op, ns, key, chunk, nchunks, req_id, flags, status, b"", length, 0)
+        return cls(op, ns, key, chunk, nchunks, req_id, flags, status,
                    bytes(data[HEADER_LEN:]), 0, csum)
 
     def checksum_ok(self) -> bool:
         return self.csum == checksum(self.payload)
 
-    def answer(self, op: int, **changes) -> Message:
+    def answer(self, op: int, *, payload: bytes = b"", nchunks: int | None = None,
+               flags: int = 0, status: int = 0, csum: int | None = None) -> Message:
         """A reply to this request: same namespace, key, chunk and request id."""
-        base = dict(op=op, flags=0, status=0, payload=b"", room=0, csum=None)
-        base.update(changes)
-        return replace(self, **base)
+        return Message(op, self.ns, self.key, self.chunk,
+                       self.nchunks if nchunks is None else nchunks, self.req_id, flags, status,
+                       payload, 0, csum)

@@ -14,6 +14,7 @@ from .udp import grow_buffers
 from .store import BlockStore, StoreError
 
 log = logging.getLogger("hostagent.server")
+_RX_NAMES = {int(op): f"rx_{op.name.lower()}" for op in Op}
 
 
 class PoolServer(asyncio.DatagramProtocol):
@@ -38,7 +39,7 @@ class PoolServer(asyncio.DatagramProtocol):
             self.transport.sendto(reply.encode(), addr)
 
     def handle(self, msg: Message) -> Message | None:
-        self.counters[f"rx_{Op(msg.op).name.lower()}"] += 1
+        self.counters[_RX_NAMES[msg.op]] += 1
         try:
             if msg.op == Op.GET:
                 payload, crc, nchunks = self.store.get_chunk(msg.ns, msg.key, msg.chunk)

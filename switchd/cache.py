@@ -12,6 +12,12 @@ from hostagent.protocol import CONSTANTS, KEY_LEN, checksum
 from .dataplane import DataPlane, SwitchError
 
 FILLED = CONSTANTS["KV_CF_FILLED"]
+PINNED = CONSTANTS["KV_AF_PINNED"]
+
+
+def monotonic_ns() -> int:
+    """The clock of bpf_ktime_get_ns()."""
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,13 @@ class Cache:
         return sum(self._delete(self.table, self._chunk_key(e.ns, e.key, e.chunk))
                    for e in self.entries(ns) if e.key == key)
 
+    def evict_block(self, ns: int, key: bytes, nchunks: int) -> int:
+        """Remove a block whose size is known (no scan) and its admission."""
+        removed = sum(self._delete(self.table, self._chunk_key(ns, key, c))
+                      for c in range(nchunks))
+        self.unadmit(ns, key)
+        return removed
+
     def flush(self, ns: int | None = None) -> int:
         return sum(self._delete(self.table, self._chunk_key(e.ns, e.key, e.chunk))
                    for e in self.entries(ns))
@@ -123,10 +136,18 @@ class Cache:
         except KeyError:
             return 0
 
-    def admit(self, ns: int, key: bytes, ttl: float | None = None) -> None:
+    def admit(self, ns: int, key: bytes, ttl: float | None = None, pinned: bool = False) -> None:
+        """Add a block to the admit set; ``pinned`` ones are never evicted by the policy (until
+        ``ttl`` seconds have passed, when given)."""
         v = self.admit_table.Leaf()
-        v.expires_ns = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(ttl * 1e9) if ttl else 0
+        v.expires_ns = monotonic_ns() + int(ttl * 1e9) if ttl else 0
+        v.flags = PINNED if pinned else 0
         self.admit_table[self._block_key(ns, key)] = v
+
+    def admit_entries(self) -> dict[tuple[int, bytes], tuple[int, int]]:
+        """(ns, key) -> (flags, expires_ns) of every admitted block."""
+        return {(k.ns, bytes(k.key)): (v.flags, v.expires_ns)
+                for k, v in self.admit_table.items()}
 
     def unadmit(self, ns: int, key: bytes) -> bool:
         return bool(self._delete(self.admit_table, self._block_key(ns, key)))

@@ -15,6 +15,7 @@ import click
 
 from . import netns
 from .cache import Cache, parse_key
+from .policy import DEFAULT_POLICY, POLICIES
 from .dataplane import (DEFAULT_PIN_DIR, DataPlane, Deployment, SwitchError, detach_port,
                         pinned_deployment, preflight)
 
@@ -82,9 +83,17 @@ def _load_config(path: str | None) -> dict:
               help="Hold concurrent misses for a chunk and replicate its reply (default on).")
 @click.option("--pending-timeout-ms", type=click.FloatRange(min=0, min_open=True),
               help="A held round older than this is retried upstream (default 50).")
+@click.option("--policy", type=click.Choice([*POLICIES, "off"]), default=None,
+              help=f"Admission/eviction policy (default {DEFAULT_POLICY}; off: admit by hand).")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=None,
+              help="Seconds between policy steps (default 1).")
+@click.option("--quota", "quotas", multiple=True, metavar="NS=SIZE",
+              help="Byte quota of a namespace, e.g. 3=64MiB (repeatable).")
+@click.option("--metrics-port", type=click.IntRange(1, 65535),
+              help="Serve Prometheus metrics on this port.")
 @pass_ctx
 def run(obj: Context, ports, pool_ports, config, chunk_size, cache_entries, mode, coalesce,
-        pending_timeout_ms):
+        pending_timeout_ms, policy, interval, quotas, metrics_port):
     """Load the data plane, attach it to the ports, and run until SIGINT/SIGTERM."""
     from .daemon import Daemon
     cfg = _load_config(config)
@@ -99,8 +108,27 @@ def run(obj: Context, ports, pool_ports, config, chunk_size, cache_entries, mode
                      cache_entries or cfg.get("cache_entries", 65536), obj.pin_dir)
     coalesce = cfg.get("coalesce", True) if coalesce is None else coalesce
     timeout_ms = pending_timeout_ms or cfg.get("pending_timeout_ms", 50)
+    policy = policy or cfg.get("policy", DEFAULT_POLICY)
+    quota_map = _parse_quotas(list(quotas) or [f"{k}={v}" for k, v in
+                                               cfg.get("quotas", {}).items()])
     obj.enter()
-    Daemon(dep, ports, pool_ports, mode, coalesce, timeout_ms / 1000).run()
+    Daemon(dep, ports, pool_ports, mode, coalesce, timeout_ms / 1000,
+           None if policy == "off" else policy, interval or cfg.get("interval", 1.0),
+           quota_map, metrics_port or cfg.get("metrics_port")).run()
+
+
+def _parse_quotas(items: list[str]) -> dict[int, int]:
+    from hostagent.cli import parse_size
+    quotas = {}
+    for item in items:
+        ns, sep, size = item.partition("=")
+        if not sep or not ns.strip().isdigit():
+            raise SwitchError(f"quota {item!r} is not NS=SIZE (e.g. 3=64MiB)")
+        try:
+            quotas[int(ns)] = parse_size(size)
+        except click.BadParameter as exc:
+            raise SwitchError(f"quota {item!r}: {exc.message}") from None
+    return quotas
 
 
 def _render_counters(counters: dict[str, int], dep: Deployment, used: int) -> None:
@@ -235,8 +263,26 @@ def cache_evict(obj, ns, key, chunk):
 @click.option("--ns", type=click.IntRange(0, 0xFFFFFFFF), help="Only this namespace.")
 @pass_ctx
 def cache_flush(obj, ns):
-    """Remove every cached chunk (of one namespace)."""
-    click.echo(f"flushed {Cache(obj.maps()).flush(ns)} chunk(s)")
+    """Remove every cached chunk and admission (of one namespace)."""
+    _flush(obj, ns)
+
+
+@main.command("flush")
+@click.option("--namespace", "ns", type=click.IntRange(0, 0xFFFFFFFF), required=True,
+              help="Namespace id.")
+@pass_ctx
+def flush_namespace(obj, ns):
+    """Remove one namespace's cached chunks and admissions."""
+    _flush(obj, ns)
+
+
+def _flush(obj: Context, ns: int | None) -> None:
+    c = Cache(obj.maps())
+    chunks = c.flush(ns)
+    blocks = [b for b in c.admitted() if ns is None or b[0] == ns]
+    for block in blocks:
+        c.unadmit(*block)
+    click.echo(f"flushed {chunks} chunk(s) and {len(blocks)} admission(s)")
 
 
 @cache.command("admit")
@@ -246,6 +292,7 @@ def cache_flush(obj, ns):
               help="Seconds (default: until evicted).")
 @pass_ctx
 def cache_admit(obj, ns, key, ttl):
-    """Admit a block: the switch keeps its chunks as pool replies pass."""
-    Cache(obj.maps()).admit(ns, parse_key(key), ttl)
-    click.echo(f"admitted ns={ns} key={key}")
+    """Admit and pin a block: the switch keeps its chunks as pool replies pass, and the policy
+    never evicts it (until --ttl has passed: then it is an ordinary entry)."""
+    Cache(obj.maps()).admit(ns, parse_key(key), ttl, pinned=True)
+    click.echo(f"admitted ns={ns} key={key}" + (f" for {ttl:g}s" if ttl else ""))

@@ -1,5 +1,6 @@
-"""The switch daemon's lifetime: attach the data plane to the ports, mark pool-node ports, stay
-up until SIGINT/SIGTERM, then detach cleanly. The maps stay pinned, so a restarted daemon (even
+"""The switch daemon's lifetime: attach the data plane to the ports, mark pool-node ports, run the
+admission/eviction policy every interval (and the metrics endpoint), stay up until
+SIGINT/SIGTERM, then detach cleanly. The maps stay pinned, so a restarted daemon (even
 after SIGKILL, when nothing is detached) carries on with the same cache and counters."""
 from __future__ import annotations
 
@@ -10,16 +11,22 @@ import threading
 from hostagent.protocol import CONSTANTS
 
 from .dataplane import DataPlane, Deployment
+from .manager import CacheManager
+from .metrics import serve_metrics
 
 log = logging.getLogger("switchd")
 
 
 class Daemon:
     def __init__(self, deployment: Deployment, ports: list[str], pool_ports: list[str],
-                 mode: str = "native", coalesce: bool = True, pending_timeout: float = 0.05):
+                 mode: str = "native", coalesce: bool = True, pending_timeout: float = 0.05,
+                 policy: str | None = "prefix", interval: float = 1.0,
+                 quotas: dict[int, int] | None = None, metrics_port: int | None = None):
         self.deployment, self.ports, self.pool_ports, self.mode = (
             deployment, ports, pool_ports, mode)
         self.coalesce, self.pending_timeout = coalesce, pending_timeout
+        self.policy, self.interval, self.quotas = policy, interval, quotas or {}
+        self.metrics_port = metrics_port
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -30,6 +37,9 @@ class Daemon:
         dp.set_replication_ports(self.ports)
         dp.set("coalesce", int(self.coalesce))
         dp.set("pending_ns", int(self.pending_timeout * 1e9))
+        manager = CacheManager(dp, self.policy, self.quotas) if self.policy else None
+        if self.metrics_port:
+            serve_metrics(self.metrics_port, dp, manager)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stop.set())
         try:
@@ -37,10 +47,14 @@ class Daemon:
                 dp.attach(port, self.mode)
             print(f"switchd: serving on {','.join(self.ports)} ({self.mode} XDP), pool ports "
                   f"{','.join(self.pool_ports) or 'none'}, coalescing "
-                  f"{'on' if self.coalesce else 'off'}, maps in {self.deployment.pin_dir}",
-                  flush=True)
-            while not self.stop.wait(1.0):
-                pass
+                  f"{'on' if self.coalesce else 'off'}, policy {self.policy or 'off'}, "
+                  f"maps in {self.deployment.pin_dir}", flush=True)
+            while not self.stop.wait(self.interval):
+                if manager:
+                    try:
+                        manager.step()
+                    except Exception:  # the data plane keeps serving; say so and go on
+                        log.exception("policy step failed")
         finally:
             dp.detach_all()
             print("switchd: detached", flush=True)

@@ -20,7 +20,7 @@ CACHE_VAL_HEADER = 32  # bytes of struct kv_cache_val before data[]
 STAT_NAMES = {v: n[len("KV_STAT_"):].lower() for n, v in CONSTANTS.items()
               if n.startswith("KV_STAT_") and n != "KV_STAT_MAX"}
 MAP_NAMES = ("kv_cache", "kv_admit", "kv_ports", "kv_stats", "kv_settings", "kv_pending",
-             "kv_waiters")
+             "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats")
 SETTINGS = {n[len("KV_SET_"):].lower(): v for n, v in CONSTANTS.items()
             if n.startswith("KV_SET_") and n != "KV_SET_MAX"}
 
@@ -128,7 +128,8 @@ class DataPlane:
                                              bcc.BPFAttachType.XDP_DEVMAP)
             self.devmap = self.bpf.get_table(b"kv_devmap")
         (self.cache, self.admit, self.ports, self.stats, self.settings, self.pending,
-         self.waiters) = (self.bpf.get_table(n.encode()) for n in MAP_NAMES)
+         self.waiters, self.sketch, self.recent, self.ns_stats) = (
+            self.bpf.get_table(n.encode()) for n in MAP_NAMES)
         self.attached: dict[str, int] = {}
 
     @staticmethod

@@ -72,22 +72,27 @@ class CountMinSketch:
     """``depth`` rows x ``width`` columns of saturating u32 counters, as the data plane keeps them.
 
     Row r maps a key to column ``((a_r * key64(key) + b_r) mod 2**64) >> (64 - log2(width))``
-    (multiply-shift, a_r odd; width is rounded up to a power of two). ``estimate`` never
+    (multiply-shift, a_r odd; width is rounded up to a power of two; ``a``/``b`` fix the
+    coefficients, as the data plane's are, else they come from ``seed``). ``estimate`` never
     undercounts; with ``width >= 2e/eps`` and ``depth >= ln(1/delta)`` (see ``for_error``) it
     overcounts by more than eps*N with probability at most delta, N = ``total`` (increments so
     far). Aging: every ``aging_interval`` increments (0 = never) all counters and N are halved.
     """
 
     def __init__(self, width: int = 1024, depth: int = 4, *, aging_interval: int = 0,
-                 seed: int = 0x5EED):
+                 seed: int = 0x5EED, a: list[int] | None = None, b: list[int] | None = None):
         if width < 2 or depth < 1:
             raise ValueError("count-min sketch needs width >= 2 and depth >= 1")
         bits = (int(width) - 1).bit_length()
         self.width, self.depth = 1 << bits, int(depth)
         self._shift = 64 - bits
-        rng = np.random.default_rng(seed)
-        self.a = [int(v) | 1 for v in rng.integers(0, 1 << 63, self.depth, dtype=np.uint64) * 2]
-        self.b = [int(v) for v in rng.integers(0, 1 << 63, self.depth, dtype=np.uint64)]
+        if a is None or b is None:
+            rng = np.random.default_rng(seed)
+            a = [int(v) | 1 for v in rng.integers(0, 1 << 63, self.depth, dtype=np.uint64) * 2]
+            b = [int(v) for v in rng.integers(0, 1 << 63, self.depth, dtype=np.uint64)]
+        if len(a) != self.depth or len(b) != self.depth:
+            raise ValueError("one multiplier and one offset per row")
+        self.a, self.b = [int(v) for v in a], [int(v) for v in b]
         self.table = np.zeros((self.depth, self.width), np.uint32)
         self.aging_interval = int(aging_interval)
         self.total = 0

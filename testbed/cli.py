@@ -1,6 +1,7 @@
 """The `testbed` command line: build and remove topologies, run the demo, evaluate policies."""
 from __future__ import annotations
 
+import json
 import sys
 
 import click
@@ -54,6 +55,43 @@ def demo(chunks):
     from .demo import run_demo
     if not run_demo(chunks):
         sys.exit(1)
+
+
+def _int_list(ctx, param, value: str) -> list[int]:
+    try:
+        items = sorted({int(v) for v in value.split(",") if v.strip()})
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers") from None
+    if not items or items[0] < 1:
+        raise click.BadParameter("give at least one positive number")
+    return items
+
+
+@main.group()
+def bench():
+    """Benchmarks: side-by-side modes in one run, JSON results and plots."""
+
+
+@bench.command()
+@click.option("--readers", default="1,2,4,8,16", show_default=True, callback=_int_list,
+              help="Reader counts to measure (each in its own namespace).")
+@click.option("--block-mib", type=click.FloatRange(min=0.01, max=64), default=4.0,
+              show_default=True)
+@click.option("--reps", type=click.IntRange(1, 50), default=3, show_default=True,
+              help="Repetitions per reader count and mode.")
+@click.option("--chunk-size", type=click.IntRange(64, 3440), default=1024, show_default=True)
+@click.option("--pool-link-mbit", type=click.FloatRange(min=1), help="Shape the pool node's link "
+              "to this rate (default: unshaped veth).")
+@click.option("--json", "json_path", default="bench/results/incast.json", show_default=True)
+@click.option("--plot", "plot_path", default="bench/results/incast.png", show_default=True)
+def incast(readers, block_mib, reps, chunk_size, pool_link_mbit, json_path, plot_path):
+    """N readers fetch one block at once: plain bridge vs the switch."""
+    from .bench_incast import run_incast
+    if readers[-1] > 99:
+        raise click.BadParameter("at most 99 readers", param_hint="--readers")
+    out = run_incast(readers, block_mib, reps, json_path, plot_path, chunk_size, pool_link_mbit)
+    click.echo(json.dumps(out["summary"], indent=2))
+    click.echo(f"wrote {json_path} and {plot_path}")
 
 
 def _register_optional():

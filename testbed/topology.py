@@ -103,6 +103,7 @@ class Topology:
         sw = self.switch_ns
         ip("netns", "add", sw)
         _quiet_namespace(sw)
+        ip("link", "set", "lo", "up", ns=sw)
         ip("link", "add", BRIDGE, "type", "bridge", ns=sw)
         ip("link", "set", BRIDGE, "up", ns=sw)
         for n in self.nodes:

@@ -151,3 +151,54 @@ def test_four_readers_one_upstream_request_per_chunk():
     assert served == [200] * 4
     assert counters["coalesced"] > 0 and counters["replicas"] > 0
     assert counters["fill"] == 200
+
+
+def _admitted(lab) -> set[str]:
+    import json
+    listing = json.loads(lab.switchd("cache", "ls", "--json").stdout)
+    return {a["key"] for a in listing["admitted"]}
+
+
+def _wait_for(condition, timeout=8.0):
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_policy_admits_hot_blocks_serves_them_and_evicts_colder_ones():
+    """A block becomes hot, the daemon admits it, the switch learns it as it passes and serves
+    it; hotter blocks then push it out of a cache too small for all of them."""
+    prefix = f"p{os.getpid() % 100000}"
+    with Lab(prefix, hosts=2, pools=1, cache_entries=100,
+             switchd_args=("--interval", "0.2", "--metrics-port", "9435")) as lab:
+        blocks = {name: (os.urandom(16), os.urandom(40 * 1024)) for name in "ABC"}
+        for key, data in blocks.values():
+            lab.put("h1", NS, key, data)
+        key_a, data_a = blocks["A"]
+        assert lab.get("h1", NS, key_a)[0]["from_pool"] == 40
+        assert _wait_for(lambda: key_a.hex() in _admitted(lab)), "hot block A not admitted"
+        learn, data = lab.get("h2", NS, key_a)   # learned as the pool's replies pass
+        assert data == data_a and learn["from_pool"] + learn["from_switch"] == 40
+        hit, data = lab.get("h1", NS, key_a)
+        assert data == data_a and hit["from_switch"] == 40
+        assert lab.stats()["fill"] >= 40
+
+        for name in "BC":                     # two hotter blocks; room for only two of three
+            for _ in range(4):
+                lab.get("h2", NS, blocks[name][0])
+        assert _wait_for(lambda: key_a.hex() not in _admitted(lab)), "A was not evicted"
+        cached = lab.switchd("cache", "ls", "--ns", str(NS)).stdout
+        assert key_a.hex() not in cached
+        again, data = lab.get("h1", NS, key_a)
+        assert data == data_a and again["from_switch"] == 0
+
+        metrics = lab.topo.run("sw", ["python3", "-c", "import urllib.request; print(urllib."
+                                      "request.urlopen('http://127.0.0.1:9435/metrics')"
+                                      ".read().decode())"]).stdout
+    assert 'kvswitch_hits_total{ns="1"}' in metrics
+    assert "kvswitch_evictions_total" in metrics and "kvswitch_admissions_total" in metrics
+    assert not namespaces_of(prefix)

@@ -143,6 +143,47 @@ struct kv_devport {                /* devmap value: BCC's layout for an egress p
     int prog_fd;
 };
 
+/* ---- popularity (read and reset by switchd every interval) ---- */
+/* A count-min sketch of GET misses per block (counted on chunk 0, which every fetch asks for):
+ * KV_SKETCH_DEPTH rows of KV_SKETCH_WIDTH u32 counters, per CPU. Row r's column for block
+ * (ns, key) is ((A_r * x + B_r) mod 2^64) >> (64 - KV_SKETCH_BITS) where
+ * x = lo64(key) ^ (hi64(key) * KV_SKETCH_HI_MUL) ^ (ns * KV_SKETCH_NS_MUL) mod 2^64, the key's
+ * halves read little-endian. */
+#define KV_SKETCH_DEPTH 4
+#define KV_SKETCH_BITS 12
+#define KV_SKETCH_WIDTH 4096
+#define KV_SKETCH_HI_MUL 0xC2B2AE3D27D4EB4F
+#define KV_SKETCH_NS_MUL 0x9E3779B97F4A7C15
+#define KV_SKETCH_A0 0xD6E8FEB86659FD93
+#define KV_SKETCH_A1 0xA0761D6478BD642F
+#define KV_SKETCH_A2 0xE7037ED1A0B428DB
+#define KV_SKETCH_A3 0x8EBC6AF09C88C6E3
+#define KV_SKETCH_B0 0x589965CC75374CC3
+#define KV_SKETCH_B1 0x1D8E4E27C47D124F
+#define KV_SKETCH_B2 0x2545F4914F6CDD1D
+#define KV_SKETCH_B3 0x9FB21C651E98DF25
+struct kv_sketch_row {
+    __u32 c[KV_SKETCH_WIDTH];
+};
+/* blocks recently missed: the candidates switchd asks the sketch about */
+#define KV_RECENT_ENTRIES 65536
+struct kv_recent {
+    __u64 last_ns;                 /* last miss */
+    __u32 nchunks;                 /* block size, from the first pool reply seen (0: unknown) */
+    __u32 reserved;
+};
+
+/* per-namespace counters (per CPU) */
+#define KV_NS_ENTRIES 1024
+struct kv_ns_stats {
+    __u64 hits;
+    __u64 misses;
+    __u64 hit_bytes;
+};
+
+/* admit-set flags */
+#define KV_AF_PINNED 1             /* pinned by an operator: switchd never evicts it before expiry */
+
 /* settings (u64 array, written by switchd) */
 #define KV_SET_COALESCE 0          /* 1: hold concurrent misses and replicate the reply */
 #define KV_SET_PENDING_NS 1        /* a pending round older than this is retried upstream */

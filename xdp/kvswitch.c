@@ -59,8 +59,65 @@ static __always_inline void swap_bytes(__u8 *a, __u8 *b, int n)
     }
 }
 
+static __always_inline struct kv_ns_stats *ns_stats(__u32 ns)
+{
+    struct kv_ns_stats *st = kv_ns_stats.lookup(&ns);
+    if (st)
+        return st;
+    struct kv_ns_stats zero = {};
+    kv_ns_stats.update(&ns, &zero);
+    return kv_ns_stats.lookup(&ns);
+}
+
+static __always_inline __u64 le64(const __u8 *b)
+{
+    __u64 x = 0;
+#pragma unroll
+    for (int i = 7; i >= 0; i--)
+        x = (x << 8) | b[i];
+    return x;
+}
+
+static __always_inline void sketch_add(__u32 row, __u64 a, __u64 b, __u64 x)
+{
+    struct kv_sketch_row *r = kv_sketch.lookup(&row);
+    if (r) {
+        __u32 col = ((a * x + b) >> (64 - KV_SKETCH_BITS)) & (KV_SKETCH_WIDTH - 1);
+        if (r->c[col] != 0xffffffff)
+            r->c[col]++;
+    }
+}
+
+/* A miss: demand for the block goes into the sketch (once per fetch: on chunk 0). */
+static __always_inline void count_miss(struct kv_cache_key *k)
+{
+    struct kv_ns_stats *st = ns_stats(k->ns);
+    if (st)
+        st->misses++;
+    if (k->chunk != 0)
+        return;
+    __u64 x = le64(k->key) ^ (le64(k->key + 8) * KV_SKETCH_HI_MUL) ^
+              ((__u64)k->ns * KV_SKETCH_NS_MUL);
+    sketch_add(0, KV_SKETCH_A0, KV_SKETCH_B0, x);
+    sketch_add(1, KV_SKETCH_A1, KV_SKETCH_B1, x);
+    sketch_add(2, KV_SKETCH_A2, KV_SKETCH_B2, x);
+    sketch_add(3, KV_SKETCH_A3, KV_SKETCH_B3, x);
+    struct kv_block_key bk = {};
+    bk.ns = k->ns;
+    __builtin_memcpy(bk.key, k->key, sizeof(bk.key));
+    struct kv_recent *rec = kv_recent.lookup(&bk);
+    if (rec) {
+        rec->last_ns = bpf_ktime_get_ns();
+    } else {
+        struct kv_recent fresh = {};
+        fresh.last_ns = bpf_ktime_get_ns();
+        kv_recent.update(&bk, &fresh);
+    }
+}
+
 /* Turn the GET in ctx into the reply carrying `v`. Returns the XDP verdict. */
-static __always_inline int answer_get(struct xdp_md *ctx, struct kv_cache_val *v, __u32 room)
+static __always_inline int answer_get(struct xdp_md *ctx, struct kv_cache_val *v, __u32 room,
+                                      __u32 ns)
 {
     __u32 len = v->len;
     if (len == 0 || len > KV_CHUNK_MAX)
@@ -114,6 +171,11 @@ static __always_inline int answer_get(struct xdp_md *ctx, struct kv_cache_val *v
     v->last_hit_ns = bpf_ktime_get_ns();
     count(KV_STAT_GET_HIT, 1);
     count(KV_STAT_HIT_BYTES, len);
+    struct kv_ns_stats *st = ns_stats(ns);
+    if (st) {
+        st->hits++;
+        st->hit_bytes += len;
+    }
     return XDP_TX;
 }
 
@@ -128,6 +190,7 @@ static __always_inline void chunk_key(struct kv_cache_key *k, struct kvhdr *kv)
 static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *f,
                                            struct kv_cache_key *k)
 {
+    count_miss(k);                 /* held or forwarded, it is demand the cache did not meet */
     if (!setting(KV_SET_COALESCE)) {
         count(KV_STAT_GET_MISS, 1);
         return XDP_PASS;
@@ -169,7 +232,7 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
          * the round was deleted. Look again rather than send a needless request upstream. */
         struct kv_cache_val *v = kv_cache.lookup(k);
         if (v)
-            return answer_get(ctx, v, f->payload_len);
+            return answer_get(ctx, v, f->payload_len, k->ns);
     }
     struct kv_pending np = {};
     np.gen = now;
@@ -193,7 +256,7 @@ static __always_inline int handle_get(struct xdp_md *ctx, struct kv_frame *f)
     struct kv_cache_val *v = kv_cache.lookup(&k);
     if (!v)
         return hold_or_forward(ctx, f, &k);
-    return answer_get(ctx, v, f->payload_len);
+    return answer_get(ctx, v, f->payload_len, k.ns);
 }
 
 /* Copy a pool reply's payload into the cache if its block is admitted. Leaves the frame as it
@@ -274,6 +337,14 @@ static __always_inline int handle_reply(struct xdp_md *ctx, struct kv_frame *f)
     }
     struct kv_cache_key k = {};
     chunk_key(&k, kv);
+    if (k.chunk == 0) {            /* tell switchd how large a recently missed block is */
+        struct kv_block_key bk = {};
+        bk.ns = k.ns;
+        __builtin_memcpy(bk.key, k.key, sizeof(bk.key));
+        struct kv_recent *rec = kv_recent.lookup(&bk);
+        if (rec)
+            rec->nchunks = bpf_ntohl(kv->nchunks);
+    }
     learn_reply(ctx, f, &k);
     return release_waiters(ctx, &k);
 }

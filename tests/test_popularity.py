@@ -1,0 +1,85 @@
+"""Demand as the data plane records it and the daemon's policy step acts on it, driven by
+crafted frames through BPF_PROG_TEST_RUN: the miss sketch, the candidates, admission, quotas."""
+import pytest
+
+from switchd.cache import Cache
+from switchd.dataplane import DataPlane, Deployment
+from switchd.manager import CacheManager
+from switchd.popularity import Popularity, sketch_x
+from test_xdp import PORTS, get_frame, ports_namespace, reply_frame, run  # noqa: F401
+
+pytestmark = pytest.mark.bpf
+
+A, B = bytes.fromhex("aa" * 16), bytes.fromhex("bb" * 16)
+
+
+@pytest.fixture(scope="module")
+def loaded(ports_namespace):
+    dp = DataPlane(Deployment(chunk_size=1024, cache_entries=16, pin_dir=None))
+    dp.ports[dp.ports.Key(PORTS["pool"])] = dp.ports.Leaf(role=1)
+    return dp
+
+
+@pytest.fixture
+def dp(loaded):
+    for table in (loaded.cache, loaded.admit, loaded.recent, loaded.ns_stats):
+        table.clear()
+    Popularity(loaded).read_sketch()  # zeroes it
+    return loaded
+
+
+def miss(dp, key, chunk=0, ns=5, times=1):
+    for _ in range(times):
+        run(dp, get_frame(key=key, chunk=chunk, ns=ns))
+
+
+def test_sketch_counts_one_miss_per_fetch_and_resets(dp):
+    miss(dp, A, times=5)
+    miss(dp, A, chunk=1, times=3)      # later chunks of a fetch are not extra demand
+    miss(dp, B, times=2)
+    pop = Popularity(dp)
+    sketch = pop.read_sketch()
+    assert sketch.estimate(sketch_x(5, A)) == 5 and sketch.estimate(sketch_x(5, B)) == 2
+    assert sketch.estimate(sketch_x(6, A)) == 0, "the namespace is part of the hash"
+    assert pop.read_sketch().estimate(sketch_x(5, A)) == 0, "reading resets the interval"
+    assert pop.ns_counters()[5]["misses"] == 10
+    recent = {(k.ns, bytes(k.key)) for k in dp.recent.keys()}
+    assert recent == {(5, A), (5, B)}
+
+
+def test_reply_tells_the_block_size(dp):
+    miss(dp, A)
+    run(dp, reply_frame(key=A, chunk=0), port="pool")   # reply_frame says nchunks=9
+    assert [v.nchunks for v in dp.recent.values()] == [9]
+
+
+def test_hot_block_is_admitted_then_learned(dp):
+    manager = CacheManager(dp, "lru")
+    miss(dp, A, times=3)
+    run(dp, reply_frame(key=A, chunk=0), port="pool")
+    manager.step()
+    assert Cache(dp).admit_entries() == {(5, A): (0, 0)}
+    run(dp, reply_frame(key=A, chunk=3), port="pool")   # passing replies are now learned
+    assert Cache(dp).get(5, A, 3) is not None
+    assert manager.admissions == 1
+
+
+def test_policy_evicts_to_stay_within_a_quota(dp):
+    manager = CacheManager(dp, "lru", quotas={5: 9 * 1024})   # room for one 9-chunk block
+    for key in (A, B):
+        miss(dp, key, times=2)
+        run(dp, reply_frame(key=key, chunk=0), port="pool")
+        manager.step()
+    admitted = Cache(dp).admit_entries()
+    assert list(admitted) == [(5, B)] and manager.evictions == 1
+
+
+def test_operator_pins_are_never_evicted(dp):
+    cache = Cache(dp)
+    cache.admit(5, A, pinned=True)
+    manager = CacheManager(dp, "lru", quotas={5: 9 * 1024})
+    miss(dp, B, times=4)
+    run(dp, reply_frame(key=B, chunk=0), port="pool")
+    manager.step()
+    manager.step()
+    assert (5, A) in cache.admit_entries()
