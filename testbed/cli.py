@@ -94,6 +94,34 @@ def incast(readers, block_mib, reps, chunk_size, pool_link_mbit, json_path, plot
     click.echo(f"wrote {json_path} and {plot_path}")
 
 
+@main.command()
+@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
+              required=True, help="Mooncake-format JSONL trace.")
+@click.option("--capacity", type=click.FloatRange(min=0, min_open=True), default=0.02,
+              show_default=True, help="Fraction of the trace's distinct blocks (<1) or a count.")
+@click.option("--limit", type=click.IntRange(1), help="Only the first N requests.")
+@click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=60.0,
+              show_default=True, help="Time compression of the trace's pace.")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=0.1, show_default=True,
+              help="switchd's policy interval, seconds.")
+@click.option("--json", "json_path", help="Write the result here.")
+def replay(trace_path, capacity, limit, speedup, interval, json_path):
+    """Replay a trace through the testbed; compare the live hit ratio with the evaluator's."""
+    from .replay import run_replay
+    run_replay(trace_path, capacity, limit, speedup, interval, json_path=json_path)
+
+
+@main.command()
+@click.option("--frames", type=click.IntRange(1), default=100_000, show_default=True)
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--json", "json_path", help="Write the result here.")
+def fuzz(frames, seed, json_path):
+    """Random and mutated frames through the data plane, checked against a reference."""
+    from .fuzz import run_fuzz
+    if run_fuzz(frames, seed, json_path)["violations"]:
+        sys.exit(1)
+
+
 def _register_optional():
     try:
         from .policy_eval import policy_eval

@@ -136,7 +136,8 @@ def test_switchd_environment_errors(tmp_path):
 
 def test_four_readers_one_upstream_request_per_chunk():
     prefix = f"c{os.getpid() % 100000}"
-    with Lab(prefix, hosts=4, pools=1) as lab4:
+    # a generous round timeout: on a loaded 2-core box a reply can take tens of milliseconds
+    with Lab(prefix, hosts=4, pools=1, switchd_args=("--pending-timeout-ms", "1000")) as lab4:
         key, block = os.urandom(16), os.urandom(200 * 1024)
         lab4.put("h1", NS, key, block)
         lab4.switchd("cache", "admit", "--ns", str(NS), "--key", key.hex())
@@ -146,7 +147,8 @@ def test_four_readers_one_upstream_request_per_chunk():
         counters = lab4.stats()
     assert not namespaces_of(prefix)
     assert all(data == block for _, data in results), "every reader byte-exact"
-    assert upstream == 200, f"{upstream} GETs reached the pool node for 200 chunks: {counters}"
+    assert upstream == 200 + counters["expired"], f"{upstream} GETs for 200 chunks: {counters}"
+    assert counters["expired"] <= 2
     served = [r["from_pool"] + r["replicas"] + r["from_switch"] for r, _ in results]
     assert served == [200] * 4
     assert counters["coalesced"] > 0 and counters["replicas"] > 0
@@ -202,3 +204,18 @@ def test_policy_admits_hot_blocks_serves_them_and_evicts_colder_ones():
     assert 'kvswitch_hits_total{ns="1"}' in metrics
     assert "kvswitch_evictions_total" in metrics and "kvswitch_admissions_total" in metrics
     assert not namespaces_of(prefix)
+
+
+def test_trace_replay_reports_the_switch_hit_ratio(tmp_path):
+    """A small trace with one hot shared prefix: the live switch learns it and serves it."""
+    import json
+    from testbed.replay import run_replay
+    lines = [{"timestamp": 50 * i, "input_length": 2048, "output_length": 8,
+              "hash_ids": [0, 1, 2, 100 + i]} for i in range(60)]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    out = run_replay(str(path), capacity=8, speedup=1.0, interval=0.1, log=lambda *_: None)
+    live = out["live"]
+    assert live["block_requests"] == 240 and live["byte_exact"]
+    assert live["switch_hits"] > 100, live         # the shared prefix comes from the switch
+    assert out["offline_hit_ratio"]["belady"] == 0.7375

@@ -212,6 +212,7 @@ struct kv_ns_stats {
 #define KV_STAT_REPLICA_SKIP 19    /* broadcast copies dropped at ports with no waiter */
 #define KV_STAT_EXPIRED 20         /* pending rounds found stale and retried upstream */
 #define KV_STAT_UNCOALESCED 21     /* GETs not held: a second asker on a port already waiting */
+#define KV_STAT_FILL_CORRUPT 22    /* admitted reply whose payload fails its CRC: not learned */
 #define KV_STAT_MAX 24
 
 #endif /* KVPROTO_H */

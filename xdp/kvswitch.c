@@ -47,6 +47,27 @@ static __always_inline __u64 opaque_len(__u32 len)
     return n;
 }
 
+/* CRC-32 (IEEE, reflected, as zlib.crc32) of p[0..len), len <= KV_CHUNK_MAX; bitwise, so it
+ * needs no table. Run only when learning a reply, so what the cache holds always matches its CRC.
+ * The loop always runs KV_CHUNK_MAX times and keeps the CRC of the first len bytes with
+ * arithmetic, not a branch on len: a branch would make the verifier walk the rest of the loop
+ * once per possible length. (Sign-mask idioms such as -(x & 1) or (s64)x >> 63 are avoided on
+ * purpose: they crashed this kernel's verifier in maybe_fork_scalars.) */
+static __always_inline __u32 crc32_ieee(const __u8 *p, __u32 len)
+{
+    __u32 c = 0xffffffff;
+#pragma clang loop unroll(disable)
+    for (__u32 i = 0; i < KV_CHUNK_MAX; i++) {
+        __u32 d = c ^ p[i];
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            d = (d >> 1) ^ (0xEDB88320 * (d & 1));
+        __u32 take = (i - len) >> 31;  /* 1 while i < len (both far below 2^31) */
+        c ^= (c ^ d) * take;
+    }
+    return ~c;
+}
+
 static __always_inline void swap_bytes(__u8 *a, __u8 *b, int n)
 {
 #pragma unroll
@@ -126,8 +147,9 @@ static __always_inline int answer_get(struct xdp_md *ctx, struct kv_cache_val *v
         count(KV_STAT_NO_ROOM, 1);
         return XDP_PASS;
     }
-    /* 1. drop the unused room (only zeroed bytes go) */
-    if (len < room && bpf_xdp_adjust_tail(ctx, (int)len - (int)room))
+    /* 1. drop the unused room and anything trailing the IP packet (link-layer padding) */
+    int excess = (int)(ctx->data_end - ctx->data) - (int)(KV_PAYLOAD_OFF + len);
+    if (excess > 0 && bpf_xdp_adjust_tail(ctx, -excess))
         return XDP_PASS;
 
     /* 2. headers again: adjust_tail invalidated the packet pointers */
@@ -186,6 +208,29 @@ static __always_inline void chunk_key(struct kv_cache_key *k, struct kvhdr *kv)
     __builtin_memcpy(k->key, kv->key, sizeof(k->key));
 }
 
+/* Hold this GET in the open round `p`: remember where its replica goes. */
+static __always_inline int join_round(struct kv_pending *p, struct kv_waiter_key *wk,
+                                      struct kv_waiter *w)
+{
+    struct kv_waiter *old = kv_waiters.lookup(wk);
+    if (old && old->gen == p->gen) {
+        if (old->ip != w->ip || old->port != w->port) {
+            count(KV_STAT_UNCOALESCED, 1);  /* one waiter per port: let this one through */
+            count(KV_STAT_GET_MISS, 1);
+            return XDP_PASS;
+        }
+        old->req_id = w->req_id;  /* the same asker again: answer its latest request */
+        count(KV_STAT_COALESCED, 1);
+        return XDP_DROP;
+    }
+    w->gen = p->gen;
+    w->coalesced = 1;
+    kv_waiters.update(wk, w);
+    __sync_fetch_and_add(&p->waiters, 1);
+    count(KV_STAT_COALESCED, 1);
+    return XDP_DROP;
+}
+
 /* A GET miss: the first asker of a round goes upstream, later askers on other ports wait. */
 static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *f,
                                            struct kv_cache_key *k)
@@ -206,28 +251,9 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
     w.req_id = f->kv->req_id;
 
     struct kv_pending *p = kv_pending.lookup(k);
-    if (p && now - p->gen < setting(KV_SET_PENDING_NS)) {
-        struct kv_waiter *old = kv_waiters.lookup(&wk);
-        if (old && old->gen == p->gen) {
-            if (old->ip != w.ip || old->port != w.port) {
-                count(KV_STAT_UNCOALESCED, 1);  /* one waiter per port: let this one through */
-                count(KV_STAT_GET_MISS, 1);
-                return XDP_PASS;
-            }
-            old->req_id = w.req_id;  /* the same asker again: answer its latest request */
-            count(KV_STAT_COALESCED, 1);
-            return XDP_DROP;
-        }
-        w.gen = p->gen;
-        w.coalesced = 1;
-        kv_waiters.update(&wk, &w);
-        __sync_fetch_and_add(&p->waiters, 1);
-        count(KV_STAT_COALESCED, 1);
-        return XDP_DROP;
-    }
-    if (p) {
-        count(KV_STAT_EXPIRED, 1);
-    } else {
+    if (p && now - p->gen < setting(KV_SET_PENDING_NS))
+        return join_round(p, &wk, &w);
+    if (!p) {
         /* No round open: maybe one just closed on another CPU, whose reply was learned before
          * the round was deleted. Look again rather than send a needless request upstream. */
         struct kv_cache_val *v = kv_cache.lookup(k);
@@ -240,7 +266,15 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
     np.first_ifindex = wk.ifindex;
     w.gen = now;
     kv_waiters.update(&wk, &w);
-    kv_pending.update(k, &np);
+    if (p) {
+        count(KV_STAT_EXPIRED, 1);   /* a stale round: this GET retries it upstream */
+        kv_pending.update(k, &np);
+    } else if (kv_pending.insert(k, &np)) {
+        /* another CPU opened a round between our lookup and now: wait in it */
+        p = kv_pending.lookup(k);
+        if (p)
+            return join_round(p, &wk, &w);
+    }
     count(KV_STAT_GET_MISS, 1);
     return XDP_PASS;
 }
@@ -287,7 +321,15 @@ static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
     s->reserved = 0;
     s->hits = 0;
     s->last_hit_ns = bpf_ktime_get_ns();
-    if (bpf_xdp_load_bytes(ctx, KV_PAYLOAD_OFF, s->data, len) || kv_cache.update(k, s)) {
+    if (bpf_xdp_load_bytes(ctx, KV_PAYLOAD_OFF, s->data, len)) {
+        count(KV_STAT_FILL_FAIL, 1);
+        return;
+    }
+    if (crc32_ieee(s->data, len) != s->csum) {
+        count(KV_STAT_FILL_CORRUPT, 1);  /* never cache bytes that fail their own checksum */
+        return;
+    }
+    if (kv_cache.update(k, s)) {
         count(KV_STAT_FILL_FAIL, 1);
         return;
     }

@@ -1,0 +1,227 @@
+"""`testbed fuzz`: random and mutated frames through the switch's XDP program (BPF_PROG_TEST_RUN,
+populated cache, coalescing on), checked against a reference written independently in Python:
+
+  * XDP_TX only for a valid GET of a cached chunk with room for it, and then exactly the
+    reply the reference builds;
+  * a frame the reference calls invalid passes untouched and changes no map (cache, admit set,
+    pending rounds, waiters, recent misses, per-namespace counters).
+
+Frames start from valid templates (GET hit, GET miss, pool reply for an admitted block, PUT,
+other UDP, TCP, ARP) and are mutated in every header field, in length (truncated, extended,
+lying length fields) or at random bytes.
+"""
+from __future__ import annotations
+
+import json
+import random
+import socket
+import struct
+import time
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+
+from hostagent.protocol import HEADER, HEADER_LEN, MAGIC, MAX_PAYLOAD, PORT, VERSION, Flag, Op
+from switchd import netns
+from switchd.cache import Cache
+from switchd.dataplane import DataPlane, Deployment
+from switchd.libbpf import xdp_test_run
+
+from .topology import ip
+
+XDP_DROP, XDP_PASS, XDP_TX = 1, 2, 3
+ETH, IPH, UDPH = 14, 20, 8
+KV_OFF = ETH + IPH + UDPH
+CHUNK = 512
+MACS = (bytes.fromhex("020000000001"), bytes.fromhex("020000000065"))
+HOST_IP, POOL_IP = socket.inet_aton("198.18.0.1"), socket.inet_aton("198.18.0.101")
+STATE_MAPS = ("cache", "admit", "pending", "waiters", "recent", "ns_stats")
+
+
+def ip_checksum(header: bytes) -> int:
+    s = sum(struct.unpack("!10H", header))
+    s = (s & 0xFFFF) + (s >> 16)
+    s = (s & 0xFFFF) + (s >> 16)
+    return ~s & 0xFFFF
+
+
+def build(src_mac, dst_mac, src_ip, dst_ip, sport, dport, payload, proto=17) -> bytes:
+    l4 = struct.pack("!HHHH", sport, dport, UDPH + len(payload), 0) + payload
+    iph = struct.pack("!BBHHHBBH4s4s", 0x45, 0, IPH + len(l4), 1, 0, 64, proto, 0, src_ip, dst_ip)
+    iph = iph[:10] + struct.pack("!H", ip_checksum(iph)) + iph[12:]
+    return dst_mac + src_mac + b"\x08\x00" + iph + l4
+
+
+def kv(op, ns, key, chunk, nchunks=0, flags=0, payload=b"", room=0, req_id=7) -> bytes:
+    body = bytes(room) if op == Op.GET else payload
+    csum = 0 if op == Op.GET else zlib.crc32(payload)
+    return HEADER.pack(MAGIC, VERSION, op, flags, 0, ns, req_id, key, chunk, nchunks, len(body), 0,
+                       csum) + body
+
+
+# ---- the reference -----------------------------------------------------------------------------
+def reference_parse(frame: bytes):
+    """The fields of a valid KV frame per docs/protocol.md, or None."""
+    if len(frame) < ETH + IPH or frame[12:14] != b"\x08\x00":
+        return None
+    iph = frame[ETH:ETH + IPH]
+    if iph[0] != 0x45 or iph[9] != 17 or struct.unpack("!H", iph[6:8])[0] & 0x3FFF:
+        return None
+    if len(frame) < KV_OFF:
+        return None
+    sport, dport, ulen = struct.unpack("!HHH", frame[ETH + IPH:ETH + IPH + 6])
+    if PORT not in (sport, dport):
+        return None
+    if len(frame) < KV_OFF + HEADER_LEN:
+        return "bad"
+    tot = struct.unpack("!H", iph[2:4])[0]
+    f = dict(zip(("magic", "version", "op", "flags", "status", "ns", "req_id", "key", "chunk",
+                  "nchunks", "len", "reserved", "csum"), HEADER.unpack_from(frame, KV_OFF)))
+    want = IPH + UDPH + HEADER_LEN
+    if (tot < want or tot > len(frame) - ETH or ip_checksum(iph) != 0 or ulen != tot - IPH or
+            f["len"] != tot - want or f["len"] > MAX_PAYLOAD or f["magic"] != MAGIC or
+            f["version"] != VERSION or f["reserved"] != 0):
+        return "bad"
+    f.update(sport=sport, dport=dport)
+    return f
+
+
+def reference_reply(frame: bytes, f: dict, payload: bytes, nchunks: int) -> bytes:
+    head = HEADER.pack(MAGIC, VERSION, Op.GET_REPLY, f["flags"] | Flag.FROM_SWITCH, 0, f["ns"],
+                       f["req_id"], f["key"], f["chunk"], nchunks, len(payload), 0,
+                       zlib.crc32(payload))
+    iph = bytearray(frame[ETH:ETH + IPH])
+    iph[12:16], iph[16:20] = frame[ETH + 16:ETH + 20], frame[ETH + 12:ETH + 16]
+    iph[8] = 64
+    iph[2:4] = struct.pack("!H", IPH + UDPH + HEADER_LEN + len(payload))
+    iph[10:12] = b"\0\0"
+    iph[10:12] = struct.pack("!H", ip_checksum(bytes(iph)))
+    udp = struct.pack("!HHHH", f["dport"], f["sport"], UDPH + HEADER_LEN + len(payload), 0)
+    return frame[6:12] + frame[0:6] + frame[12:14] + bytes(iph) + udp + head + payload
+
+
+# ---- frames ------------------------------------------------------------------------------------
+class Corpus:
+    def __init__(self, rng: random.Random, blocks: int = 4, nchunks: int = 4):
+        self.rng = rng
+        self.keys = [rng.randbytes(16) for _ in range(blocks)]
+        self.payloads = {(k, c): rng.randbytes(rng.randint(1, CHUNK))
+                         for k in self.keys for c in range(nchunks)}
+        self.nchunks = nchunks
+
+    def template(self) -> tuple[bytes, str]:
+        r, rng = self.rng.random(), self.rng
+        key = rng.choice(self.keys)
+        chunk = rng.randrange(self.nchunks + 1)  # the last index is never cached: a miss
+        host = (MACS[0], MACS[1], HOST_IP, POOL_IP, rng.randrange(32768, 61000), PORT)
+        if r < 0.45:
+            get = kv(Op.GET, 1, key, chunk, room=CHUNK, req_id=rng.getrandbits(32))
+            return build(*host, get), "host"
+        if r < 0.7:
+            payload = self.payloads.get((key, chunk), rng.randbytes(100))
+            pool = (MACS[1], MACS[0], POOL_IP, HOST_IP, PORT, rng.randrange(32768, 61000))
+            return build(*pool, kv(Op.GET_REPLY, 1, key, chunk, self.nchunks,
+                                   payload=payload)), rng.choice(("pool", "host"))
+        if r < 0.8:
+            return build(*host, kv(Op.PUT, 1, key, 0, 1, payload=b"x" * 40)), "host"
+        if r < 0.9:
+            return build(*host[:4], 53, 53, rng.randbytes(rng.randrange(0, 200))), "host"
+        return build(*host[:4], 5201, PORT, rng.randbytes(60), proto=6), "host"
+
+    def mutate(self, frame: bytes) -> bytes:
+        rng, b = self.rng, bytearray(frame)
+        choice = rng.random()
+        if choice < 0.15:
+            return bytes(b[:rng.randrange(ETH, len(b))])   # truncated (no NIC delivers < 14 B)
+        if choice < 0.25:
+            return bytes(b) + rng.randbytes(rng.randrange(1, 64))        # extended
+        if choice < 0.35:                                                # a length field lies
+            off = rng.choice((ETH + 2, ETH + IPH + 4, KV_OFF + 40))
+            b[off:off + 2] = struct.pack("!H", rng.randrange(65536))
+            return bytes(b)
+        for _ in range(rng.randint(1, 4)):                              # header fields / bytes
+            off = rng.randrange(min(len(b), KV_OFF + HEADER_LEN)) if rng.random() < 0.85 \
+                else rng.randrange(len(b))
+            b[off] = rng.randrange(256)
+        return bytes(b)
+
+
+# ---- the run -----------------------------------------------------------------------------------
+@contextmanager
+def _ports():
+    name = f"kvfz{random.randrange(1 << 20)}"
+    ip("netns", "add", name)
+    try:
+        ip("link", "add", "host", "type", "veth", "peer", "name", "pool", ns=name)
+        with netns.inside(name):
+            yield {p: socket.if_nametoindex(p) for p in ("host", "pool")}
+    finally:
+        ip("netns", "del", name, check=False)
+
+
+def _state(dp) -> tuple:
+    """Every key and value (per-CPU values whole) of the maps a frame may change."""
+    return tuple(sorted((bytes(k), bytes(v)) for k, v in getattr(dp, name).items())
+                 for name in STATE_MAPS)
+
+
+def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print) -> dict:
+    rng = random.Random(seed)
+    corpus = Corpus(rng)
+    violations, kinds = [], {"valid": 0, "invalid": 0, "not_kv": 0, "tx": 0}
+    start = time.monotonic()
+    with _ports() as ports:
+        dp = DataPlane(Deployment(chunk_size=CHUNK, cache_entries=256, pin_dir=None))
+        dp.ports[dp.ports.Key(ports["pool"])] = dp.ports.Leaf(role=1)
+        dp.set("coalesce", 1)
+        dp.set("pending_ns", 10 ** 8)
+        cache = Cache(dp)
+        for (key, chunk), payload in corpus.payloads.items():
+            if chunk % 2 == 0 or key == corpus.keys[0]:
+                cache.put(1, key, chunk, payload, corpus.nchunks)
+        cache.admit(1, corpus.keys[1])
+        done = 0
+        while done < frames:
+            batch = []
+            for _ in range(min(256, frames - done)):
+                frame, port = corpus.template()
+                if rng.random() < 0.8:
+                    frame = corpus.mutate(frame)
+                batch.append((frame, port, reference_parse(frame)))
+            # frames the reference rejects first, with the state compared around them
+            invalid = [x for x in batch if x[2] is None or x[2] == "bad"]
+            before = _state(dp)
+            for frame, port, ref in invalid:
+                kinds["not_kv" if ref is None else "invalid"] += 1
+                verdict, out = xdp_test_run(dp.ingress.fd, frame, ifindex=ports[port])
+                if verdict != XDP_PASS or out != frame:
+                    violations.append({"what": "invalid frame answered or altered",
+                                       "verdict": verdict, "frame": frame.hex()})
+            if _state(dp) != before:
+                violations.append({"what": "invalid frames changed map state",
+                                   "frames": [f.hex() for f, _, _ in invalid][:8]})
+            for frame, port, ref in (x for x in batch if isinstance(x[2], dict)):
+                kinds["valid"] += 1
+                got = cache.get(ref["ns"], ref["key"], ref["chunk"])
+                verdict, out = xdp_test_run(dp.ingress.fd, frame, ifindex=ports[port])
+                if verdict == XDP_TX:
+                    kinds["tx"] += 1
+                    ok = (ref["op"] == Op.GET and ref["dport"] == PORT and got is not None and
+                          not ref["flags"] & Flag.NO_CACHE and got[0].len <= ref["len"] and
+                          out == reference_reply(frame, ref, got[1], got[0].nchunks))
+                    if not ok:
+                        violations.append({"what": "XDP_TX that is not the exact reply",
+                                           "frame": frame.hex(), "out": out.hex()})
+                elif verdict not in (XDP_PASS, XDP_DROP, 4):
+                    violations.append({"what": f"verdict {verdict}", "frame": frame.hex()})
+            done += len(batch)
+    result = {"frames": frames, "seed": seed, "violations": len(violations),
+              "examples": violations[:5], **kinds,
+              "seconds": round(time.monotonic() - start, 2), "counters": dp.counters()}
+    log(f"fuzz: {frames} frames ({kinds['valid']} valid KV, {kinds['invalid']} invalid KV, "
+        f"{kinds['not_kv']} not KV, {kinds['tx']} answered), {len(violations)} violation(s), "
+        f"{result['seconds']}s")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+    return result

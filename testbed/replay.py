@@ -1,0 +1,114 @@
+"""`testbed replay`: drive a Mooncake-format trace through the veth testbed and report the hit
+ratio the switch actually achieved, beside the offline evaluator's for the same capacity.
+
+Scaling: every trace block (512 tokens) becomes a KV block of one chunk; its key is derived from
+its hash id. Time: requests keep their order and are paced at ``speedup`` times the trace's pace
+(or as fast as the client goes, if that is slower). The switch's cache holds ``capacity`` blocks
+(a fraction of the trace's distinct blocks, or a count), and switchd's default policy, stepping
+every ``interval`` seconds, decides what it holds. One inference node fetches each request's
+blocks in chain order; a block is a hit when the switch answered it.
+
+The orchestrator runs here; the client part (`python -m testbed.replay drive`) runs inside the
+inference node's namespace.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .lab import Lab
+from .policy_eval import capacity_blocks, evaluate
+from .topology import python_argv
+from .trace import load_trace
+
+NS = 11
+
+
+def block_key(hash_id: int) -> bytes:
+    return hashlib.sha256(b"trace-block" + int(hash_id).to_bytes(8, "little")).digest()[:16]
+
+
+def block_payload(hash_id: int, size: int) -> bytes:
+    seed = hashlib.sha256(b"payload" + int(hash_id).to_bytes(8, "little")).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+async def _drive(trace_path: str, pool: str, limit: int | None, speedup: float,
+                 block_bytes: int) -> dict:
+    from hostagent.client import KVClient
+    trace = load_trace(trace_path)
+    n = min(trace.n_requests, limit or trace.n_requests)
+    wanted = sorted({int(h) for i in range(n) for h in trace.blocks(i)})
+    async with KVClient([pool], chunk_size=block_bytes, window=64) as c:
+        sem = asyncio.Semaphore(32)
+
+        async def put(h):
+            async with sem:
+                await c.put_block(NS, block_key(h), block_payload(h, block_bytes))
+
+        await asyncio.gather(*(put(h) for h in wanted))
+        hits = total = exact = 0
+        t0, ts0 = time.monotonic(), int(trace.timestamp[0])
+        for i in range(n):
+            due = (int(trace.timestamp[i]) - ts0) / 1000 / speedup
+            lag = due - (time.monotonic() - t0)
+            if lag > 0:
+                await asyncio.sleep(lag)
+            for h in trace.blocks(i):
+                data, stats = await c.get_block(NS, block_key(int(h)), nchunks=1)
+                total += 1
+                hits += stats.from_switch
+                exact += data == block_payload(int(h), block_bytes)
+    return {"requests": n, "block_requests": total, "switch_hits": hits,
+            "byte_exact": exact == total, "seconds": round(time.monotonic() - t0, 2)}
+
+
+def run_replay(trace_path: str, capacity: float, limit: int | None = None,
+               speedup: float = 60.0, interval: float = 0.1, block_bytes: int = 1024,
+               json_path: str | None = None, log=print) -> dict:
+    trace = load_trace(trace_path)
+    n = min(trace.n_requests, limit or trace.n_requests)
+    if n < trace.n_requests:
+        trace_for_eval = [{"timestamp": int(trace.timestamp[i]),
+                           "input_length": int(trace.input_length[i]),
+                           "output_length": int(trace.output_length[i]),
+                           "hash_ids": [int(h) for h in trace.blocks(i)]} for i in range(n)]
+        distinct = len({h for r in trace_for_eval for h in r["hash_ids"]})
+    else:
+        trace_for_eval, distinct = trace_path, trace.distinct_blocks
+    cap = capacity_blocks(capacity, distinct)
+    offline = evaluate(trace_for_eval, cap)
+    default = offline["default_policy"]
+    log(f"offline: {default} hits {offline['hit_ratio'][default]:.4f} of block requests at "
+        f"{cap} blocks (belady {offline['hit_ratio']['belady']:.4f})")
+    with Lab(f"rp{os.getpid() % 100000}", hosts=1, pools=1, chunk_size=block_bytes,
+             cache_entries=cap,
+             switchd_args=("--interval", str(interval))) as lab:
+        argv = python_argv("testbed.replay", "drive", str(Path(trace_path).resolve()),
+                           lab.pool_addrs[0], str(n), str(speedup), str(block_bytes))
+        r = lab.topo.run("h1", argv, timeout=3600)
+        live = json.loads(r.stdout.strip().splitlines()[-1])
+        counters = lab.stats()
+    live_ratio = live["switch_hits"] / live["block_requests"]
+    out = {"trace": trace_path, "capacity_blocks": cap, "policy": default,
+           "live": {**live, "hit_ratio": round(live_ratio, 4),
+                    "admissions_filled_chunks": counters["fill"]},
+           "offline_hit_ratio": offline["hit_ratio"],
+           "difference_pp": round(100 * (live_ratio - offline["hit_ratio"][default]), 2)}
+    log(f"live: switch answered {live['switch_hits']} of {live['block_requests']} block "
+        f"requests = {live_ratio:.4f} ({out['difference_pp']:+.2f} pp vs offline), "
+        f"byte-exact {live['byte_exact']}, {live['seconds']}s")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["drive"]:
+    path, pool, limit, speedup, size = sys.argv[2:7]
+    print(json.dumps(asyncio.run(_drive(path, pool, int(limit), float(speedup), int(size)))))
