@@ -14,7 +14,6 @@ as in a cluster, the pool's link and not the readers' CPU is the shared bottlene
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .lab import Lab
+from .results import write_json
 
 NS = 7
 
@@ -84,9 +84,7 @@ def run_incast(readers: list[int], block_mib: float, reps: int, json_path: str |
     out = {"block_bytes": len(block), "chunk_bytes": chunk_size,
            "pool_link_mbit": pool_link_mbit, "cpus": os.cpu_count(), "results": results,
            "summary": _summary(results, len(block))}
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(json_path, out)
     if plot_path:
         plot_incast(out, plot_path)
     return out

@@ -12,14 +12,12 @@ lying length fields) or at random bytes.
 """
 from __future__ import annotations
 
-import json
 import random
 import socket
 import struct
 import time
 import zlib
 from contextlib import contextmanager
-from pathlib import Path
 
 from hostagent.protocol import HEADER, HEADER_LEN, MAGIC, MAX_PAYLOAD, PORT, VERSION, Flag, Op
 from switchd import netns
@@ -27,6 +25,7 @@ from switchd.cache import Cache
 from switchd.dataplane import DataPlane, Deployment
 from switchd.libbpf import xdp_test_run
 
+from .results import write_json
 from .topology import ip
 
 XDP_DROP, XDP_PASS, XDP_TX = 1, 2, 3
@@ -221,7 +220,5 @@ def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print
     log(f"fuzz: {frames} frames ({kinds['valid']} valid KV, {kinds['invalid']} invalid KV, "
         f"{kinds['not_kv']} not KV, {kinds['tx']} answered), {len(violations)} violation(s), "
         f"{result['seconds']}s")
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(json_path, result)
     return result

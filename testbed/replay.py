@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from .lab import Lab
+from .results import write_json
 from .policy_eval import capacity_blocks, evaluate
 from .topology import python_argv
 from .trace import load_trace
@@ -103,9 +104,7 @@ def run_replay(trace_path: str, capacity: float, limit: int | None = None,
     log(f"live: switch answered {live['switch_hits']} of {live['block_requests']} block "
         f"requests = {live_ratio:.4f} ({out['difference_pp']:+.2f} pp vs offline), "
         f"byte-exact {live['byte_exact']}, {live['seconds']}s")
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(json_path, out)
     return out
 
 
