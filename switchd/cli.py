@@ -91,9 +91,11 @@ def _load_config(path: str | None) -> dict:
               help="Byte quota of a namespace, e.g. 3=64MiB (repeatable).")
 @click.option("--metrics-port", type=click.IntRange(1, 65535),
               help="Serve Prometheus metrics on this port.")
+@click.option("--port-ns", "port_ns", multiple=True, metavar="IF=NS[,NS...]",
+              help="Limit a port to these namespaces (repeatable); others are dropped.")
 @pass_ctx
 def run(obj: Context, ports, pool_ports, config, chunk_size, cache_entries, mode, coalesce,
-        pending_timeout_ms, policy, interval, quotas, metrics_port):
+        pending_timeout_ms, policy, interval, quotas, metrics_port, port_ns):
     """Load the data plane, attach it to the ports, and run until SIGINT/SIGTERM."""
     from .daemon import Daemon
     cfg = _load_config(config)
@@ -111,10 +113,26 @@ def run(obj: Context, ports, pool_ports, config, chunk_size, cache_entries, mode
     policy = policy or cfg.get("policy", DEFAULT_POLICY)
     quota_map = _parse_quotas(list(quotas) or [f"{k}={v}" for k, v in
                                                cfg.get("quotas", {}).items()])
+    limits = _parse_port_ns(list(port_ns) or [f"{k}={','.join(map(str, v))}" for k, v in
+                                              cfg.get("port_namespaces", {}).items()], ports)
     obj.enter()
     Daemon(dep, ports, pool_ports, mode, coalesce, timeout_ms / 1000,
            None if policy == "off" else policy, interval or cfg.get("interval", 1.0),
-           quota_map, metrics_port or cfg.get("metrics_port")).run()
+           quota_map, metrics_port or cfg.get("metrics_port"), limits).run()
+
+
+def _parse_port_ns(items: list[str], ports: list[str]) -> dict[str, list[int]]:
+    limits = {}
+    for item in items:
+        port, sep, spec = item.partition("=")
+        try:
+            namespaces = [int(n) for n in spec.split(",") if n.strip()]
+        except ValueError:
+            namespaces = []
+        if not sep or not namespaces or port not in ports:
+            raise SwitchError(f"--port-ns {item!r} is not PORT=NS[,NS...] for one of the ports")
+        limits[port] = namespaces
+    return limits
 
 
 def _parse_quotas(items: list[str]) -> dict[int, int]:

@@ -21,19 +21,21 @@ class Daemon:
     def __init__(self, deployment: Deployment, ports: list[str], pool_ports: list[str],
                  mode: str = "native", coalesce: bool = True, pending_timeout: float = 0.05,
                  policy: str | None = "prefix", interval: float = 1.0,
-                 quotas: dict[int, int] | None = None, metrics_port: int | None = None):
+                 quotas: dict[int, int] | None = None, metrics_port: int | None = None,
+                 port_namespaces: dict[str, list[int]] | None = None):
         self.deployment, self.ports, self.pool_ports, self.mode = (
             deployment, ports, pool_ports, mode)
         self.coalesce, self.pending_timeout = coalesce, pending_timeout
         self.policy, self.interval, self.quotas = policy, interval, quotas or {}
         self.metrics_port = metrics_port
+        self.port_namespaces = port_namespaces or {}
         self.stop = threading.Event()
 
     def run(self) -> None:
         dp = DataPlane(self.deployment)
         for port in self.ports:
             role = "KV_ROLE_POOL" if port in self.pool_ports else "KV_ROLE_HOST"
-            dp.set_port_role(port, CONSTANTS[role])
+            dp.set_port_role(port, CONSTANTS[role], self.port_namespaces.get(port))
         dp.set_replication_ports(self.ports)
         dp.set("coalesce", int(self.coalesce))
         dp.set("pending_ns", int(self.pending_timeout * 1e9))

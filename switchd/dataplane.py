@@ -4,8 +4,10 @@ BPF maps whose layouts BCC reads from xdp/kvproto.h. This module and the maps ar
 meeting point of data plane and control plane."""
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +22,7 @@ CACHE_VAL_HEADER = 32  # bytes of struct kv_cache_val before data[]
 STAT_NAMES = {v: n[len("KV_STAT_"):].lower() for n, v in CONSTANTS.items()
               if n.startswith("KV_STAT_") and n != "KV_STAT_MAX"}
 MAP_NAMES = ("kv_cache", "kv_admit", "kv_ports", "kv_stats", "kv_settings", "kv_pending",
-             "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats")
+             "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats", "kv_port_ns")
 SETTINGS = {n[len("KV_SET_"):].lower(): v for n, v in CONSTANTS.items()
             if n.startswith("KV_SET_") and n != "KV_SET_MAX"}
 
@@ -97,6 +99,16 @@ def ifindex(name: str) -> int:
         raise SwitchError(f"no interface named {name!r} in this network namespace") from None
 
 
+def attached_program(ifname: str) -> str | None:
+    """Name of the XDP program attached to ``ifname`` (in this namespace), if any."""
+    r = subprocess.run(["ip", "-j", "-d", "link", "show", "dev", ifname], capture_output=True,
+                       text=True)
+    if r.returncode:
+        return None
+    prog = (json.loads(r.stdout or "[{}]")[0].get("xdp") or {}).get("prog") or {}
+    return prog.get("name") or (f"id {prog['id']}" if "id" in prog else None)
+
+
 def detach_port(ifname: str, flags: int = XDP_FLAGS["native"]) -> None:
     """Remove whatever XDP program is attached to ``ifname`` in that mode."""
     ifindex(ifname)
@@ -128,7 +140,7 @@ class DataPlane:
                                              bcc.BPFAttachType.XDP_DEVMAP)
             self.devmap = self.bpf.get_table(b"kv_devmap")
         (self.cache, self.admit, self.ports, self.stats, self.settings, self.pending,
-         self.waiters, self.sketch, self.recent, self.ns_stats) = (
+         self.waiters, self.sketch, self.recent, self.ns_stats, self.port_ns) = (
             self.bpf.get_table(n.encode()) for n in MAP_NAMES)
         self.attached: dict[str, int] = {}
 
@@ -144,6 +156,10 @@ class DataPlane:
 
     def attach(self, ifname: str, mode: str = "native") -> None:
         ifindex(ifname)
+        other = attached_program(ifname)
+        if other and other != "kv_ingress":  # ours (a crashed daemon's) is simply replaced
+            raise SwitchError(f"{ifname} already runs XDP program {other!r}: remove it first "
+                              f"('switchd detach --port {ifname}')")
         try:
             self.bcc.BPF.attach_xdp(ifname.encode(), self.ingress, XDP_FLAGS[mode])
         except Exception as exc:
@@ -172,9 +188,15 @@ class DataPlane:
     def get(self, name: str) -> int:
         return int(self.settings[self.settings.Key(SETTINGS[name])].value)
 
-    def set_port_role(self, ifname: str, role: int) -> None:
-        key = self.ports.Key(ifindex(ifname))
-        self.ports[key] = self.ports.Leaf(role=role)
+    def set_port_role(self, ifname: str, role: int, namespaces: list[int] | None = None) -> None:
+        """A port's role; ``namespaces``, if given, are the only ones it may ask for."""
+        index = ifindex(ifname)
+        for k in [k for k in self.port_ns.keys() if k.ifindex == index]:
+            del self.port_ns[k]
+        for ns in namespaces or []:
+            self.port_ns[self.port_ns.Key(index, ns)] = self.port_ns.Leaf(1)
+        flags = CONSTANTS["KV_PF_NS_LIMITED"] if namespaces else 0
+        self.ports[self.ports.Key(index)] = self.ports.Leaf(role=role, flags=flags)
 
     def counters(self) -> dict[str, int]:
         """Per-CPU counters summed, by name."""

@@ -219,3 +219,38 @@ def test_trace_replay_reports_the_switch_hit_ratio(tmp_path):
     assert live["block_requests"] == 240 and live["byte_exact"]
     assert live["switch_hits"] > 100, live         # the shared prefix comes from the switch
     assert out["offline_hit_ratio"]["belady"] == 0.7375
+
+
+def test_dead_daemon_fails_open_and_a_restart_carries_on(lab):
+    """SIGKILL leaves the program attached: hits are still served and everything else still
+    forwarded; a new daemon re-attaches to the pinned maps and keeps the cache and counters."""
+    import signal
+    key, block = os.urandom(16), os.urandom(30 * 1024)
+    lab.put("h1", NS, key, block)
+    lab.switchd("cache", "admit", "--ns", str(NS), "--key", key.hex())
+    lab.get("h1", NS, key)
+    hits_before = lab.stats()["get_hit"]
+    lab.stop_switch(signal.SIGKILL)
+    hit, data = lab.get("h2", NS, key)
+    assert data == block and hit["from_switch"] == 30, "a dead daemon must not stop hits"
+    other = os.urandom(16)
+    lab.put("h2", NS, other, b"fresh" * 100)                 # misses still reach the pool
+    assert lab.get("h1", NS, other)[1] == b"fresh" * 100
+    assert " 0% packet loss" in lab.topo.run("h1", ["ping", "-c", "2", "-i", "0.2",
+                                                   lab.pool_addrs[0]]).stdout
+    lab.start_switch()
+    hit, data = lab.get("h1", NS, key)
+    assert data == block and hit["from_switch"] == 30
+    assert lab.stats()["get_hit"] >= hits_before + 60, "counters survive the restart"
+
+
+def test_a_port_running_someone_elses_program_is_refused():
+    from testbed.topology import Topology
+    with Topology(f"x{os.getpid() % 100000}", hosts=1, pools=1) as topo:
+        r = subprocess.run(python_argv("switchd", "--netns", topo.node("h1").netns, "--pin-dir",
+                                       topo.pin_dir, "run", "--port", "eth0"),
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "switchd: error: eth0 already runs XDP program 'xdp_pass': remove it first "
+        "('switchd detach --port eth0')"]

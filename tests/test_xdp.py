@@ -313,3 +313,20 @@ def test_coalescing_off_forwards_every_miss(dp, cache):
         frame = bytes(get_frame(req_id=req))
         assert run(dp, frame, port=port) == (XDP_PASS, frame)
     assert len(dp.pending) == 0
+
+
+# ---- tenant isolation -------------------------------------------------------------------------
+def test_a_port_limited_to_other_namespaces_gets_nothing(dp, cache):
+    cache.put(5, KEY, 3, PAYLOAD, nchunks=9)
+    cache.put(6, KEY, 3, b"other tenant", nchunks=9)
+    host = socket.if_indextoname(PORTS["host"])
+    dp.set_port_role(host, 0, namespaces=[6])
+    try:
+        before = dp.counters()
+        assert run(dp, get_frame(ns=5))[0] == XDP_DROP          # same key, other tenant
+        assert dp.counters()["denied"] - before["denied"] == 1
+        verdict, out = run(dp, get_frame(ns=6))
+        assert verdict == XDP_TX and Ether(out)[Raw].load == b"other tenant"
+    finally:
+        dp.set_port_role(host, 0)
+    assert run(dp, get_frame(ns=5))[0] == XDP_TX

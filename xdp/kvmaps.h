@@ -18,6 +18,8 @@ KV_MAP("hash", struct kv_cache_key, struct kv_cache_val, kv_cache, KV_CACHE_ENTR
 KV_MAP("hash", struct kv_block_key, struct kv_admit_val, kv_admit, KV_ADMIT_ENTRIES);
 /* port roles by ifindex; a port without an entry is an inference-node port */
 KV_MAP("hash", __u32, struct kv_port_cfg, kv_ports, KV_PORT_ENTRIES);
+/* namespaces a limited port may ask for (KV_PF_NS_LIMITED) */
+KV_MAP("hash", struct kv_port_ns_key, __u32, kv_port_ns, KV_PORT_ENTRIES * 16);
 /* miss coalescing: rounds in flight and who waits on each port (LRU: stale entries age out) */
 KV_MAP("lru_hash", struct kv_cache_key, struct kv_pending, kv_pending, KV_PENDING_ENTRIES);
 KV_MAP("lru_hash", struct kv_waiter_key, struct kv_waiter, kv_waiters, KV_WAITER_ENTRIES);

@@ -105,7 +105,13 @@ struct kv_admit_val {              /* admit set: replies for these blocks are ca
 #define KV_ROLE_POOL 1             /* pool (storage) node port: its replies may fill the cache */
 struct kv_port_cfg {
     __u32 role;                    /* KV_ROLE_* */
-    __u32 reserved;
+    __u32 flags;                   /* KV_PF_* */
+};
+#define KV_PF_NS_LIMITED 1         /* only namespaces in kv_port_ns may be asked for here */
+
+struct kv_port_ns_key {            /* per-port namespace allow-list */
+    __u32 ifindex;
+    __u32 ns;
 };
 
 /* ---- miss coalescing (incast relief) ---- */
@@ -213,6 +219,7 @@ struct kv_ns_stats {
 #define KV_STAT_EXPIRED 20         /* pending rounds found stale and retried upstream */
 #define KV_STAT_UNCOALESCED 21     /* GETs not held: a second asker on a port already waiting */
 #define KV_STAT_FILL_CORRUPT 22    /* admitted reply whose payload fails its CRC: not learned */
+#define KV_STAT_DENIED 23          /* GET for a namespace its port may not ask for: dropped */
 #define KV_STAT_MAX 24
 
 #endif /* KVPROTO_H */

@@ -279,8 +279,25 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
     return XDP_PASS;
 }
 
+/* Tenant isolation: a port limited to some namespaces never gets (or causes) anything else. */
+static __always_inline int ns_allowed(struct xdp_md *ctx, __u32 ns)
+{
+    __u32 ifindex = ctx->ingress_ifindex;
+    struct kv_port_cfg *port = kv_ports.lookup(&ifindex);
+    if (!port || !(port->flags & KV_PF_NS_LIMITED))
+        return 1;
+    struct kv_port_ns_key pk = {};
+    pk.ifindex = ifindex;
+    pk.ns = ns;
+    return kv_port_ns.lookup(&pk) != 0;
+}
+
 static __always_inline int handle_get(struct xdp_md *ctx, struct kv_frame *f)
 {
+    if (!ns_allowed(ctx, bpf_ntohl(f->kv->ns))) {
+        count(KV_STAT_DENIED, 1);
+        return XDP_DROP;
+    }
     if (f->kv->flags & bpf_htons(KV_F_NO_CACHE)) {
         count(KV_STAT_GET_MISS, 1);
         return XDP_PASS;
