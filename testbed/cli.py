@@ -122,6 +122,25 @@ def fuzz(frames, seed, json_path):
         sys.exit(1)
 
 
+@bench.command()
+@click.option("--loss", "losses", default="0,1,5", show_default=True,
+              help="Loss rates in percent, comma-separated.")
+@click.option("--block-mib", type=click.FloatRange(min=0.01, max=64), default=4.0,
+              show_default=True)
+@click.option("--reps", type=click.IntRange(1, 50), default=3, show_default=True)
+@click.option("--json", "json_path", default="bench/results/loss.json", show_default=True)
+def loss(losses, block_mib, reps, json_path):
+    """Block fetches over links that drop KV frames."""
+    from .bench_loss import run_loss
+    try:
+        rates = [float(x) for x in losses.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{losses!r} is not a list of percentages") from None
+    if not rates or any(not 0 <= r < 100 for r in rates):
+        raise click.BadParameter("loss rates must be in [0, 100)", param_hint="--loss")
+    run_loss(rates, block_mib, reps, json_path)
+
+
 def _register_optional():
     try:
         from .policy_eval import policy_eval

@@ -162,6 +162,25 @@ def attach_pass_programs(namespaces: list[str], ifname: str = "eth0") -> None:
             bcc.BPF.attach_xdp(ifname.encode(), fn, PASS_PROG_MODE)
 
 
+def attach_loss(namespaces: list[str], loss: float, ifname: str = "eth0") -> None:
+    """Replace the pass program on each node's veth end by one that drops ``loss`` (0..1) of
+    the KV frames it receives (this kernel has no netem); loss=0 restores plain passing."""
+    from switchd.dataplane import XDP_DIR, _import_bcc
+    if not 0 <= loss < 1:
+        raise TestbedError("loss must be in [0, 1)")
+    if loss == 0:
+        attach_pass_programs(namespaces, ifname)
+        return
+    bcc = _import_bcc()
+    bpf = bcc.BPF(src_file=str(XDP_DIR / "lossy.c").encode(), cflags=[f"-I{XDP_DIR}"])
+    table = bpf[b"loss_ppm"]
+    table[table.Key(0)] = table.Leaf(int(loss * 1_000_000))
+    fn = bpf.load_func(b"xdp_lossy", bcc.BPF.XDP)
+    for ns in namespaces:
+        with netns.inside(ns):
+            bcc.BPF.attach_xdp(ifname.encode(), fn, PASS_PROG_MODE)
+
+
 def namespaces_of(prefix: str) -> list[str]:
     r = sh("ip", "netns", "list", check=False)
     names = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]

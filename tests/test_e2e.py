@@ -254,3 +254,20 @@ def test_a_port_running_someone_elses_program_is_refused():
     assert r.stderr.strip().splitlines() == [
         "switchd: error: eth0 already runs XDP program 'xdp_pass': remove it first "
         "('switchd detach --port eth0')"]
+
+
+def test_blocks_arrive_byte_exact_over_lossy_links(lab):
+    from testbed.topology import attach_loss
+    key, block = os.urandom(16), os.urandom(150 * 1024)
+    lab.put("h1", NS, key, block)
+    lab.switchd("cache", "admit", "--ns", str(NS), "--key", key.hex())
+    nodes = [n.netns for n in lab.topo.nodes]
+    attach_loss(nodes, 0.05)
+    try:
+        cold, data = lab.get("h2", NS, key, "--deadline", "20")
+        assert data == block
+        warm, data = lab.get("h1", NS, key, "--deadline", "20")
+        assert data == block and warm["from_switch"] > 100
+    finally:
+        attach_loss(nodes, 0)
+    assert cold["retransmits"] + warm["retransmits"] > 0, "5% loss and no retransmission?"
