@@ -141,6 +141,19 @@ def loss(losses, block_mib, reps, json_path):
     run_loss(rates, block_mib, reps, json_path)
 
 
+@main.command()
+@click.option("--minutes", type=click.FloatRange(min=0.1, max=120), default=10.0,
+              show_default=True)
+@click.option("--json", "json_path", default="bench/results/soak.json", show_default=True)
+def soak(minutes, json_path):
+    """Sustained load for a bounded time; checks maps and daemon memory do not grow."""
+    from .soak import run_soak
+    out = run_soak(minutes, json_path)
+    click.echo(json.dumps({k: v for k, v in out.items() if k != "samples"}, indent=2))
+    if not out["within_capacity"]:
+        sys.exit(1)
+
+
 def _register_optional():
     try:
         from .policy_eval import policy_eval
