@@ -59,6 +59,7 @@ def test_hot_block_is_admitted_then_learned(dp):
     run(dp, reply_frame(key=A, chunk=0), port="pool")
     manager.step()
     assert Cache(dp).admit_entries() == {(5, A): (0, 0)}
+    miss(dp, A, chunk=3)
     run(dp, reply_frame(key=A, chunk=3), port="pool")   # passing replies are now learned
     assert Cache(dp).get(5, A, 3) is not None
     assert manager.admissions == 1

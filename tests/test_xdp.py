@@ -185,6 +185,7 @@ def test_non_kv_traffic_is_untouched(dp, cache):
 
 def test_admitted_reply_from_pool_port_is_learned_and_passed(dp, cache):
     cache.admit(5, KEY)
+    run(dp, get_frame())                  # the request it answers
     frame = bytes(reply_frame())
     assert run(dp, frame, port="pool") == (XDP_PASS, frame)
     entry, payload = cache.get(5, KEY, 3)
@@ -195,10 +196,13 @@ def test_admitted_reply_from_pool_port_is_learned_and_passed(dp, cache):
     assert verdict == XDP_TX and Ether(out)[Raw].load == PAYLOAD
 
 
-@pytest.mark.parametrize("case", ["not admitted", "host port", "switch-made", "error status"])
+@pytest.mark.parametrize("case", ["not admitted", "host port", "switch-made", "error status",
+                                  "unsolicited"])
 def test_replies_that_must_not_be_learned(dp, cache, case):
     if case != "not admitted":
         cache.admit(5, KEY)
+    if case != "unsolicited":
+        run(dp, get_frame())              # an outstanding request for the chunk
     frame = reply_frame(flags=Flag.FROM_SWITCH if case == "switch-made" else 0)
     if case == "error status":
         frame[KV].status = 1
@@ -208,10 +212,13 @@ def test_replies_that_must_not_be_learned(dp, cache, case):
     assert cache.get(5, KEY, 3) is None
     if case == "host port":
         assert dp.counters()["forged"] - before["forged"] == 1
+    if case == "unsolicited":
+        assert dp.counters()["unsolicited"] - before["unsolicited"] == 1
 
 
 def test_reply_larger_than_a_cache_entry_is_not_learned(dp, cache):
     cache.admit(5, KEY)
+    run(dp, get_frame())
     raw = bytes(reply_frame(payload=bytes(1100)))
     assert run(dp, raw, port="pool") == (XDP_PASS, raw)
     assert cache.get(5, KEY, 3) is None
@@ -312,7 +319,8 @@ def test_coalescing_off_forwards_every_miss(dp, cache):
     for port, req in (("host", 1), ("host2", 2)):
         frame = bytes(get_frame(req_id=req))
         assert run(dp, frame, port=port) == (XDP_PASS, frame)
-    assert len(dp.pending) == 0
+    assert len(dp.pending) == 1, "the request is outstanding (its reply may be learned)"
+    assert len(dp.waiters) == 0, "but nobody is held"
 
 
 # ---- tenant isolation -------------------------------------------------------------------------

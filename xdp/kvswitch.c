@@ -2,12 +2,13 @@
  *
  *  - GET whose chunk is cached: the request is rewritten in place into the reply (payload from
  *    kv_cache, room trimmed, addresses swapped, KV_F_FROM_SWITCH set) and sent back with XDP_TX.
- *  - GET miss: with coalescing on, the first asker's GET goes on to the pool node and opens a
- *    pending round; GETs for the same chunk from other ports while it is open are held (dropped
- *    here, remembered in kv_waiters). A round older than the pending timeout is retried.
- *  - GET_REPLY from a pool-node port: copied into kv_cache if its block is admitted; if several
- *    ports wait for it, broadcast through kv_devmap, where kv_egress rewrites each copy for the
- *    waiter on its port and drops the copies for ports that did not ask.
+ *  - GET miss: goes on to the pool node and opens a pending round (an outstanding request). With
+ *    coalescing on, GETs for the same chunk from other ports while the round is open are held
+ *    (dropped here, remembered in kv_waiters); a round older than the pending timeout is retried.
+ *  - GET_REPLY from a pool-node port that answers an open round: copied into kv_cache if its
+ *    block is admitted and its payload matches its CRC; if several ports wait for it, broadcast
+ *    through kv_devmap, where kv_egress rewrites each copy for the waiter on its port and drops
+ *    the copies for ports that did not ask.
  *  - everything else (PUTs, malformed KV frames, non-KV traffic): XDP_PASS, untouched, so the
  *    kernel bridge forwards it.
  */
@@ -236,11 +237,16 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
                                            struct kv_cache_key *k)
 {
     count_miss(k);                 /* held or forwarded, it is demand the cache did not meet */
+    __u64 now = bpf_ktime_get_ns();
     if (!setting(KV_SET_COALESCE)) {
+        struct kv_pending open = {};   /* outstanding, so its reply may be learned; no holding */
+        open.gen = now;
+        open.waiters = 1;
+        open.first_ifindex = ctx->ingress_ifindex;
+        kv_pending.update(k, &open);
         count(KV_STAT_GET_MISS, 1);
         return XDP_PASS;
     }
-    __u64 now = bpf_ktime_get_ns();
     struct kv_waiter_key wk = {};
     wk.chunk = *k;
     wk.ifindex = ctx->ingress_ifindex;
@@ -396,6 +402,10 @@ static __always_inline int handle_reply(struct xdp_md *ctx, struct kv_frame *f)
     }
     struct kv_cache_key k = {};
     chunk_key(&k, kv);
+    if (!kv_pending.lookup(&k)) {
+        count(KV_STAT_UNSOLICITED, 1);  /* nobody asked through this switch: never learned */
+        return XDP_PASS;
+    }
     if (k.chunk == 0) {            /* tell switchd how large a recently missed block is */
         struct kv_block_key bk = {};
         bk.ns = k.ns;
