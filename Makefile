@@ -8,7 +8,7 @@ DEBS  := python3-bpfcc python3-venv linux-headers-amd64 libbpf1 bpftool \
          iproute2 iperf3 tcpdump ethtool iputils-ping memcached procps
 KREL  := $(shell uname -r)
 
-.PHONY: setup debs kernel-headers bpffs venv test test-python test-bpf test-e2e demo bench clean
+.PHONY: setup debs kernel-headers bpffs venv test test-python test-bpf test-e2e demo demo-inference bench clean
 
 setup: debs kernel-headers bpffs venv
 	@echo "setup: OK ($(VENV) ready; run 'make test')"
@@ -37,7 +37,7 @@ bpffs:
 venv:
 	@[ -x $(PY) ] || /usr/bin/python3 -m venv --system-site-packages $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
-	@$(PY) -m pip install -q -e '.[test]'
+	@$(PY) -m pip install -q -e '.[test,inference]'
 
 test:
 	$(PY) -m pytest -q tests
@@ -53,6 +53,9 @@ test-e2e:
 
 demo:
 	$(VENV)/bin/testbed demo
+
+demo-inference:
+	$(VENV)/bin/testbed demo-inference --json bench/results/inference.json
 
 bench:
 	$(VENV)/bin/testbed bench incast --json bench/results/incast.json

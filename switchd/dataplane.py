@@ -11,7 +11,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from hostagent.protocol import CONSTANTS, MAX_PAYLOAD
+from hostagent.protocol import CONSTANTS
 
 from . import libbpf
 
@@ -19,6 +19,9 @@ XDP_DIR = Path(__file__).resolve().parents[1] / "xdp"
 DEFAULT_PIN_DIR = "/sys/fs/bpf/kvswitch"
 XDP_FLAGS = {"native": 1 << 2, "generic": 1 << 1}
 CACHE_VAL_HEADER = 32  # bytes of struct kv_cache_val before data[]
+# This kernel refuses native XDP on a veth whose MTU exceeds 3506 bytes (no multi-buffer), so the
+# largest chunk a deployment can use is 3506 - 76 rounded down to a multiple of 8.
+MAX_CHUNK = 3424
 STAT_NAMES = {v: n[len("KV_STAT_"):].lower() for n, v in CONSTANTS.items()
               if n.startswith("KV_STAT_") and n != "KV_STAT_MAX"}
 MAP_NAMES = ("kv_cache", "kv_admit", "kv_ports", "kv_stats", "kv_settings", "kv_pending",
@@ -38,8 +41,8 @@ class Deployment:
     pin_dir: str | None = DEFAULT_PIN_DIR
 
     def __post_init__(self):
-        if not 8 <= self.chunk_size <= MAX_PAYLOAD or self.chunk_size % 8:
-            raise SwitchError(f"chunk size must be a multiple of 8 between 8 and {MAX_PAYLOAD}")
+        if not 8 <= self.chunk_size <= MAX_CHUNK or self.chunk_size % 8:
+            raise SwitchError(f"chunk size must be a multiple of 8 between 8 and {MAX_CHUNK}")
         if not 1 <= self.cache_entries <= 1 << 24:
             raise SwitchError("cache entries must be between 1 and 16777216")
 

@@ -27,7 +27,8 @@ def main():
 @click.option("--name", default="kv", show_default=True, help="Prefix of every object made.")
 @click.option("--hosts", type=click.IntRange(1, 99), default=2, show_default=True)
 @click.option("--pools", type=click.IntRange(1, 99), default=1, show_default=True)
-@click.option("--mtu", type=click.IntRange(1280, 3520), default=1500, show_default=True)
+@click.option("--mtu", type=click.IntRange(1280, 3506), default=1500, show_default=True,
+              help="Above 3506 this kernel refuses native XDP on veths.")
 def up(name, hosts, pools, mtu):
     """Build a switch namespace with a bridge, inference nodes h1.. and pool nodes p1.."""
     t = Topology(name, hosts, pools, mtu).up()
@@ -79,7 +80,7 @@ def bench():
               show_default=True)
 @click.option("--reps", type=click.IntRange(1, 50), default=3, show_default=True,
               help="Repetitions per reader count and mode.")
-@click.option("--chunk-size", type=click.IntRange(64, 3440), default=1024, show_default=True)
+@click.option("--chunk-size", type=click.IntRange(64, 3424), default=1024, show_default=True)
 @click.option("--pool-link-mbit", type=click.FloatRange(min=1), help="Shape the pool node's link "
               "to this rate (default: unshaped veth).")
 @click.option("--json", "json_path", default="bench/results/incast.json", show_default=True)
@@ -154,12 +155,11 @@ def soak(minutes, json_path):
         sys.exit(1)
 
 
-def _register_optional():
-    try:
-        from .policy_eval import policy_eval
-    except ImportError:
-        return
+def _register_commands():
+    from .demo_inference import demo_inference
+    from .policy_eval import policy_eval
     main.add_command(policy_eval, "policy-eval")
+    main.add_command(demo_inference, "demo-inference")
 
 
-_register_optional()
+_register_commands()

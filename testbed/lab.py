@@ -35,7 +35,8 @@ class Lab:
                  chunk_size: int = 1024, cache_entries: int = 65536,
                  pool_capacity: str = "512MiB", switch: bool = True,
                  switchd_args: tuple[str, ...] = ()):
-        self.topo = Topology(prefix, hosts, pools, mtu=1500 if chunk_size <= 1424 else 3520)
+        # the MTU fits the chunk (IPv4 + UDP + KV header = 76 bytes), never below Ethernet's 1500
+        self.topo = Topology(prefix, hosts, pools, mtu=max(1500, chunk_size + 76))
         self.chunk_size, self.cache_entries = chunk_size, cache_entries
         self.pool_capacity, self.want_switch = pool_capacity, switch
         self.switchd_args = switchd_args

@@ -57,8 +57,8 @@ struct kvhdr {
     __be32 csum;                   /* CRC-32 (IEEE) of the payload; 0 in a GET */
 };
 
-/* Largest payload of any frame: veth XDP without multi-buffer stops at a 3520-byte MTU,
- * minus IPv4 (20), UDP (8) and kvhdr (48). */
+/* Largest payload the protocol allows: a 3520-byte MTU minus IPv4 (20), UDP (8) and kvhdr (48).
+ * (Deployments on veth stop lower: this kernel refuses native XDP above a 3506-byte MTU.) */
 #define KV_MAX_PAYLOAD 3444
 
 /* ---- switch map layouts -------------------------------------------------------------------- */

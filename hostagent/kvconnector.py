@@ -1,0 +1,241 @@
+"""The integration layer between a Hugging Face decoder and the KV pool: a model's KV cache as
+content-addressed blocks.
+
+It owns the block layout, cutting a ``transformers.DynamicCache`` into blocks and rebuilding one
+from blocks, block-aligned chunked prefill, and ``KVConnector``, which puts the blocks of a prompt
+and loads the longest prefix of a prompt whose blocks the switch or the pool nodes have.
+
+Blocks and keys. A block holds the KV of ``block_tokens`` consecutive prompt tokens for every
+layer. Its key is the chained prefix hash of the tokens (``hostagent.hashing.block_hashes``) with
+``extra`` = model id + the layout tag (``BlockLayout.tag``), so blocks of another model, another
+set of weights or another layout never share a key. Only full blocks get keys.
+
+Block layout (version 1), no header: one C-contiguous array of the model's dtype (native byte
+order, little-endian on x86 and ARM) of shape
+
+    [layers, 2, kv_heads, block_tokens, head_dim]      (index 1: 0 = K, 1 = V)
+
+that is, for each layer K then V, each [kv_heads, block_tokens, head_dim] as the model keeps them
+(keys after RoPE). Its size is fixed by the layout (``BlockLayout.block_bytes``), so a reader
+knows every block's chunk count without asking; a block of any other size is refused. The layout
+is recoverable from the key's ``extra`` alone, which is why the block needs no header.
+
+Determinism. Prefill runs in chunks aligned to block boundaries (``prefill``), so the KV of a
+block is the same bits whether a node computed it or fetched it, and greedy generation from a
+fetched prefix is token-for-token (and logit-for-logit) that of a full recompute. Pool blocks
+are immutable: a node whose bits differed would have its PUTs refused.
+
+Finding the prefix. Blocks are fetched in chain order, ``concurrency`` at a time; a missing block
+answers NACK (``BlockNotFound``) within one round trip, and the search stops there: blocks after
+the first missing one are cancelled or dropped. The fetch is the probe, so a present block is
+never asked for twice. Batch size 1, full-attention layers (``DynamicLayer``) only.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")       # nothing here ever downloads a model
+
+import torch                                       # noqa: E402
+from transformers import DynamicCache              # noqa: E402
+
+from .client import BlockNotFound, KVClient, TransferStats  # noqa: E402
+from .hashing import block_hashes                  # noqa: E402
+
+LAYOUT_VERSION = 1
+DEFAULT_BLOCK_TOKENS = 256
+DEFAULT_CONCURRENCY = 4
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+
+    @classmethod
+    def of(cls, config, dtype: torch.dtype, block_tokens: int = DEFAULT_BLOCK_TOKENS):
+        """The layout of a transformers decoder config (Llama, Mistral, Qwen2, ...)."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads,
+                   head_dim, dtype, block_tokens)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.kv_heads, self.block_tokens, self.head_dim)
+
+    @property
+    def token_bytes(self) -> int:
+        """KV bytes per token: every layer's K and V."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.token_bytes * self.block_tokens
+
+    def tag(self) -> bytes:
+        return (f"kvlayout/v{LAYOUT_VERSION} L{self.layers} H{self.kv_heads} D{self.head_dim} "
+                f"{str(self.dtype).removeprefix('torch.')} B{self.block_tokens}").encode()
+
+
+def cache_to_blocks(cache: DynamicCache, layout: BlockLayout, first: int = 0,
+                    last: int | None = None) -> list[bytes]:
+    """Blocks ``first``..``last``-1 of a batch-1 cache, serialised (whole blocks only)."""
+    if len(cache.layers) != layout.layers:
+        raise ValueError(f"cache has {len(cache.layers)} layers, layout {layout.layers}")
+    bt = layout.block_tokens
+    full = cache.get_seq_length() // bt
+    last = full if last is None else min(last, full)
+    if first >= last:
+        return []
+    lo, hi = first * bt, last * bt
+    for layer in cache.layers:
+        if layer.keys.shape[0] != 1 or layer.keys.dtype != layout.dtype:
+            raise ValueError("only batch-1 caches of the layout's dtype can be cut into blocks")
+    kv = torch.stack([torch.stack((layer.keys[0, :, lo:hi], layer.values[0, :, lo:hi]))
+                      for layer in cache.layers])                 # [L, 2, H, T, D]
+    kv = kv.unflatten(3, (last - first, bt)).permute(3, 0, 1, 2, 4, 5).contiguous()
+    raw = kv.view(torch.uint8).numpy()                            # [n, L, 2, H, bt, D*itemsize]
+    return [raw[i].tobytes() for i in range(last - first)]
+
+
+def blocks_to_cache(blocks: Sequence[bytes], layout: BlockLayout, config=None) -> DynamicCache:
+    """A DynamicCache holding the KV of ``blocks`` (consecutive, from the first), batch 1."""
+    if not blocks:
+        return DynamicCache(config=config)
+    for i, b in enumerate(blocks):
+        if len(b) != layout.block_bytes:
+            raise ValueError(f"block {i} has {len(b)} bytes, the layout {layout.block_bytes}")
+    n, (L, _, H, bt, D) = len(blocks), layout.shape
+    kv = torch.frombuffer(bytearray().join(blocks), dtype=layout.dtype).view(n, *layout.shape)
+    kv = kv.permute(1, 2, 3, 0, 4, 5).reshape(L, 2, H, n * bt, D)
+    return DynamicCache([(kv[i, 0][None], kv[i, 1][None]) for i in range(L)], config=config)
+
+
+@torch.inference_mode()
+def prefill(model, tokens: Sequence[int], cache: DynamicCache, chunk: int) -> torch.Tensor:
+    """Feed the tokens the cache does not hold yet, in chunks ending on multiples of ``chunk``
+    (the block size); return the logits for the token after the last."""
+    start = cache.get_seq_length()
+    if not start < len(tokens):
+        raise ValueError(f"nothing to prefill: the cache holds {start} of {len(tokens)} tokens")
+    ids = torch.tensor([list(tokens)], dtype=torch.long)
+    while start < len(tokens):
+        end = min(len(tokens), (start // chunk + 1) * chunk)
+        out = model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+        start = end
+    return out.logits[0, -1]
+
+
+@torch.inference_mode()
+def greedy(model, logits: torch.Tensor, cache: DynamicCache, new_tokens: int) -> list[int]:
+    """Greedy decoding from the prefill's last logits: ``new_tokens`` token ids."""
+    out = [int(logits.argmax())]
+    while len(out) < new_tokens:
+        step = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache, use_cache=True)
+        out.append(int(step.logits[0, -1].argmax()))
+    return out
+
+
+def _add(total: TransferStats, part: TransferStats) -> None:
+    for f in fields(TransferStats):
+        if f.name != "seconds":
+            setattr(total, f.name, getattr(total, f.name) + getattr(part, f.name))
+
+
+@dataclass
+class Loaded:
+    """What ``KVConnector.load`` found: a cache of the first ``tokens`` prompt tokens."""
+    cache: DynamicCache
+    tokens: int
+    blocks: int
+    probed: int                   # full blocks the prompt has (before its last token)
+    missing_at: int | None        # first block the pool lacked (None: every one was there)
+    stats: TransferStats          # summed over blocks; seconds = wall time of the whole fetch
+    rebuild_seconds: float = 0.0
+
+
+class KVConnector:
+    """Put and load a prompt's KV blocks through a ``KVClient`` (already entered)."""
+
+    def __init__(self, client: KVClient, ns: int, layout: BlockLayout, model_id: str | bytes,
+                 config=None, concurrency: int = DEFAULT_CONCURRENCY):
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.client, self.ns, self.layout, self.config = client, ns, layout, config
+        self.concurrency = concurrency
+        mid = model_id.encode() if isinstance(model_id, str) else model_id
+        self.extra = mid + b"|" + layout.tag()
+        self.nchunks = math.ceil(layout.block_bytes / client.chunk_size)
+
+    def keys(self, tokens: Sequence[int]) -> list[bytes]:
+        return block_hashes(tokens, self.layout.block_tokens, extra=self.extra)
+
+    async def save(self, tokens: Sequence[int], cache: DynamicCache,
+                   first_block: int = 0) -> TransferStats:
+        """Put the full blocks of ``tokens`` from ``first_block`` on (the cache must hold them)."""
+        keys = self.keys(tokens)
+        if cache.get_seq_length() < len(keys) * self.layout.block_tokens:
+            raise ValueError("the cache holds fewer tokens than the prompt's full blocks")
+        blocks = cache_to_blocks(cache, self.layout, first_block, len(keys))
+        total, sem, start = TransferStats(), asyncio.Semaphore(self.concurrency), time.monotonic()
+
+        async def put(key: bytes, data: bytes) -> None:
+            async with sem:
+                _add(total, await self.client.put_block(self.ns, key, data))
+
+        await asyncio.gather(*(put(k, b) for k, b in zip(keys[first_block:], blocks)))
+        total.seconds = time.monotonic() - start
+        return total
+
+    async def fetch_prefix(self, keys: Sequence[bytes]) -> tuple[list[bytes], int | None,
+                                                                 TransferStats]:
+        """The blocks of the longest available prefix of ``keys``, the index of the first missing
+        block (None if none was), and the transfer stats summed over every block moved (a block
+        in flight past a gap still counts, though it is not kept)."""
+        got: list[bytes | None] = [None] * len(keys)
+        total, sem, start = TransferStats(), asyncio.Semaphore(self.concurrency), time.monotonic()
+        missing = len(keys)
+        tasks: list[asyncio.Task] = []
+
+        async def one(i: int) -> None:
+            nonlocal missing
+            async with sem:                       # FIFO: blocks are asked for in chain order
+                if i > missing:
+                    return
+                try:
+                    got[i], stats = await self.client.get_block(self.ns, keys[i],
+                                                                nchunks=self.nchunks)
+                except BlockNotFound:
+                    missing = min(missing, i)
+                    for t in tasks[i + 1:]:
+                        t.cancel()
+                    return
+                _add(total, stats)
+
+        tasks.extend(asyncio.create_task(one(i)) for i in range(len(keys)))
+        for result in await asyncio.gather(*tasks, return_exceptions=True):
+            if isinstance(result, BaseException) and not isinstance(result,
+                                                                    asyncio.CancelledError):
+                raise result
+        total.seconds = time.monotonic() - start
+        return list(got[:missing]), (missing if missing < len(keys) else None), total
+
+    async def load(self, tokens: Sequence[int]) -> Loaded:
+        """The cache of the longest prefix of ``tokens`` whose blocks are available. It never
+        covers the last token, whose logits the caller must compute (``prefill``)."""
+        keys = self.keys(list(tokens)[:-1])
+        blocks, missing_at, stats = await self.fetch_prefix(keys)
+        start = time.monotonic()
+        cache = blocks_to_cache(blocks, self.layout, self.config)
+        return Loaded(cache, len(blocks) * self.layout.block_tokens, len(blocks), len(keys),
+                      missing_at, stats, time.monotonic() - start)

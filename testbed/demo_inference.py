@@ -1,0 +1,347 @@
+"""`testbed demo-inference`: a real transformer's prefix KV cache moved through the switch.
+
+Three inference nodes run the same seeded-random decoder on the CPU (nothing is downloaded).
+For each prompt size, node A (h1) prefills a long shared prompt plus its own question and puts
+the prompt's KV blocks on the pool node; the orchestrator admits those blocks to the switch; node
+B (h2) asks the same prompt with another question, loads the longest available prefix (every
+chunk a miss: the pool answers and the switch learns) and generates; node C (h3) does the same
+and is answered by the switch. B and C each also recompute the whole prompt and report
+time-to-first-token (TTFT) both ways, greedy tokens (must be identical), KV identity (the fetched
+blocks must equal the recomputed ones bit for bit) and the bytes moved per cached token.
+
+The model ("llama3-mini") is a scaled-down Llama-3: grouped-query attention with 16 query heads
+and 2 KV heads, a 3.5x SwiGLU MLP, bf16, 8 layers of width 1024 (~0.17 B parameters, 0.21 GFLOP
+per token outside attention), so 4 KiB of KV per token: ~52 kFLOP of prefill per KV byte. That is
+half of Llama-3-8B's ratio (~107 kFLOP/B: 14 GFLOP and 128 KiB per token) and an eighth of
+Llama-3-70B's (~420 kFLOP/B), so the fetch path gets no help from the model choice. Prefill runs
+in 512-token chunks (one block each) on both paths; bf16 because this CPU has AMX.
+
+The orchestrator runs here; the model runs inside the node namespaces
+(`python -m testbed.demo_inference node-a|node-b ...`, one JSON line each).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+
+import click
+
+from .lab import Lab
+from .results import write_json
+from .topology import python_argv
+
+NS = 8
+SEED = 0
+BLOCK_TOKENS = 512                # 2 MiB blocks of llama3-mini, like 16 tokens of Llama-3-8B
+QUESTION_TOKENS = 64
+MODELS = {
+    "llama3-mini": dict(vocab_size=32000, hidden_size=1024, intermediate_size=3584,
+                        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2,
+                        head_dim=64, max_position_embeddings=32768, rope_theta=500000.0),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=224, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 max_position_embeddings=32768, rope_theta=500000.0),
+}
+
+
+def prompt(size: int, node: str) -> list[int]:
+    """A shared ``size``-token prefix (the same on every node) and a per-node question."""
+    shared, own = random.Random(f"shared-{size}"), random.Random(f"question-{node}-{size}")
+    return ([shared.randrange(1, 32000) for _ in range(size)] +
+            [own.randrange(1, 32000) for _ in range(QUESTION_TOKENS)])
+
+
+# ---- inside a node -----------------------------------------------------------------------------
+class _Node:
+    """The model of one inference node (the same seeded weights on every node) and its layout."""
+
+    def __init__(self, model: str, dtype: str, block_tokens: int):
+        from hostagent.kvconnector import BlockLayout      # first: it keeps transformers offline
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(SEED)
+        self.config = LlamaConfig(**MODELS[model], attn_implementation="sdpa")
+        self.dtype = getattr(torch, dtype)
+        self.model = LlamaForCausalLM(self.config).to(self.dtype).eval()
+        self.layout = BlockLayout.of(self.config, self.dtype, block_tokens)
+        self.model_id = f"{model}/seed{SEED}"
+        self.vocab = self.config.vocab_size
+        self.params = sum(p.numel() for p in self.model.parameters())
+
+    def tokens(self, size: int, node: str) -> list[int]:
+        return [t % self.vocab for t in prompt(size, node)]
+
+    def recompute(self, tokens: list[int]):
+        from transformers import DynamicCache
+        from hostagent.kvconnector import prefill
+        cache = DynamicCache(config=self.config)
+        start = time.perf_counter()
+        logits = prefill(self.model, tokens, cache, self.layout.block_tokens)
+        return logits, cache, time.perf_counter() - start
+
+    def warm_up(self) -> None:
+        """One block and a question's worth: the shapes timed later are not run cold."""
+        self.recompute(list(range(1, self.layout.block_tokens + QUESTION_TOKENS + 1)))
+
+    def info(self) -> dict:
+        return {"model": self.model_id, "params": self.params,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "kv_bytes_per_token": self.layout.token_bytes,
+                "block_tokens": self.layout.block_tokens,
+                "block_bytes": self.layout.block_bytes}
+
+
+def _link_bytes() -> tuple[int, int]:
+    """This namespace's eth0 counters (rx, tx): the node's own view of what crossed its link."""
+    def read(d):
+        with open(f"/sys/class/net/eth0/statistics/{d}_bytes") as f:
+            return int(f.read())
+    return read("rx"), read("tx")
+
+
+async def _node_a(node: _Node, name: str, sizes, client_args: dict, concurrency: int) -> dict:
+    from hostagent.client import KVClient
+    from hostagent.kvconnector import KVConnector
+    node.warm_up()
+    out = []
+    async with KVClient(**client_args) as client:
+        conn = KVConnector(client, NS, node.layout, node.model_id, node.config, concurrency)
+        for size in sizes:
+            tokens = node.tokens(size, name)
+            _, cache, seconds = node.recompute(tokens)
+            put = await conn.save(tokens, cache)
+            out.append({"size": size, "ttft_recompute": round(seconds, 4),
+                        "keys": [k.hex() for k in conn.keys(tokens)], "put": put.as_dict()})
+    return {"node": name, **node.info(), "sizes": out}
+
+
+async def _node_b(node: _Node, name: str, sizes, client_args: dict, concurrency: int,
+                  new_tokens: int) -> dict:
+    from hostagent.client import KVClient
+    from hostagent.kvconnector import KVConnector, greedy, prefill
+    import torch
+    node.warm_up()
+    out = []
+    async with KVClient(**client_args) as client:
+        conn = KVConnector(client, NS, node.layout, node.model_id, node.config, concurrency)
+        for size in sizes:
+            tokens = node.tokens(size, name)
+            rx0, tx0 = _link_bytes()
+            start = time.perf_counter()
+            loaded = await conn.load(tokens)
+            fetched = time.perf_counter()
+            rx1, tx1 = _link_bytes()
+            logits = prefill(node.model, tokens, loaded.cache, node.layout.block_tokens)
+            ttft_fetch = time.perf_counter() - start
+            fetched_kv = [(layer.keys[..., :loaded.tokens, :].clone(),
+                           layer.values[..., :loaded.tokens, :].clone())
+                          for layer in loaded.cache.layers] if loaded.tokens else []
+            via_fetch = greedy(node.model, logits, loaded.cache, new_tokens)
+
+            logits_r, cache_r, ttft_recompute = node.recompute(tokens)
+            kv_identical = all(
+                torch.equal(k, layer.keys[..., :loaded.tokens, :]) and
+                torch.equal(v, layer.values[..., :loaded.tokens, :])
+                for (k, v), layer in zip(fetched_kv, cache_r.layers))
+            via_recompute = greedy(node.model, logits_r, cache_r, new_tokens)
+            s = loaded.stats
+            out.append({
+                "size": size, "prompt_tokens": len(tokens), "cached_tokens": loaded.tokens,
+                "blocks": loaded.blocks, "probed": loaded.probed, "missing_at": loaded.missing_at,
+                "ttft_fetch": round(ttft_fetch, 4), "ttft_recompute": round(ttft_recompute, 4),
+                "fetch_seconds": round(fetched - start, 4),
+                "rebuild_seconds": round(loaded.rebuild_seconds, 4),
+                "suffix_prefill_seconds": round(ttft_fetch - (fetched - start), 4),
+                "chunks": s.chunks, "from_switch": s.from_switch, "replicas": s.replicas,
+                "from_pool": s.from_pool, "retransmits": s.retransmits,
+                "payload_bytes": s.bytes, "rx_bytes": rx1 - rx0, "tx_bytes": tx1 - tx0,
+                "tokens_equal": via_fetch == via_recompute,
+                "logits_equal": bool(torch.equal(logits, logits_r)),
+                "kv_identical": kv_identical, "tokens": via_fetch})
+    return {"node": name, **node.info(), "sizes": out}
+
+
+@click.group()
+def _driver():
+    """The part of the demo that runs inside a node namespace."""
+
+
+def _node_options(f):
+    for opt in reversed([
+        click.option("--name", required=True, help="This node's name (h1, h2, ...)."),
+        click.option("--pool", "pools", multiple=True, required=True),
+        click.option("--chunk-size", type=int, default=3072),
+        click.option("--window", type=int, default=64),
+        click.option("--concurrency", type=int, default=4),
+        click.option("--sizes", required=True),
+        click.option("--model", type=click.Choice(sorted(MODELS)), default="llama3-mini"),
+        click.option("--dtype", default="bfloat16"),
+        click.option("--block-tokens", type=int, default=BLOCK_TOKENS),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _setup(pools, chunk_size, window, sizes, model, dtype, block_tokens):
+    client_args = dict(pools=list(pools), chunk_size=chunk_size, window=window, deadline=60)
+    return _Node(model, dtype, block_tokens), [int(s) for s in sizes.split(",")], client_args
+
+
+@_driver.command("node-a")
+@_node_options
+def _cmd_node_a(name, pools, chunk_size, window, concurrency, sizes, model, dtype, block_tokens):
+    node, sizes, client_args = _setup(pools, chunk_size, window, sizes, model, dtype,
+                                      block_tokens)
+    print(json.dumps(asyncio.run(_node_a(node, name, sizes, client_args, concurrency))))
+
+
+@_driver.command("node-b")
+@_node_options
+@click.option("--new-tokens", type=int, default=16)
+def _cmd_node_b(name, pools, chunk_size, window, concurrency, sizes, model, dtype, block_tokens,
+                new_tokens):
+    node, sizes, client_args = _setup(pools, chunk_size, window, sizes, model, dtype,
+                                      block_tokens)
+    print(json.dumps(asyncio.run(_node_b(node, name, sizes, client_args, concurrency,
+                                         new_tokens))))
+
+
+# ---- the orchestrator ----------------------------------------------------------------------------
+def _drive(lab: Lab, node: str, entry: str, *args: str) -> dict:
+    r = lab.topo.run(node, python_argv("testbed.demo_inference", entry, "--name", node, *args),
+                     timeout=3600)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run_inference_demo(sizes=(1024, 4096, 16384), chunk_size: int = 3072, window: int = 64,
+                       concurrency: int = 4, new_tokens: int = 16, model: str = "llama3-mini",
+                       dtype: str = "bfloat16", block_tokens: int = BLOCK_TOKENS,
+                       prefix: str = "inf", json_path: str | None = None,
+                       must_win_from: int = 4096) -> bool:
+    """Run the demo; True when every check held (fetch must beat recompute at prompt sizes of
+    ``must_win_from`` tokens and above)."""
+    from rich.console import Console
+    console = Console()
+    sizes = sorted(sizes)
+    if any(s % block_tokens for s in sizes):
+        raise ValueError(f"prompt sizes must be multiples of {block_tokens} tokens")
+    with Lab(prefix, hosts=3, pools=1, chunk_size=chunk_size) as lab:
+        args = [a for ip in lab.pool_addrs for a in ("--pool", ip)] + [
+            "--chunk-size", str(chunk_size), "--window", str(window),
+            "--concurrency", str(concurrency), "--sizes", ",".join(map(str, sizes)),
+            "--model", model, "--dtype", dtype, "--block-tokens", str(block_tokens)]
+        console.print(f"[bold]{model}[/] ({dtype}) on h1, h2, h3; prompt sizes {sizes} "
+                      f"+ {QUESTION_TOKENS}-token questions; {block_tokens}-token blocks, "
+                      f"{chunk_size}-byte chunks, {concurrency} blocks in flight")
+        a = _drive(lab, "h1", "node-a", *args)
+        console.print(f"h1 prefilled and put {sum(len(s['keys']) for s in a['sizes'])} blocks "
+                      f"({a['block_bytes']:,} bytes each, {a['kv_bytes_per_token']:,} B/token, "
+                      f"{a['params'] / 1e6:.0f} M parameters)")
+        for s in a["sizes"]:
+            for key in s["keys"]:
+                lab.switchd("cache", "admit", "--ns", str(NS), "--key", key)
+        console.print("admitted them to the switch (learned as pool replies pass)")
+        b = _drive(lab, "h2", "node-b", *args, "--new-tokens", str(new_tokens))
+        c = _drive(lab, "h3", "node-b", *args, "--new-tokens", str(new_tokens))
+        counters = lab.stats()
+    result = {"model": {k: v for k, v in a.items() if k != "sizes"},
+              "config": {"chunk_size": chunk_size, "window": window, "concurrency": concurrency,
+                         "sizes": sizes, "new_tokens": new_tokens},
+              "h1": a["sizes"], "h2": b["sizes"], "h3": c["sizes"], "switch": counters}
+    result["checks"] = report(console, result, must_win_from)
+    write_json(json_path, result)
+    ok = all(result["checks"].values())
+    speedups = ", ".join(f"{s['size'] // 1024}k {s['ttft_recompute'] / s['ttft_fetch']:.1f}x"
+                         for s in c["sizes"])
+    print(f"demo-inference: {'OK' if ok else 'FAILED'} - TTFT speed-up with the prefix from the "
+          f"switch: {speedups}; greedy tokens identical to recompute "
+          f"{result['checks']['greedy tokens identical to recompute']}")
+    return ok
+
+
+def report(console, result: dict, must_win_from: int) -> dict[str, bool]:
+    """Print the demo's table and checks; return the checks."""
+    from rich.table import Table
+    model, a, counters = result["model"], result["h1"], result["switch"]
+    table = Table(title=f"time to first token (s), {model['model']} {model['dtype']}, this CPU")
+    for col in ("tokens", "node", "KV from", "fetch", "TTFT fetch", "TTFT recomp.", "gain",
+                "wire B/tok", "same"):
+        table.add_column(col, justify="right")
+    rows = [(node, where, s) for node, where in (("h2", "pool"), ("h3", "switch"))
+            for s in result[node]]
+    for node, where, s in rows:
+        per_token = max(1, s["cached_tokens"])
+        table.add_row(f"{s['prompt_tokens']:,}", node, where, f"{s['fetch_seconds']:.3f}",
+                      f"{s['ttft_fetch']:.3f}", f"{s['ttft_recompute']:.3f}",
+                      f"{s['ttft_recompute'] / s['ttft_fetch']:.1f}x",
+                      f"{s['rx_bytes'] / per_token:,.0f}",
+                      "yes" if s["tokens_equal"] and s["kv_identical"] else "NO")
+    console.print(table)
+    console.print(f"KV payload {model['kv_bytes_per_token']:,} B/token; wire: bytes the node "
+                  "received per cached token (its GETs, carrying room for the reply, about as "
+                  "many again)")
+    console.print("h1 recompute TTFT: " + ", ".join(
+        f"{s['size']:,} tokens {s['ttft_recompute']:.3f}" for s in a))
+    console.print(f"switch counters: hits={counters['get_hit']} misses={counters['get_miss']} "
+                  f"learned={counters['fill']} served {counters['hit_bytes']:,} bytes")
+    checks = {
+        "every shared block found": all(s["cached_tokens"] == s["size"] for _, _, s in rows),
+        "greedy tokens identical to recompute": all(s["tokens_equal"] for _, _, s in rows),
+        "fetched KV identical to recomputed KV": all(s["kv_identical"] for _, _, s in rows),
+        "h2 served by the pool node": all(s["from_pool"] == s["chunks"]
+                                          for n, _, s in rows if n == "h2"),
+        "h3 served by the switch": all(s["from_switch"] == s["chunks"]
+                                       for n, _, s in rows if n == "h3"),
+        f"fetch beats recompute from {must_win_from:,} tokens": all(
+            s["ttft_fetch"] < s["ttft_recompute"] for _, _, s in rows
+            if s["size"] >= must_win_from),
+    }
+    for name, ok in checks.items():
+        console.print(f"  {'ok ' if ok else 'FAIL'} {name}")
+    return checks
+
+
+def _sizes(ctx, param, value: str) -> list[int]:
+    try:
+        items = sorted({int(v) for v in value.split(",") if v.strip()})
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers") from None
+    if not items or items[0] < 1:
+        raise click.BadParameter("give at least one positive number")
+    return items
+
+
+@click.command("demo-inference")
+@click.option("--sizes", default="1024,4096,16384", show_default=True, callback=_sizes,
+              help="Shared-prompt sizes in tokens (multiples of --block-tokens).")
+@click.option("--chunk-size", type=click.IntRange(64, 3424), default=3072, show_default=True)
+@click.option("--concurrency", type=click.IntRange(1, 64), default=4, show_default=True,
+              help="Blocks fetched or put at once per node.")
+@click.option("--window", type=click.IntRange(1, 1024), default=64, show_default=True,
+              help="Chunks in flight per block.")
+@click.option("--new-tokens", type=click.IntRange(1, 1024), default=16, show_default=True,
+              help="Greedy tokens generated and compared per prompt.")
+@click.option("--model", type=click.Choice(sorted(MODELS)), default="llama3-mini",
+              show_default=True)
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
+              show_default=True)
+@click.option("--block-tokens", type=click.IntRange(16, 4096), default=BLOCK_TOKENS,
+              show_default=True, help="Tokens per KV block (also the prefill chunk).")
+@click.option("--name", default="inf", show_default=True, help="Testbed prefix.")
+@click.option("--json", "json_path", help="Write the result here.")
+def demo_inference(sizes, chunk_size, concurrency, window, new_tokens, model, dtype,
+                   block_tokens, name, json_path):
+    """Prefix KV of a real (seeded-random) transformer through the switch: TTFT vs recompute."""
+    if any(s % block_tokens for s in sizes):
+        raise click.BadParameter(f"must be multiples of --block-tokens ({block_tokens})",
+                                 param_hint="--sizes")
+    if not run_inference_demo(sizes, chunk_size, window, concurrency, new_tokens, model, dtype,
+                              block_tokens, name, json_path):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    _driver()
