@@ -58,7 +58,11 @@ demo-inference:
 	$(VENV)/bin/testbed demo-inference --json bench/results/inference.json
 
 bench:
+	$(VENV)/bin/testbed bench throughput --json bench/results/throughput.json
 	$(VENV)/bin/testbed bench incast --json bench/results/incast.json
+	$(VENV)/bin/testbed bench loss --json bench/results/loss.json
+	$(VENV)/bin/testbed policy-eval --trace ../shared/traces/mooncake_synthetic_trace.jsonl \
+	  --capacity 0.02 --json bench/results/policy-0.02.json
 
 clean:
 	-$(VENV)/bin/testbed down --all 2>/dev/null

@@ -156,10 +156,12 @@ def soak(minutes, json_path):
 
 
 def _register_commands():
+    from .bench_throughput import throughput
     from .demo_inference import demo_inference
     from .policy_eval import policy_eval
     main.add_command(policy_eval, "policy-eval")
     main.add_command(demo_inference, "demo-inference")
+    bench.add_command(throughput, "throughput")
 
 
 _register_commands()

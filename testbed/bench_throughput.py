@@ -1,0 +1,445 @@
+"""`testbed bench throughput`: GET replies per second counted at the requester (by the counting
+XDP program on its veth end, not requests sent), with the same live-frames generator and the same
+frame sizes for every scenario, measured in one run:
+
+  ceiling       a bare XDP_TX reflector on the switch port: the limit of this path;
+  switch_hit    the real data plane (switchd), every GET a cache hit;
+  pool_server   every GET a miss, answered by `hostagent serve` behind the switch;
+  memcached     Debian's memcached behind the switch, GET over UDP, values of the chunk size;
+  hit ratios    0..100 % hits, misses answered by the pool server (at one chunk size);
+  cache scaling the hit path as the cache grows to a million entries (small chunks);
+  tcp           iperf3 through the switch, program attached vs detached.
+
+switchd runs with --no-coalesce (the generator asks for the same chunks again and again; with
+coalescing on, a repeated miss from the same asker is held, not forwarded) and --policy off (the
+cache holds exactly what the benchmark put there). Every scenario checks one sampled reply byte
+for byte. Writes JSON and a plot next to it.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import socket
+import statistics
+import subprocess
+import time
+import zlib
+from pathlib import Path
+
+import click
+import numpy as np
+
+from switchd import netns
+from switchd.cache import Cache
+from switchd.dataplane import DataPlane, detach_port, pinned_deployment
+
+from .generator import (MC_PORT, Endpoint, Generator, Iperf3, check_kv_reply,
+                        check_memcached_reply, check_reflected, endpoint, kv_get, memcached_get,
+                        memcached_key, payload)
+from .lab import Lab
+from .topology import TestbedError, Topology, attach_pass_programs
+
+PREFIX = "tp"
+NS = 9
+KEY = bytes.fromhex("7470" * 8)
+SWITCHD_ARGS = ("--no-coalesce", "--policy", "off")
+SCENARIOS = ("ceiling", "switch_hit", "pool_server", "memcached")
+SERVER_OFFERS = (1.25, 1.5)  # fixed offered rates tried, x the reply rate under a flood
+
+
+class Memcached:
+    """Debian's memcached on a node with UDP on (-U), values preloaded over TCP."""
+
+    def __init__(self, topo: Topology, node: str, threads: int):
+        self.topo, self.node, self.threads = topo, topo.node(node), threads
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Memcached:
+        self.proc = self.topo.popen(self.node.name, [
+            "memcached", "-u", "memcache", "-l", self.node.ip, "-p", str(MC_PORT),
+            "-U", str(MC_PORT), "-t", str(self.threads), "-m", "1024"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def preload(self, n: int, size: int) -> None:
+        """Values payload(i, size) under memcached_key(i), i < n."""
+        deadline = time.monotonic() + 10
+        with netns.inside(self.node.netns):
+            while True:
+                try:
+                    s = socket.create_connection((self.node.ip, MC_PORT), timeout=10)
+                    break
+                except OSError:
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        raise TestbedError(f"memcached did not start: "
+                                           f"{self.proc.stderr.read().strip()[-400:]}")
+                    time.sleep(0.05)
+        with s:
+            s.sendall(b"".join(b"set %s 0 0 %d noreply\r\n%s\r\n" % (memcached_key(i), size,
+                                                                      payload(i, size))
+                               for i in range(n)) + b"mn\r\n")
+            buf = b""
+            while not buf.endswith(b"MN\r\n"):
+                chunk = s.recv(4096)
+                if not chunk:
+                    raise TestbedError(f"memcached closed the connection: {buf[-200:]!r}")
+                buf += chunk
+
+
+def fill_cache(dp: DataPlane, ns: int, key: bytes, first: int, last: int, nchunks: int,
+               batch: int = 1 << 16) -> None:
+    """Chunks first..last-1 of a block, payload(i, chunk size) each, straight into kv_cache with
+    BPF_MAP_UPDATE_BATCH: the bulk counterpart of Cache.put, for a million entries."""
+    table, size = dp.cache, dp.deployment.chunk_size
+    K, V = table.Key, table.Leaf
+    for lo in range(first, last, batch):
+        n = min(last, lo + batch) - lo
+        idx = np.arange(lo, lo + n, dtype=np.uint32)
+        kb = np.zeros((n, ctypes.sizeof(K)), np.uint8)
+        kb[:, K.ns.offset:K.ns.offset + 4] = np.frombuffer(ns.to_bytes(4, "little"), np.uint8)
+        kb[:, K.chunk.offset:K.chunk.offset + 4] = idx.astype("<u4").view(np.uint8).reshape(n, 4)
+        kb[:, K.key.offset:K.key.offset + 16] = np.frombuffer(key, np.uint8)
+        unit = np.concatenate([idx.astype(">u4").view(np.uint8).reshape(n, 4),
+                               np.repeat((idx & 0xFF).astype(np.uint8)[:, None], 4, 1)], 1)
+        data = np.tile(unit, (1, size // 8))
+        vb = np.zeros((n, ctypes.sizeof(V)), np.uint8)
+        vb[:, V.len.offset:V.len.offset + 2] = np.frombuffer(size.to_bytes(2, "little"),
+                                                             np.uint8)
+        crc = np.array([zlib.crc32(row) for row in data], "<u4")
+        vb[:, V.csum.offset:V.csum.offset + 4] = crc.view(np.uint8).reshape(n, 4)
+        vb[:, V.nchunks.offset:V.nchunks.offset + 4] = np.frombuffer(
+            nchunks.to_bytes(4, "little"), np.uint8)
+        vb[:, V.data.offset:V.data.offset + data.shape[1]] = data
+        table.items_update_batch((K * n).from_buffer(kb), (V * n).from_buffer(vb))
+
+
+class _Bench:
+    def __init__(self, gen: Generator, seconds: float, windows: int, rate: float,
+                 cores: tuple[int, ...], log):
+        self.gen, self.seconds, self.windows = gen, seconds, windows
+        self.rate, self.cores, self.log = rate, cores, log
+        self.problems: list[str] = []
+
+    def measure(self, label: str, src: Endpoint, template, nkeys: int, check,
+                sweep: str = "sequential", rate: float | None = None) -> dict:
+        self.gen.configure(template, nkeys, sweep)
+        rate = self.rate if rate is None else rate
+        run = self.gen.run(src, self.seconds, rate=rate, cores=self.cores, windows=self.windows)
+        problem = check(self.gen.sample())
+        if problem:
+            self.problems.append(f"{label}: {problem}")
+        self.log(f"  {label:34} {run.median_pps():>12,.0f} replies/s  "
+                 f"(sent {run.pps('sent'):,.0f}/s)"
+                 f"  sample {'byte-exact' if not problem else 'WRONG: ' + problem}")
+        return {**run.as_dict(), "byte_exact": problem is None}
+
+    def server(self, label: str, src: Endpoint, template, nkeys: int, check) -> dict:
+        """A server behind the switch, given the benefit of the doubt: offered as much as the
+        generator can send and then fixed rates around what it answered (a flood can cost a
+        server more than it serves); the best of these counts."""
+        tries = [self.measure(label, src, template, nkeys, check)]
+        if not self.rate:
+            base = tries[0]["reply_pps"]
+            tries += [self.measure(f"{label} at {f:g}x", src, template, nkeys, check,
+                                   rate=max(1000, f * base)) for f in SERVER_OFFERS]
+        best = max(tries, key=lambda r: r["reply_pps"])
+        return {**best, "offered": [{"offered_rate": r["offered_rate"],
+                                     "reply_pps": r["reply_pps"]} for r in tries]}
+
+
+def _lab(chunk_size: int, **kw) -> Lab:
+    """One requester, one pool node, switchd as this benchmark needs it (the MTU is the one Lab
+    picks for the chunk size)."""
+    return Lab(PREFIX, hosts=1, pools=1, chunk_size=chunk_size, switchd_args=SWITCHD_ARGS, **kw)
+
+
+def _tcp(topo: Topology, runs: int, seconds: float) -> list[float]:
+    return [Iperf3(topo, "h1", "p1", seconds).run()["bits_per_second"] for _ in range(runs)]
+
+
+def _chunk_size(b: _Bench, cs: int, nkeys: int, hit_ratios: list[int] | None,
+                tcp: tuple[int, float] | None, mc_threads: int) -> tuple[dict, list, dict]:
+    """Every per-chunk-size scenario in one testbed; the hit-ratio sweep and TCP when asked."""
+    row, sweep, tcp_out = {"chunk_bytes": cs}, [], {}
+    with _lab(cs, switch=False, pool_capacity="1GiB", cache_entries=max(65536, nkeys)) as lab:
+        topo = lab.topo
+        row["mtu"] = topo.mtu
+        h1, p1 = endpoint(topo.node("h1").netns), endpoint(topo.node("p1").netns)
+        topo.run("h1", ["ping", "-c", "1", "-W", "2", p1.ip])  # ARP and bridge learning
+        block = b"".join(payload(i, cs) for i in range(nkeys))
+        lab.put("h1", NS, KEY, block)
+        kv = kv_get(h1, p1, NS, KEY, cs)
+
+        def check_kv(frame):
+            return check_kv_reply(frame, h1, p1, NS, KEY, nkeys, cs)
+
+        if tcp:
+            tcp_out["mtu"] = topo.mtu
+            tcp_out["detached_bps"] = _tcp(topo, *tcp)
+            for port in topo.ports:       # any XDP program at all, for comparison
+                attach_pass_programs([topo.switch_ns], port)
+            tcp_out["pass_program_bps"] = _tcp(topo, *tcp)
+            with netns.inside(topo.switch_ns):
+                for port in topo.ports:
+                    detach_port(port)
+        details = {}
+        with Memcached(topo, "p1", mc_threads) as mc, b.gen.counting(h1.netns):
+            mc.preload(nkeys, cs)
+            with b.gen.reflecting(topo.switch_ns, "h1"):
+                details["ceiling"] = b.measure(f"{cs} B ceiling", h1, kv, nkeys,
+                                               lambda f: check_reflected(f, kv))
+            lab.start_switch()
+            dp = DataPlane(pinned_deployment(topo.pin_dir), programs=False)
+            try:
+                cache = Cache(dp)
+                details["pool_server"] = b.server(f"{cs} B pool_server", h1, kv, nkeys, check_kv)
+                details["memcached"] = b.server(
+                    f"{cs} B memcached", h1, memcached_get(h1, p1), nkeys,
+                    lambda f: check_memcached_reply(f, h1, cs))
+                cache.put_block(NS, KEY, block)
+                details["switch_hit"] = b.measure(f"{cs} B switch_hit", h1, kv, nkeys, check_kv)
+                for pct in sorted(hit_ratios or [], reverse=True):
+                    cached = nkeys * pct // 100
+                    for chunk in range(cached, nkeys):
+                        cache.evict(NS, KEY, chunk)
+                    r = b.measure(f"{cs} B {pct}% hits", h1, kv, nkeys, check_kv)
+                    c = r["counts"]
+                    sweep.append({"hit_percent": pct, "chunk_bytes": cs,
+                                  "reply_pps": r["reply_pps"], "sent_pps": r["sent_pps"],
+                                  "from_switch_pps": round(c["kv_switch"] / r["seconds"]),
+                                  "from_pool_pps": round(c["kv_pool"] / r["seconds"]),
+                                  "byte_exact": r["byte_exact"]})
+            finally:
+                dp.bpf.cleanup()
+        if tcp:
+            tcp_out["attached_bps"] = _tcp(topo, *tcp)
+    for name in SCENARIOS:
+        row[f"{name}_pps"] = details[name]["reply_pps"]
+    row["details"] = details
+    return row, sweep, tcp_out
+
+
+def _cache_scaling(b: _Bench, entries: list[int], cs: int) -> list[dict]:
+    rows, most = [], max(entries)
+    with _lab(cs, cache_entries=most) as lab:
+        topo = lab.topo
+        h1, p1 = endpoint(topo.node("h1").netns), endpoint(topo.node("p1").netns)
+        kv = kv_get(h1, p1, NS, KEY, cs)
+        dp = DataPlane(pinned_deployment(topo.pin_dir), programs=False)
+        filled = 0
+        try:
+            with b.gen.counting(h1.netns):
+                for n in sorted(entries):
+                    t0 = time.monotonic()
+                    fill_cache(dp, NS, KEY, filled, n, most)
+                    filled = n
+                    b.log(f"  cache filled to {n:,} entries of {cs} B "
+                          f"({time.monotonic() - t0:.1f} s)")
+                    row = {"entries": n, "chunk_bytes": cs}
+                    for sweep in ("sequential", "zipf"):
+                        r = b.measure(f"{n:,} entries {sweep}", h1, kv, n,
+                                      lambda f: check_kv_reply(f, h1, p1, NS, KEY, n, cs, most),
+                                      sweep)
+                        row[f"hit_pps_{sweep}"] = r["reply_pps"]
+                        row[f"byte_exact_{sweep}"] = r["byte_exact"]
+                    rows.append(row)
+        finally:
+            dp.bpf.cleanup()
+    for row in rows:
+        row["ratio_vs_smallest"] = round(row["hit_pps_sequential"] /
+                                         rows[0]["hit_pps_sequential"], 3)
+    return rows
+
+
+def run_throughput(chunk_sizes=(256, 1024, 3072), seconds: float = 2.0, windows: int = 5,
+                   cores: tuple[int, ...] = (0,), nkeys: int = 4096, rate: float = 0,
+                   hit_ratios=(0, 25, 50, 75, 100), sweep_chunk: int = 1024,
+                   scaling=(1000, 10000, 100000, 1000000), scaling_chunk: int = 64,
+                   tcp_runs: int = 3, tcp_seconds: float = 2.0, memcached_threads: int = 2,
+                   json_path: str | None = None, plot_path: str | None = None,
+                   log=print) -> dict:
+    """Run every scenario; returns (and writes, when given paths) the results."""
+    started = time.monotonic()
+    gen = Generator()
+    b = _Bench(gen, seconds, windows, rate, tuple(cores), log)
+    load_before = os.getloadavg()
+    results, sweep, tcp = [], [], {}
+    tcp_chunk = sweep_chunk if sweep_chunk in chunk_sizes else chunk_sizes[0]
+    try:
+        for cs in chunk_sizes:
+            log(f"chunk {cs} B:")
+            row, s, t = _chunk_size(b, cs, nkeys, list(hit_ratios) if cs == sweep_chunk else None,
+                                    (tcp_runs, tcp_seconds) if cs == tcp_chunk and tcp_runs
+                                    else None, memcached_threads)
+            results.append(row)
+            sweep += s
+            tcp.update(t)
+        log(f"cache scaling, {scaling_chunk} B chunks:")
+        scaling_rows = _cache_scaling(b, list(scaling), scaling_chunk) if scaling else []
+    finally:
+        gen.close()
+    if tcp:
+        for k in ("attached", "detached", "pass_program"):
+            tcp[f"{k}_median_bps"] = statistics.median(tcp[f"{k}_bps"])
+        tcp["chunk_bytes"] = tcp_chunk
+        log(f"tcp: attached {tcp['attached_median_bps'] / 1e9:.2f} Gbit/s, detached "
+            f"{tcp['detached_median_bps'] / 1e9:.2f} Gbit/s, xdp/pass.c on the ports "
+            f"{tcp['pass_program_median_bps'] / 1e9:.2f} Gbit/s (medians of {tcp_runs})")
+    out = {"results": results, "cache_scaling": scaling_rows, "hit_ratio_sweep": sweep,
+           "tcp_ratio": round(tcp["attached_median_bps"] / tcp["detached_median_bps"], 3)
+           if tcp else None,
+           "tcp": tcp,
+           "config": {"cpus": os.cpu_count(), "generator_cores": list(cores),
+                      "offered_rate": rate or "max", "keys": nkeys, "seconds": seconds,
+                      "windows": windows, "reply_pps": "median of the windows",
+                      "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                      "switchd_args": list(SWITCHD_ARGS), "memcached_threads": memcached_threads,
+                      "scaling_chunk_bytes": scaling_chunk, "sweep": "sequential",
+                      "zipf": "s=1.0 over a 65536-slot table (cache scaling only)",
+                      "counted_at": "requester eth0 (count_replies XDP program)",
+                      "wall_seconds": None},
+           "sample_problems": b.problems}
+    out["targets"] = _targets(out)
+    out["config"]["wall_seconds"] = round(time.monotonic() - started, 1)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
+    if plot_path:
+        plot_throughput(out, plot_path)
+    return out
+
+
+def _targets(out: dict) -> dict:
+    t = {}
+
+    def target(name, ratio, want):
+        t[name] = {"ratio": round(ratio, 3), "target": want, "met": ratio >= want}
+
+    row = next((r for r in out["results"] if r["chunk_bytes"] == 1024), None)
+    if row:
+        hit = row["switch_hit_pps"]
+        target("switch_hit_vs_ceiling_1024", hit / max(row["ceiling_pps"], 1), 0.8)
+        target("switch_hit_vs_memcached_1024", hit / max(row["memcached_pps"], 1), 6)
+        target("switch_hit_vs_pool_server_1024", hit / max(row["pool_server_pps"], 1), 20)
+    if len(out["cache_scaling"]) > 1:
+        target("hit_path_largest_vs_smallest_cache", out["cache_scaling"][-1]["ratio_vs_smallest"],
+               0.9)
+    if out["tcp_ratio"] is not None:
+        target("tcp_attached_vs_detached", out["tcp_ratio"], 0.95)
+    return t
+
+
+def plot_throughput(out: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    ax = axes[0]
+    sizes = [r["chunk_bytes"] for r in out["results"]]
+    width = 0.8 / len(SCENARIOS)
+    for i, name in enumerate(SCENARIOS):
+        ax.bar(np.arange(len(sizes)) + i * width, [r[f"{name}_pps"] for r in out["results"]],
+               width, label=name)
+    ax.set(xticks=np.arange(len(sizes)) + width * (len(SCENARIOS) - 1) / 2, xticklabels=sizes,
+           xlabel="chunk payload (bytes)", ylabel="replies/s at the requester", yscale="log",
+           title="GET replies per second, one generator core")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    sw = out["hit_ratio_sweep"]
+    if sw:
+        x = [r["hit_percent"] for r in sw]
+        for key, label in (("reply_pps", "all replies"), ("from_switch_pps", "from the switch"),
+                           ("from_pool_pps", "from the pool server")):
+            ax.plot(x, [r[key] or np.nan for r in sw], "o-", label=label)  # log axis: no 0
+        ax.set(xlabel="hit ratio (%)", ylabel="replies/s", yscale="log",
+               title=f"Hit ratio sweep, {sw[0]['chunk_bytes']} B chunks")
+        ax.legend(fontsize=8)
+    ax = axes[2]
+    sc = out["cache_scaling"]
+    if sc:
+        x = [r["entries"] for r in sc]
+        for sweep, style in (("sequential", "o-"), ("zipf", "s--")):
+            ax.plot(x, [r[f"hit_pps_{sweep}"] for r in sc], style, label=f"{sweep} keys")
+        ax.set(xscale="log", xlabel="cache entries", ylabel="hit replies/s", ylim=(0, None),
+               title=f"Hit path vs cache size, {sc[0]['chunk_bytes']} B chunks")
+        ax.legend(fontsize=8)
+    if out["tcp_ratio"] is not None:
+        fig.suptitle(f"TCP through the switch: program attached / detached = "
+                     f"{out['tcp_ratio']:.3f}", fontsize=10)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def _ints(ctx, param, value):
+    from .cli import _int_list
+    return _int_list(ctx, param, value)
+
+
+def _cores(ctx, param, value: str) -> tuple[int, ...]:
+    try:
+        cores = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of CPUs") from None
+    if not cores or not set(cores) <= os.sched_getaffinity(0):
+        raise click.BadParameter(f"give CPUs among {sorted(os.sched_getaffinity(0))}")
+    return cores
+
+
+@click.command("throughput")
+@click.option("--chunk-sizes", default="256,1024,3072", show_default=True, callback=_ints,
+              help="Chunk payload sizes (the veth MTU follows the chunk size).")
+@click.option("--seconds", type=click.FloatRange(0.1, 30), default=2.0, show_default=True,
+              help="Measuring time of each scenario (after 0.3 s of warm-up).")
+@click.option("--windows", type=click.IntRange(1, 50), default=5, show_default=True,
+              help="Parts of it; a scenario's rate is the median of theirs.")
+@click.option("--cores", default="0", show_default=True, callback=_cores,
+              help="CPUs the generator sends from, one pinned thread each.")
+@click.option("--rate", type=click.FloatRange(min=0), default=0, show_default=True,
+              help="Frames per second offered in all (0: as fast as possible).")
+@click.option("--keys", type=click.IntRange(16, 1 << 20), default=4096, show_default=True,
+              help="Chunks swept per scenario.")
+@click.option("--hit-ratios", default="0,25,50,75,100", show_default=True,
+              help="Hit percentages of the sweep (empty: skip).")
+@click.option("--sweep-chunk", type=int, default=1024, show_default=True,
+              help="Chunk size of the hit-ratio sweep and the TCP measurement.")
+@click.option("--scaling", default="1000,10000,100000,1000000", show_default=True,
+              help="Cache sizes (entries) of the lookup-cost series (empty: skip).")
+@click.option("--scaling-chunk", type=click.IntRange(8, 3424), default=64, show_default=True,
+              help="Chunk size of the cache-size series (small, so a million entries fit).")
+@click.option("--tcp-runs", type=click.IntRange(0, 20), default=3, show_default=True,
+              help="iperf3 runs each with the program attached and detached (0: skip).")
+@click.option("--tcp-seconds", type=click.FloatRange(0.5, 60), default=2.0, show_default=True)
+@click.option("--memcached-threads", type=click.IntRange(1, 64), default=2, show_default=True)
+@click.option("--json", "json_path", default="bench/results/throughput.json", show_default=True)
+@click.option("--plot", "plot_path", help="PNG path (default: the JSON path with .png).")
+def throughput(chunk_sizes, seconds, windows, cores, rate, keys, hit_ratios, sweep_chunk,
+               scaling, scaling_chunk, tcp_runs, tcp_seconds, memcached_threads, json_path,
+               plot_path):
+    """GET replies/s: XDP_TX ceiling, switch hits, pool server, memcached; hit ratios, cache
+    size, TCP."""
+    ratios = [int(v) for v in hit_ratios.split(",") if v.strip()]
+    if any(not 0 <= r <= 100 for r in ratios):
+        raise click.BadParameter("hit ratios are percentages", param_hint="--hit-ratios")
+    sizes = [int(v) for v in scaling.split(",") if v.strip()]
+    plot_path = plot_path or str(Path(json_path).with_suffix(".png"))
+    out = run_throughput(chunk_sizes, seconds, windows, cores, keys, rate, ratios, sweep_chunk,
+                         sizes, scaling_chunk, tcp_runs, tcp_seconds, memcached_threads,
+                         json_path, plot_path)
+    click.echo(json.dumps(out["targets"], indent=2))
+    click.echo(f"wrote {json_path} and {plot_path}")
+    if out["sample_problems"]:
+        raise click.ClickException("sampled replies were wrong: " +
+                                   "; ".join(out["sample_problems"]))

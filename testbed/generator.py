@@ -1,0 +1,410 @@
+"""The XDP live-frames traffic generator, driven from Python, and an iperf3 runner.
+
+Owns xdp/trafficgen.c's programs: request templates (KV GET with room, memcached GET over UDP)
+that ``gen_frame`` rewrites per frame (key index from a sweep, request id) and sends with
+BPF_PROG_TEST_RUN + BPF_F_TEST_XDP_LIVE_FRAMES out of a host namespace's eth0, from threads each
+pinned to one core and entered into that namespace, as fast as possible or at a fixed rate; the
+reply counter on the requester's eth0 (replies are counted there, then dropped) with its
+byte-exact sample checks; the bare reflector of the ``ceiling`` measurement.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import socket
+import statistics
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from scapy.layers.inet import IP, UDP
+from scapy.layers.l2 import Ether
+from scapy.packet import Raw
+from scapy.utils import checksum
+
+from hostagent.protocol import HEADER_LEN, PORT, Flag, Message, Op, ProtocolError, read_constants
+from switchd import libbpf, netns
+from switchd.dataplane import XDP_DIR, XDP_FLAGS, _import_bcc, detach_port
+
+from .kvscapy import KV
+from .topology import Topology, TestbedError, attach_pass_programs, ip
+
+SOURCE = XDP_DIR / "trafficgen.c"
+C = read_constants(SOURCE)
+GEN_PORT = 40123                     # UDP source port of every generated request
+ANCHOR = "kvgen0"                    # idle veth in the sender's namespace holding gen_frame
+MC_PORT = C["KV_GEN_MC_PORT"]
+UDP_OFF = 14 + 20 + 8                # Ethernet + IPv4 (no options) + UDP
+SWEEPS = {"sequential": C["KV_GEN_SWEEP_SEQ"], "uniform": C["KV_GEN_SWEEP_UNIFORM"],
+          "zipf": C["KV_GEN_SWEEP_ZIPF"]}
+COUNTERS = {n[len("KV_CNT_"):].lower(): v for n, v in C.items()
+            if n.startswith("KV_CNT_") and n != "KV_CNT_MAX"}
+REPLIES = ("kv_pool", "kv_switch", "reflected", "mc_reply")  # what counts as an answered request
+
+
+def payload(index: int, size: int) -> bytes:
+    """The chunk (or memcached value) stored under key index ``index``: distinct per index."""
+    return (index.to_bytes(4, "big") + bytes([index & 0xFF]) * 4) * (size // 8) + \
+        bytes(size % 8)
+
+
+def memcached_key(index: int) -> bytes:
+    return b"kv%08x" % index
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    netns: str
+    ifname: str
+    ifindex: int
+    mac: str
+    ip: str
+
+
+def endpoint(netns_name: str, ifname: str = "eth0") -> Endpoint:
+    link = json.loads(ip("-j", "addr", "show", ifname, ns=netns_name).stdout)[0]
+    addr = next(a["local"] for a in link["addr_info"] if a["family"] == "inet")
+    return Endpoint(netns_name, ifname, link["ifindex"], link["address"], addr)
+
+
+@dataclass(frozen=True)
+class Template:
+    """A request frame and where ``gen_frame`` writes into it. The first ``hdr_len`` bytes are
+    rewritten into every frame; bytes after them (a GET's room) are not, nobody reads them."""
+    frame: bytes
+    hdr_len: int
+    key_off: int
+    key_fmt: int
+    id_off: int
+    id_len: int
+
+
+def kv_get(src: Endpoint, dst: Endpoint, ns: int, key: bytes, room: int) -> Template:
+    """A KV GET from src to the pool node dst; the key index goes into the chunk field."""
+    frame = bytes(Ether(src=src.mac, dst=dst.mac) / IP(src=src.ip, dst=dst.ip) /
+                  UDP(sport=GEN_PORT, dport=PORT, chksum=0) /
+                  KV(op=Op.GET, ns=ns, key=key) / Raw(bytes(room)))
+    return Template(frame, UDP_OFF + HEADER_LEN, UDP_OFF + 32, C["KV_GEN_FMT_BE32"],
+                    UDP_OFF + 12, 4)
+
+
+def memcached_get(src: Endpoint, dst: Endpoint) -> Template:
+    """memcached's UDP frame header (request id, sequence 0, 1 datagram, reserved) and
+    ``get kvXXXXXXXX``; the key index goes into the hex digits."""
+    text = b"\x00\x00\x00\x00\x00\x01\x00\x00get " + memcached_key(0) + b"\r\n"
+    frame = bytes(Ether(src=src.mac, dst=dst.mac) / IP(src=src.ip, dst=dst.ip) /
+                  UDP(sport=GEN_PORT, dport=MC_PORT, chksum=0) / Raw(text))
+    return Template(frame, len(frame), UDP_OFF + 14, C["KV_GEN_FMT_HEX8"], UDP_OFF, 2)
+
+
+@dataclass
+class Run:
+    """One measurement: counter deltas over ``seconds`` of steady sending."""
+    seconds: float
+    sent: int
+    counts: dict[str, int]
+    cores: tuple[int, ...]
+    rate: float
+    windows: list[float]            # replies per second in each part of the measured time
+
+    def pps(self, name: str = "replies") -> float:
+        n = self.sent if name == "sent" else (
+            sum(self.counts[r] for r in REPLIES) if name == "replies" else self.counts[name])
+        return n / self.seconds
+
+    def median_pps(self) -> float:
+        """Replies per second, the median of the windows: robust to a window in which other
+        work on the machine took the generator's core."""
+        return statistics.median(self.windows)
+
+    def as_dict(self) -> dict:
+        return {"seconds": round(self.seconds, 4), "sent_pps": round(self.pps("sent")),
+                "reply_pps": round(self.median_pps()), "mean_reply_pps": round(self.pps()),
+                "window_reply_pps": [round(w) for w in self.windows],
+                "offered_rate": self.rate or "max", "cores": list(self.cores),
+                "counts": self.counts}
+
+
+class Generator:
+    """The compiled programs and their maps; one per process is enough (the programs are not
+    tied to a namespace until attached)."""
+
+    def __init__(self):
+        bcc = self.bcc = _import_bcc()
+        self.bpf = bcc.BPF(src_file=str(SOURCE).encode(), cflags=[f"-I{XDP_DIR}"])
+        self.gen_fn, self.count_fn, self.reflect_fn = (
+            self.bpf.load_func(n, bcc.BPF.XDP) for n in (b"gen_frame", b"count_replies",
+                                                         b"reflect"))
+        (self.cfg, self.state, self.zipf, self.rx_cfg, self.rx_count, self.rx_sample) = (
+            self.bpf.get_table(n) for n in (b"gen_cfg", b"gen_state", b"gen_zipf", b"rx_cfg",
+                                             b"rx_count", b"rx_sample"))
+        self.rx_cfg[0] = self.rx_cfg.Leaf(port=socket.htons(GEN_PORT))
+        self.template: Template | None = None
+
+    def close(self) -> None:
+        self.bpf.cleanup()
+
+    # ---- what to send --------------------------------------------------------------------
+    def configure(self, t: Template, nkeys: int, sweep: str = "sequential", key_base: int = 0,
+                  zipf_s: float = 1.0) -> None:
+        """Send ``t`` with key indexes key_base .. key_base + nkeys - 1, swept as asked."""
+        if not 1 <= nkeys < 1 << 32 or t.hdr_len > C["KV_GEN_HDR_MAX"]:
+            raise ValueError("nkeys out of range or template header too long")
+        c = self.cfg.Leaf(hdr_len=t.hdr_len, sweep=SWEEPS[sweep], nkeys=nkeys,
+                          key_base=key_base, key_off=t.key_off, key_fmt=t.key_fmt,
+                          id_off=t.id_off, id_len=t.id_len)
+        ctypes.memmove(c.hdr, t.frame, t.hdr_len)
+        if sweep == "zipf":
+            self._fill_zipf(nkeys, zipf_s)
+        self.cfg[0] = c
+        self.state.clear()
+        self.template = t
+
+    def _fill_zipf(self, nkeys: int, s: float) -> None:
+        """Slot j holds the key index whose Zipf(s) CDF first reaches (j + 0.5) / slots: index 0
+        is the most popular. Keys rarer than one slot in KV_GEN_ZIPF_SLOTS get none."""
+        slots = C["KV_GEN_ZIPF_SLOTS"]
+        cdf = np.cumsum(1.0 / np.arange(1, nkeys + 1, dtype=np.float64) ** s)
+        idx = np.searchsorted(cdf / cdf[-1], (np.arange(slots) + 0.5) / slots)
+        keys = (self.zipf.Key * slots)(*range(slots))
+        values = (self.zipf.Leaf * slots)(*np.minimum(idx, nkeys - 1).tolist())
+        self.zipf.items_update_batch(keys, values)
+
+    # ---- where it goes -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def counting(self, requester: str, ifname: str = "eth0"):
+        """The reply counter on the requester's veth end instead of its XDP_PASS program,
+        which is put back afterwards."""
+        with netns.inside(requester):
+            self.bcc.BPF.attach_xdp(ifname.encode(), self.count_fn, XDP_FLAGS["native"])
+        try:
+            yield self
+        finally:
+            if netns.exists(requester):
+                attach_pass_programs([requester], ifname)
+
+    @contextlib.contextmanager
+    def reflecting(self, switch_ns: str, port: str):
+        """The bare XDP_TX reflector on a switch port (nothing else may be attached there)."""
+        with netns.inside(switch_ns):
+            self.bcc.BPF.attach_xdp(port.encode(), self.reflect_fn, XDP_FLAGS["native"])
+        try:
+            yield
+        finally:
+            if netns.exists(switch_ns):
+                with netns.inside(switch_ns):
+                    detach_port(port)
+
+    # ---- counters ------------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        return {name: int(self.rx_count.sum(self.rx_count.Key(i)).value)
+                for name, i in COUNTERS.items()}
+
+    def sent(self) -> int:
+        return sum(int(v.seq) for v in self.state[self.state.Key(0)])
+
+    def clear_sample(self) -> None:
+        self.rx_sample[self.rx_sample.Key(0)] = self.rx_sample.Leaf()
+
+    def sample(self) -> bytes | None:
+        """The first reply counted (on any CPU) since clear_sample()."""
+        for v in self.rx_sample[self.rx_sample.Key(0)]:
+            if v.len:
+                return bytes(v.data[:v.len])
+        return None
+
+    # ---- sending -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _anchored(self, sender: str):
+        """Each BPF_PROG_TEST_RUN puts its program into the kernel's XDP dispatcher and takes
+        it out again, waiting for an RCU grace period both times (~20 ms a call here). While
+        gen_frame is also attached somewhere it stays in the dispatcher and a call costs
+        microseconds: here, to a veth pair made for that in the sender's namespace, left down
+        (no frame ever reaches it)."""
+        ip("link", "del", ANCHOR, ns=sender, check=False)  # a crashed run's
+        ip("link", "add", ANCHOR, "type", "veth", "peer", "name", ANCHOR + "p", ns=sender)
+        try:
+            with netns.inside(sender):
+                self.bcc.BPF.attach_xdp(ANCHOR.encode(), self.gen_fn, XDP_FLAGS["native"])
+            yield
+        finally:
+            ip("link", "del", ANCHOR, ns=sender, check=False)
+
+    def run(self, src: Endpoint, seconds: float = 1.0, warmup: float = 0.3, rate: float = 0,
+            cores: tuple[int, ...] = (0,), windows: int = 1, batch: int = 1 << 16) -> Run:
+        """Send the configured frames out of ``src`` from one thread per core and count replies
+        over ``seconds`` after ``warmup``, in ``windows`` equal parts. ``rate``: frames per
+        second in all, evenly spaced on each core by gen_frame itself (the core spins between
+        frames); 0: as fast as possible. The sample slot holds a reply of the measured time."""
+        if self.template is None:
+            raise RuntimeError("configure() first")
+        c = self.cfg[0]
+        c.gap_ns = int(1e9 * len(cores) / rate) if rate else 0
+        self.cfg[0] = c
+        stop, errors = threading.Event(), []
+        frame, fd = self.template.frame, self.gen_fn.fd
+
+        def worker(cpu: int):
+            try:
+                os.sched_setaffinity(0, {cpu})
+                with netns.inside(src.netns):
+                    while not stop.is_set():
+                        libbpf.live_frames(fd, frame, src.ifindex, batch)
+            except BaseException as exc:  # reported by the caller
+                errors.append(exc)
+                stop.set()
+
+        threads = [threading.Thread(target=worker, args=(c,), daemon=True) for c in cores]
+        with self._anchored(src.netns):
+            for t in threads:
+                t.start()
+            try:
+                stop.wait(warmup)
+                self.clear_sample()
+                marks = [(self.counts(), self.sent(), time.monotonic())]
+                for _ in range(windows):
+                    stop.wait(seconds / windows)
+                    marks.append((self.counts(), self.sent(), time.monotonic()))
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(30)
+        if errors:
+            raise TestbedError(f"generator failed: {errors[0]}")
+        (c0, s0, t0), (c1, s1, t1) = marks[0], marks[-1]
+        parts = [sum(b[0][r] - a[0][r] for r in REPLIES) / (b[2] - a[2])
+                 for a, b in zip(marks, marks[1:])]
+        return Run(t1 - t0, s1 - s0, {k: c1[k] - c0[k] for k in c1}, tuple(cores), rate, parts)
+
+
+# ---- byte-exact checks of sampled replies ------------------------------------------------
+def check_kv_reply(frame: bytes | None, src: Endpoint, dst: Endpoint, ns: int, key: bytes,
+                   nkeys: int, chunk_size: int, nchunks: int | None = None) -> str | None:
+    """None if ``frame`` is, byte for byte, the reply to one of the swept GETs of ``src`` to
+    ``dst`` for chunks 0..nkeys-1 of a block of ``nchunks`` (default nkeys) chunks holding
+    payload(i, chunk_size) each (a switch-made reply must match the whole frame the data plane
+    writes); else what is wrong."""
+    if frame is None:
+        return "no reply sampled"
+    pkt = Ether(frame)
+    if IP not in pkt or UDP not in pkt:
+        return "sampled frame is not IPv4/UDP"
+    if (pkt[Ether].dst, pkt[IP].src, pkt[IP].dst, pkt[UDP].sport, pkt[UDP].dport) != (
+            src.mac, dst.ip, src.ip, PORT, GEN_PORT):
+        return "reply is not addressed from the pool node to the generator"
+    body = bytes(pkt[UDP].payload)[:pkt[UDP].len - 8]
+    try:
+        msg = Message.decode(body)
+    except ProtocolError as exc:
+        return f"reply does not decode: {exc}"
+    if not (msg.op == Op.GET_REPLY and msg.ns == ns and msg.key == key and msg.chunk < nkeys):
+        return f"reply is for something not asked: {msg.op}, ns {msg.ns}, chunk {msg.chunk}"
+    expect = Message(Op.GET_REPLY, ns, key, msg.chunk, nchunks or nkeys, msg.req_id,
+                     msg.flags & Flag.FROM_SWITCH, payload=payload(msg.chunk, chunk_size))
+    if body != expect.encode():
+        return f"reply for chunk {msg.chunk} differs from the stored chunk"
+    if msg.flags & Flag.FROM_SWITCH:
+        whole = bytes(Ether(src=dst.mac, dst=src.mac) / IP(src=dst.ip, dst=src.ip) /
+                      UDP(sport=PORT, dport=GEN_PORT, chksum=0) / Raw(expect.encode()))
+        if frame != whole:
+            return "switch-made reply frame differs from the expected frame"
+    elif checksum(frame[14:34]) != 0:
+        return "bad IP checksum"
+    return None
+
+
+def check_memcached_reply(frame: bytes | None, src: Endpoint, value_size: int) -> str | None:
+    """None if ``frame`` is the first datagram of a memcached answer to one of the swept GETs,
+    carrying (the start of) the value stored under that key; else what is wrong."""
+    if frame is None:
+        return "no reply sampled"
+    pkt = Ether(frame)
+    if UDP not in pkt or (pkt[IP].dst, pkt[UDP].sport, pkt[UDP].dport) != (src.ip, MC_PORT,
+                                                                            GEN_PORT):
+        return "reply is not addressed from memcached to the generator"
+    data = bytes(pkt[UDP].payload)[:pkt[UDP].len - 8]
+    seq, total = int.from_bytes(data[2:4], "big"), int.from_bytes(data[4:6], "big")
+    text = data[8:]
+    head, sep, rest = text.partition(b"\r\n")
+    parts = head.split()
+    if seq != 0 or not sep or len(parts) != 4 or parts[0] != b"VALUE":
+        return f"not the first datagram of a VALUE answer: {text[:40]!r}"
+    index = int(parts[1][2:], 16)
+    if parts[1] != memcached_key(index) or int(parts[3]) != value_size:
+        return f"answer for a key or size not asked: {head!r}"
+    expect = payload(index, value_size) + b"\r\nEND\r\n"
+    if (total == 1 and rest != expect) or (total > 1 and not expect.startswith(rest)):
+        return f"value of {parts[1].decode()} differs from the stored one"
+    return None
+
+
+def check_reflected(frame: bytes | None, t: Template) -> str | None:
+    """None if ``frame`` is one of the generated requests, come back unchanged."""
+    if frame is None:
+        return "no frame sampled"
+    if len(frame) != len(t.frame):
+        return f"reflected frame has {len(frame)} bytes, sent {len(t.frame)}"
+    written = [(t.key_off, 8 if t.key_fmt == C["KV_GEN_FMT_HEX8"] else 4), (t.id_off, t.id_len)]
+    a, b = bytearray(frame[:t.hdr_len]), bytearray(t.frame[:t.hdr_len])
+    for off, n in written:
+        a[off:off + n] = b[off:off + n] = bytes(n)
+    return None if a == b else "reflected frame's headers differ from the template"
+
+
+# ---- background TCP ----------------------------------------------------------------------
+class Iperf3:
+    """iperf3 TCP from ``client`` to ``server`` (node names of a topology): run() in the
+    foreground, or start() ... result() around other work for background traffic."""
+
+    def __init__(self, topo: Topology, client: str, server: str, seconds: float = 2.0,
+                 port: int = 5201):
+        self.topo, self.client, self.server = topo, client, server
+        self.seconds, self.port = seconds, port
+        self._srv: subprocess.Popen | None = None
+        self._cli: subprocess.Popen | None = None
+
+    def start(self) -> Iperf3:
+        addr = self.topo.node(self.server).ip
+        self._srv = self.topo.popen(self.server, ["iperf3", "-s", "-1", "-B", addr,
+                                                  "-p", str(self.port)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 10
+        while not self.topo.run(self.server, ["ss", "-Hltn", f"sport = :{self.port}"]).stdout:
+            if self._srv.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise TestbedError(f"iperf3 server did not start: {self._srv.stderr.read()}")
+            time.sleep(0.02)
+        self._cli = self.topo.popen(self.client, ["iperf3", "-c", addr, "-p", str(self.port),
+                                                  "-t", f"{self.seconds:g}", "-J"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return self
+
+    def result(self) -> dict:
+        """Wait for the client; received bits per second and sender retransmits."""
+        try:
+            out, err = self._cli.communicate(timeout=self.seconds + 30)
+            if self._cli.returncode:
+                raise TestbedError(f"iperf3 failed: {(err or out).strip()[-400:]}")
+            end = json.loads(out)["end"]
+            return {"bits_per_second": end["sum_received"]["bits_per_second"],
+                    "retransmits": end["sum_sent"].get("retransmits", 0),
+                    "seconds": self.seconds}
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        for p in (self._cli, self._srv):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+    def run(self) -> dict:
+        return self.start().result()
