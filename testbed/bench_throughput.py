@@ -38,6 +38,8 @@ from .generator import (MC_PORT, Endpoint, Generator, Iperf3, check_kv_reply,
                         check_memcached_reply, check_reflected, endpoint, kv_get, memcached_get,
                         memcached_key, payload)
 from .lab import Lab
+from .options import int_list
+from .results import write_json
 from .topology import TestbedError, Topology, attach_pass_programs
 
 PREFIX = "tp"
@@ -311,9 +313,7 @@ def run_throughput(chunk_sizes=(256, 1024, 3072), seconds: float = 2.0, windows:
            "sample_problems": b.problems}
     out["targets"] = _targets(out)
     out["config"]["wall_seconds"] = round(time.monotonic() - started, 1)
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(json_path, out)
     if plot_path:
         plot_throughput(out, plot_path)
     return out
@@ -383,11 +383,6 @@ def plot_throughput(out: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _ints(ctx, param, value):
-    from .cli import _int_list
-    return _int_list(ctx, param, value)
-
-
 def _cores(ctx, param, value: str) -> tuple[int, ...]:
     try:
         cores = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
@@ -399,7 +394,7 @@ def _cores(ctx, param, value: str) -> tuple[int, ...]:
 
 
 @click.command("throughput")
-@click.option("--chunk-sizes", default="256,1024,3072", show_default=True, callback=_ints,
+@click.option("--chunk-sizes", default="256,1024,3072", show_default=True, callback=int_list,
               help="Chunk payload sizes (the veth MTU follows the chunk size).")
 @click.option("--seconds", type=click.FloatRange(0.1, 30), default=2.0, show_default=True,
               help="Measuring time of each scenario (after 0.3 s of warm-up).")

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from .options import int_list
 from .topology import TestbedError, Topology, down, namespaces_of
 
 
@@ -58,23 +59,13 @@ def demo(chunks):
         sys.exit(1)
 
 
-def _int_list(ctx, param, value: str) -> list[int]:
-    try:
-        items = sorted({int(v) for v in value.split(",") if v.strip()})
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers") from None
-    if not items or items[0] < 1:
-        raise click.BadParameter("give at least one positive number")
-    return items
-
-
 @main.group()
 def bench():
     """Benchmarks: side-by-side modes in one run, JSON results and plots."""
 
 
 @bench.command()
-@click.option("--readers", default="1,2,4,8,16", show_default=True, callback=_int_list,
+@click.option("--readers", default="1,2,4,8,16", show_default=True, callback=int_list,
               help="Reader counts to measure (each in its own namespace).")
 @click.option("--block-mib", type=click.FloatRange(min=0.01, max=64), default=4.0,
               show_default=True)

@@ -30,6 +30,7 @@ import time
 import click
 
 from .lab import Lab
+from .options import int_list
 from .results import write_json
 from .topology import python_argv
 
@@ -304,18 +305,8 @@ def report(console, result: dict, must_win_from: int) -> dict[str, bool]:
     return checks
 
 
-def _sizes(ctx, param, value: str) -> list[int]:
-    try:
-        items = sorted({int(v) for v in value.split(",") if v.strip()})
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers") from None
-    if not items or items[0] < 1:
-        raise click.BadParameter("give at least one positive number")
-    return items
-
-
 @click.command("demo-inference")
-@click.option("--sizes", default="1024,4096,16384", show_default=True, callback=_sizes,
+@click.option("--sizes", default="1024,4096,16384", show_default=True, callback=int_list,
               help="Shared-prompt sizes in tokens (multiples of --block-tokens).")
 @click.option("--chunk-size", type=click.IntRange(64, 3424), default=3072, show_default=True)
 @click.option("--concurrency", type=click.IntRange(1, 64), default=4, show_default=True,
