@@ -338,3 +338,32 @@ def test_a_port_limited_to_other_namespaces_gets_nothing(dp, cache):
     finally:
         dp.set_port_role(host, 0)
     assert run(dp, get_frame(ns=5))[0] == XDP_TX
+
+
+def put_frame(ns=5, payload=PAYLOAD, chunk=3):
+    return (Ether(src=HOST_MAC, dst=POOL_MAC) / IP(src=HOST_IP, dst=POOL_IP) /
+            UDP(sport=40000, dport=PORT) /
+            KV(op=Op.PUT, ns=ns, key=KEY, chunk=chunk, nchunks=9, csum=zlib.crc32(payload)) /
+            Raw(payload))
+
+
+def test_a_port_limited_to_other_namespaces_cannot_write_into_them(dp, cache):
+    host = socket.if_indextoname(PORTS["host"])
+    dp.set_port_role(host, 0, namespaces=[6])
+    try:
+        before = dp.counters()
+        assert run(dp, put_frame(ns=5))[0] == XDP_DROP   # would plant a block in tenant 5
+        assert dp.counters()["denied"] - before["denied"] == 1
+        raw = bytes(put_frame(ns=6))
+        assert run(dp, raw) == (XDP_PASS, raw)
+    finally:
+        dp.set_port_role(host, 0)
+
+
+@pytest.mark.parametrize("port", ["host", "pool"])
+def test_puts_are_never_learned(dp, cache, port):
+    cache.admit(5, KEY)
+    run(dp, get_frame())                  # even with a request for the chunk outstanding
+    raw = bytes(put_frame(payload=b"planted"))
+    assert run(dp, raw, port=port) == (XDP_PASS, raw)
+    assert cache.get(5, KEY, 3) is None

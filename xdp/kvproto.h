@@ -219,7 +219,7 @@ struct kv_ns_stats {
 #define KV_STAT_EXPIRED 20         /* pending rounds found stale and retried upstream */
 #define KV_STAT_UNCOALESCED 21     /* GETs not held: a second asker on a port already waiting */
 #define KV_STAT_FILL_CORRUPT 22    /* admitted reply whose payload fails its CRC: not learned */
-#define KV_STAT_DENIED 23          /* GET for a namespace its port may not ask for: dropped */
+#define KV_STAT_DENIED 23          /* request for a namespace its port may not use: dropped */
 #define KV_STAT_UNSOLICITED 24     /* pool reply matching no outstanding request: never learned */
 #define KV_STAT_MAX 32
 

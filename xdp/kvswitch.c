@@ -9,8 +9,10 @@
  *    block is admitted and its payload matches its CRC; if several ports wait for it, broadcast
  *    through kv_devmap, where kv_egress rewrites each copy for the waiter on its port and drops
  *    the copies for ports that did not ask.
+ *  - a request of any kind (GET, PUT, ...) from a port limited to some namespaces, for another
+ *    namespace: dropped.
  *  - everything else (PUTs, malformed KV frames, non-KV traffic): XDP_PASS, untouched, so the
- *    kernel bridge forwards it.
+ *    kernel bridge forwards it. PUTs are never learned: the cache fills only from pool replies.
  */
 #include <linux/bpf.h>
 #include "kvmaps.h"
@@ -300,10 +302,6 @@ static __always_inline int ns_allowed(struct xdp_md *ctx, __u32 ns)
 
 static __always_inline int handle_get(struct xdp_md *ctx, struct kv_frame *f)
 {
-    if (!ns_allowed(ctx, bpf_ntohl(f->kv->ns))) {
-        count(KV_STAT_DENIED, 1);
-        return XDP_DROP;
-    }
     if (f->kv->flags & bpf_htons(KV_F_NO_CACHE)) {
         count(KV_STAT_GET_MISS, 1);
         return XDP_PASS;
@@ -433,6 +431,10 @@ int kv_ingress(struct xdp_md *ctx)
     if (r == KV_BAD) {
         count(KV_STAT_MALFORMED, 1);
         return verdict(XDP_PASS);
+    }
+    if (f.udp->dest == bpf_htons(KV_UDP_PORT) && !ns_allowed(ctx, bpf_ntohl(f.kv->ns))) {
+        count(KV_STAT_DENIED, 1);  /* any request (GET, PUT, ...) outside the port's tenants */
+        return verdict(XDP_DROP);
     }
     if (f.kv->op == KV_OP_GET && f.udp->dest == bpf_htons(KV_UDP_PORT))
         return verdict(handle_get(ctx, &f));
