@@ -12,6 +12,7 @@ from hostagent.protocol import CONSTANTS, KEY_LEN, checksum
 from .dataplane import DataPlane, SwitchError
 
 FILLED = CONSTANTS["KV_CF_FILLED"]
+SPECULATIVE = CONSTANTS["KV_CF_SPECULATIVE"]
 PINNED = CONSTANTS["KV_AF_PINNED"]
 
 
@@ -30,11 +31,13 @@ class Entry:
     csum: int
     hits: int
     filled: bool
+    speculative: bool = False   # filled before its block was admitted: switchd still decides
 
     def as_dict(self) -> dict:
         return {"ns": self.ns, "key": self.key.hex(), "chunk": self.chunk, "len": self.len,
                 "nchunks": self.nchunks, "csum": self.csum, "hits": self.hits,
-                "source": "filled" if self.filled else "put"}
+                "source": "speculative" if self.speculative else
+                          "filled" if self.filled else "put"}
 
 
 def parse_key(text: str) -> bytes:
@@ -103,7 +106,7 @@ class Cache:
     @staticmethod
     def _entry(k, v) -> Entry:
         return Entry(k.ns, bytes(k.key), k.chunk, v.len, v.nchunks, v.csum, v.hits,
-                     bool(v.flags & FILLED))
+                     bool(v.flags & FILLED), bool(v.flags & SPECULATIVE))
 
     def entries(self, ns: int | None = None) -> list[Entry]:
         out = [self._entry(k, v) for k, v in self.table.items()]

@@ -87,6 +87,9 @@ def _load_config(path: str | None) -> dict:
               help=f"Admission/eviction policy (default {DEFAULT_POLICY}; off: admit by hand).")
 @click.option("--interval", type=click.FloatRange(min=0.05), default=None,
               help="Seconds between policy steps (default 1).")
+@click.option("--fill-headroom", type=click.IntRange(min=0), default=None,
+              help="Chunks kept free for speculative fills, blocks cached on their first miss "
+                   "before the policy decides (default 1/16 of the cache; 0: off).")
 @click.option("--quota", "quotas", multiple=True, metavar="NS=SIZE",
               help="Byte quota of a namespace, e.g. 3=64MiB (repeatable).")
 @click.option("--metrics-port", type=click.IntRange(1, 65535),
@@ -95,7 +98,7 @@ def _load_config(path: str | None) -> dict:
               help="Limit a port to these namespaces (repeatable); others are dropped.")
 @pass_ctx
 def run(obj: Context, ports, pool_ports, config, chunk_size, cache_entries, mode, coalesce,
-        pending_timeout_ms, policy, interval, quotas, metrics_port, port_ns):
+        pending_timeout_ms, policy, interval, fill_headroom, quotas, metrics_port, port_ns):
     """Load the data plane, attach it to the ports, and run until SIGINT/SIGTERM."""
     from .daemon import Daemon
     cfg = _load_config(config)
@@ -118,7 +121,8 @@ def run(obj: Context, ports, pool_ports, config, chunk_size, cache_entries, mode
     obj.enter()
     Daemon(dep, ports, pool_ports, mode, coalesce, timeout_ms / 1000,
            None if policy == "off" else policy, interval or cfg.get("interval", 1.0),
-           quota_map, metrics_port or cfg.get("metrics_port"), limits).run()
+           quota_map, metrics_port or cfg.get("metrics_port"), limits,
+           fill_headroom if fill_headroom is not None else cfg.get("fill_headroom")).run()
 
 
 def _parse_port_ns(items: list[str], ports: list[str]) -> dict[str, list[int]]:

@@ -22,13 +22,15 @@ class Daemon:
                  mode: str = "native", coalesce: bool = True, pending_timeout: float = 0.05,
                  policy: str | None = "prefix", interval: float = 1.0,
                  quotas: dict[int, int] | None = None, metrics_port: int | None = None,
-                 port_namespaces: dict[str, list[int]] | None = None):
+                 port_namespaces: dict[str, list[int]] | None = None,
+                 fill_headroom: int | None = None):
         self.deployment, self.ports, self.pool_ports, self.mode = (
             deployment, ports, pool_ports, mode)
         self.coalesce, self.pending_timeout = coalesce, pending_timeout
         self.policy, self.interval, self.quotas = policy, interval, quotas or {}
         self.metrics_port = metrics_port
         self.port_namespaces = port_namespaces or {}
+        self.fill_headroom = fill_headroom
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -39,7 +41,9 @@ class Daemon:
         dp.set_replication_ports(self.ports)
         dp.set("coalesce", int(self.coalesce))
         dp.set("pending_ns", int(self.pending_timeout * 1e9))
-        manager = CacheManager(dp, self.policy, self.quotas) if self.policy else None
+        dp.set("spec_fill", 0)           # until the policy says how much room it leaves
+        manager = (CacheManager(dp, self.policy, self.quotas, self.fill_headroom)
+                   if self.policy else None)
         if self.metrics_port:
             serve_metrics(self.metrics_port, dp, manager)
         for sig in (signal.SIGINT, signal.SIGTERM):

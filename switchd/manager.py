@@ -3,6 +3,12 @@ miss sketch, the recently missed blocks, per-entry hit counters) into decisions 
 switchd.policy and applies them to the maps: admitting a block adds it to the admit set (the data
 plane then learns its chunks as pool replies pass), evicting one deletes its chunks.
 
+Speculative fill: the data plane also learns replies of blocks that are not admitted, as long as
+a budget switchd sets lasts (``fill_headroom`` chunks kept free for it). At the next step each
+such block is offered to its policy, which keeps it (it is admitted) or not (it is evicted). A
+block is so cached from its first miss, as an offline policy that admits on the miss would have
+it, instead of from the first miss after switchd's decision.
+
 Capacity is counted in chunks (map entries). A namespace with a byte quota gets a policy of its
 own sized to the quota; every other namespace shares what is left. Blocks admitted by an operator
 (`switchd cache admit`) are pinned: the policy never evicts them until their TTL, if any, ends.
@@ -21,22 +27,29 @@ from .popularity import BlockId, Popularity, Snapshot
 log = logging.getLogger("switchd.manager")
 
 
+def default_headroom(entries: int) -> int:
+    """Chunks kept free for speculative fills: a sixteenth of the cache."""
+    return entries // 16
+
+
 class CacheManager:
     def __init__(self, dp: DataPlane, policy: str = "prefix",
-                 quotas: dict[int, int] | None = None):
+                 quotas: dict[int, int] | None = None, fill_headroom: int | None = None):
         self.dp, self.cache, self.popularity = dp, Cache(dp), Popularity(dp)
         chunk, total = dp.deployment.chunk_size, dp.deployment.cache_entries
+        self.total = total
+        self.headroom = default_headroom(total) if fill_headroom is None else fill_headroom
         self.quota_chunks = {ns: max(1, q // chunk) for ns, q in (quotas or {}).items()}
-        shared = total - sum(self.quota_chunks.values())
+        shared = total - self.headroom - sum(self.quota_chunks.values())
         if shared < 0:
-            raise SwitchError(f"namespace quotas ({sum(self.quota_chunks.values())} chunks) "
-                              f"exceed the cache ({total} chunks)")
+            raise SwitchError(f"namespace quotas ({sum(self.quota_chunks.values())} chunks) and "
+                              f"fill headroom ({self.headroom}) exceed the cache ({total} chunks)")
         self.policies = {ns: make_policy(policy, q) for ns, q in self.quota_chunks.items()}
         self.shared = make_policy(policy, max(1, shared))
         self.policy_name = policy
         self.sizes: dict[BlockId, int] = {}       # known block sizes, in chunks
         self._hits: dict[BlockId, int] = {}
-        self.admissions = self.evictions = 0
+        self.admissions = self.evictions = self.rejected = 0
         self.snapshot: Snapshot | None = None
 
     def policy_for(self, ns: int):
@@ -65,18 +78,40 @@ class CacheManager:
             if delta > 0 and block in pol:
                 pol.access(block, now, count=delta)
         typical = self._typical_size()
+        offered = set()
         for block, (misses, _n) in sorted(snap.candidates.items(), key=lambda kv: -kv[1][0]):
             pol = self.policy_for(block[0])               # demand it did not meet
             pol.access(block, now, count=misses)
             if block in pol or block in admitted:
                 continue
-            adm = pol.admit(block, now, size=self.sizes.get(block, typical))
-            self._evict(adm.evicted)
-            if adm:
-                self.cache.admit(*block)
-                self.admissions += 1
+            offered.add(block)
+            self._offer(block, now, self.sizes.get(block, typical), snap.cached.get(block))
+        for block, cb in snap.cached.items():           # speculative fills nobody missed since
+            if cb.speculative and block not in admitted and block not in offered:
+                if block not in self.policy_for(block[0]):
+                    self._offer(block, now, cb.nchunks, cb)
+        self._refill_budget()
         self.snapshot = snap
         return snap
+
+    def _offer(self, block: BlockId, now: float, size: int, cached) -> None:
+        """Ask the block's policy to cache it: admitted, or (if it was filled speculatively)
+        evicted."""
+        adm = self.policy_for(block[0]).admit(block, now, size=size)
+        self._evict(adm.evicted)
+        if adm:
+            self.cache.admit(*block)
+            self.admissions += 1
+        elif cached is not None and cached.speculative:
+            self._evict([block])
+            self.rejected += 1
+
+    def _refill_budget(self) -> None:
+        """Let the data plane fill what the policies have not claimed (at least the headroom)."""
+        if not self.headroom:
+            return
+        claimed = sum(p.used for p in self._all_policies())
+        self.dp.set("spec_fill", max(0, int(self.total - claimed)))
 
     def _typical_size(self) -> int:
         return int(statistics.median(self.sizes.values())) if self.sizes else 1

@@ -11,6 +11,7 @@ import numpy as np
 
 from hostagent.protocol import CONSTANTS
 
+from .cache import SPECULATIVE
 from .dataplane import DataPlane
 from .policy import CountMinSketch
 
@@ -36,6 +37,7 @@ class CachedBlock:
     nchunks: int
     chunks: int = 0     # entries present
     hits: int = 0       # fetches served: hits of chunk 0, which every fetch asks for
+    speculative: bool = False  # some chunk was filled before the block was admitted
 
 
 @dataclass
@@ -78,6 +80,7 @@ class Popularity:
             entries += 1
             b = cached.setdefault((k.ns, bytes(k.key)), CachedBlock(v.nchunks))
             b.chunks += 1
+            b.speculative |= bool(v.flags & SPECULATIVE)
             if k.chunk == 0:
                 b.hits = v.hits
         return Snapshot(candidates, cached, self.ns_counters(), entries)

@@ -5,7 +5,9 @@ Scaling: every trace block (512 tokens) becomes a KV block of one chunk; its key
 its hash id. Time: requests keep their order and are paced at ``speedup`` times the trace's pace
 (or as fast as the client goes, if that is slower). The switch's cache holds ``capacity`` blocks
 (a fraction of the trace's distinct blocks, or a count), and switchd's default policy, stepping
-every ``interval`` seconds, decides what it holds. One inference node fetches each request's
+every ``interval`` seconds, decides what it holds; the cache map has ``fill_headroom`` more
+entries for speculative fills (blocks learned on their first miss, kept or evicted at the next
+step), so the policy's own capacity is the evaluator's. One inference node fetches each request's
 blocks in chain order; a block is a hit when the switch answered it.
 
 The orchestrator runs here; the client part (`python -m testbed.replay drive`) runs inside the
@@ -71,7 +73,8 @@ async def _drive(trace_path: str, pool: str, limit: int | None, speedup: float,
 
 def run_replay(trace_path: str, capacity: float, limit: int | None = None,
                speedup: float = 60.0, interval: float = 0.1, block_bytes: int = 1024,
-               json_path: str | None = None, log=print) -> dict:
+               json_path: str | None = None, fill_headroom: int | None = None,
+               log=print) -> dict:
     trace = load_trace(trace_path)
     n = min(trace.n_requests, limit or trace.n_requests)
     if n < trace.n_requests:
@@ -87,18 +90,21 @@ def run_replay(trace_path: str, capacity: float, limit: int | None = None,
     default = offline["default_policy"]
     log(f"offline: {default} hits {offline['hit_ratio'][default]:.4f} of block requests at "
         f"{cap} blocks (belady {offline['hit_ratio']['belady']:.4f})")
+    headroom = max(16, cap // 4) if fill_headroom is None else fill_headroom
     with Lab(f"rp{os.getpid() % 100000}", hosts=1, pools=1, chunk_size=block_bytes,
-             cache_entries=cap,
-             switchd_args=("--interval", str(interval))) as lab:
+             cache_entries=cap + headroom,
+             switchd_args=("--interval", str(interval), "--fill-headroom", str(headroom))) as lab:
         argv = python_argv("testbed.replay", "drive", str(Path(trace_path).resolve()),
                            lab.pool_addrs[0], str(n), str(speedup), str(block_bytes))
         r = lab.topo.run("h1", argv, timeout=3600)
         live = json.loads(r.stdout.strip().splitlines()[-1])
         counters = lab.stats()
     live_ratio = live["switch_hits"] / live["block_requests"]
-    out = {"trace": trace_path, "capacity_blocks": cap, "policy": default,
+    out = {"trace": trace_path, "capacity_blocks": cap, "fill_headroom_blocks": headroom,
+           "policy": default, "speedup": speedup, "interval_s": interval,
            "live": {**live, "hit_ratio": round(live_ratio, 4),
-                    "admissions_filled_chunks": counters["fill"]},
+                    "filled_chunks": counters["fill"],
+                    "speculative_fills": counters["spec_fill"]},
            "offline_hit_ratio": offline["hit_ratio"],
            "difference_pp": round(100 * (live_ratio - offline["hit_ratio"][default]), 2)}
     log(f"live: switch answered {live['switch_hits']} of {live['block_requests']} block "

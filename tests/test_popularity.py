@@ -25,6 +25,7 @@ def dp(loaded):
     for table in (loaded.cache, loaded.admit, loaded.recent, loaded.ns_stats):
         table.clear()
     Popularity(loaded).read_sketch()  # zeroes it
+    loaded.set("spec_fill", 0)
     return loaded
 
 
@@ -84,3 +85,21 @@ def test_operator_pins_are_never_evicted(dp):
     manager.step()
     manager.step()
     assert (5, A) in cache.admit_entries()
+
+
+def test_speculative_fills_are_kept_or_evicted_by_the_policy(dp):
+    cache = Cache(dp)
+    cache.admit(5, A, pinned=True)               # namespace 5 has no room left for B's 9 chunks
+    manager = CacheManager(dp, "lru", quotas={5: 9 * 1024}, fill_headroom=2)
+    manager.step()
+    claimed = sum(p.used for p in manager._all_policies())
+    assert dp.get("spec_fill") == 16 - claimed, "what the policies have not claimed"
+    for ns, nchunks in ((5, 9), (6, 4)):         # a first miss each, learned at once
+        miss(dp, B, ns=ns)
+        run(dp, reply_frame(key=B, chunk=0, ns=ns, nchunks=nchunks), port="pool")
+        assert cache.get(ns, B, 0)[0].speculative
+    manager.step()
+    assert cache.get(6, B, 0) is not None and (6, B) in cache.admit_entries()   # kept
+    assert cache.get(5, B, 0) is None and (5, B) not in cache.admit_entries()   # evicted
+    assert manager.rejected == 1 and manager.admissions == 1
+    assert dp.get("spec_fill") == 16 - claimed - 4

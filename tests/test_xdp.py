@@ -59,6 +59,7 @@ def cache(dp):
     for table in (dp.admit, dp.pending, dp.waiters):
         table.clear()
     dp.set("coalesce", 0)
+    dp.set("spec_fill", 0)
     return c
 
 
@@ -71,10 +72,10 @@ def get_frame(key=KEY, chunk=3, room=1024, ns=5, kvflags=0, req_id=0xABCD, src=H
             Raw(bytes(room)))
 
 
-def reply_frame(payload=PAYLOAD, key=KEY, chunk=3, ns=5, flags=0):
+def reply_frame(payload=PAYLOAD, key=KEY, chunk=3, ns=5, flags=0, nchunks=9):
     return (Ether(src=POOL_MAC, dst=HOST_MAC) / IP(src=POOL_IP, dst=HOST_IP) /
             UDP(sport=PORT, dport=40000) /
-            KV(op=Op.GET_REPLY, ns=ns, key=key, chunk=chunk, nchunks=9, flags=flags) /
+            KV(op=Op.GET_REPLY, ns=ns, key=key, chunk=chunk, nchunks=nchunks, flags=flags) /
             Raw(payload))
 
 
@@ -214,6 +215,28 @@ def test_replies_that_must_not_be_learned(dp, cache, case):
         assert dp.counters()["forged"] - before["forged"] == 1
     if case == "unsolicited":
         assert dp.counters()["unsolicited"] - before["unsolicited"] == 1
+
+
+def test_speculative_fill_learns_unadmitted_replies_while_the_budget_lasts(dp, cache):
+    dp.set("spec_fill", 1)
+    for chunk in (3, 4):
+        run(dp, get_frame(chunk=chunk))
+        raw = bytes(reply_frame(chunk=chunk))
+        assert run(dp, raw, port="pool") == (XDP_PASS, raw)
+    entry, payload = cache.get(5, KEY, 3)
+    assert payload == PAYLOAD and entry.speculative and entry.filled
+    assert cache.get(5, KEY, 4) is None, "the budget was one chunk"
+    assert dp.get("spec_fill") <= 0 and dp.counters()["spec_fill"] >= 1
+
+
+@pytest.mark.parametrize("case", ["host port", "unsolicited"])
+def test_speculative_fill_still_learns_only_solicited_pool_replies(dp, cache, case):
+    dp.set("spec_fill", 100)
+    if case != "unsolicited":
+        run(dp, get_frame())
+    raw = bytes(reply_frame())
+    assert run(dp, raw, port="host" if case == "host port" else "pool") == (XDP_PASS, raw)
+    assert cache.get(5, KEY, 3) is None and dp.get("spec_fill") == 100
 
 
 def test_reply_larger_than_a_cache_entry_is_not_learned(dp, cache):

@@ -94,6 +94,7 @@ struct kv_cache_val {
     __u8  data[KV_CHUNK_MAX];
 };
 #define KV_CF_FILLED 1             /* learned from a passing pool reply (else put by switchd) */
+#define KV_CF_SPECULATIVE 2        /* filled for a block not (yet) admitted: switchd decides */
 
 struct kv_admit_val {              /* admit set: replies for these blocks are cached as they pass */
     __u64 expires_ns;              /* 0: until removed */
@@ -193,6 +194,8 @@ struct kv_ns_stats {
 /* settings (u64 array, written by switchd) */
 #define KV_SET_COALESCE 0          /* 1: hold concurrent misses and replicate the reply */
 #define KV_SET_PENDING_NS 1        /* a pending round older than this is retried upstream */
+#define KV_SET_SPEC_FILL 2         /* chunks of blocks not admitted that may still be learned
+                                      (s64, decremented per fill; switchd refills it each step) */
 #define KV_SET_MAX 4
 
 /* per-CPU counters, indexes into kv_stats */
@@ -221,6 +224,7 @@ struct kv_ns_stats {
 #define KV_STAT_FILL_CORRUPT 22    /* admitted reply whose payload fails its CRC: not learned */
 #define KV_STAT_DENIED 23          /* request for a namespace its port may not use: dropped */
 #define KV_STAT_UNSOLICITED 24     /* pool reply matching no outstanding request: never learned */
+#define KV_STAT_SPEC_FILL 25       /* of KV_STAT_FILL: chunks learned speculatively */
 #define KV_STAT_MAX 32
 
 #endif /* KVPROTO_H */

@@ -6,7 +6,8 @@
  *    coalescing on, GETs for the same chunk from other ports while the round is open are held
  *    (dropped here, remembered in kv_waiters); a round older than the pending timeout is retried.
  *  - GET_REPLY from a pool-node port that answers an open round: copied into kv_cache if its
- *    block is admitted and its payload matches its CRC; if several ports wait for it, broadcast
+ *    payload matches its CRC and its block is admitted (or switchd's speculative-fill budget
+ *    has room: switchd then keeps or evicts it at its next step); if several ports wait for it, broadcast
  *    through kv_devmap, where kv_egress rewrites each copy for the waiter on its port and drops
  *    the copies for ports that did not ask.
  *  - a request of any kind (GET, PUT, ...) from a port limited to some namespaces, for another
@@ -324,10 +325,19 @@ static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
     bk.ns = k->ns;
     __builtin_memcpy(bk.key, k->key, sizeof(bk.key));
     struct kv_admit_val *a = kv_admit.lookup(&bk);
-    if (!a)
+    __u16 flags = KV_CF_FILLED;
+    if (a && a->expires_ns && a->expires_ns < bpf_ktime_get_ns())
         return;
-    if (a->expires_ns && a->expires_ns < bpf_ktime_get_ns())
-        return;
+    if (!a) {
+        /* Not admitted: learn it anyway while switchd's speculative budget lasts, so a block
+         * is cached from its first miss and switchd decides at its next step whether it stays
+         * (as an offline policy would on the miss itself) instead of waiting for a second. */
+        __u32 idx = KV_SET_SPEC_FILL;
+        __s64 *budget = (__s64 *)kv_settings.lookup(&idx);
+        if (!budget || *budget <= 0 || __sync_fetch_and_add(budget, -1) <= 0)
+            return;
+        flags |= KV_CF_SPECULATIVE;
+    }
     __u64 len = opaque_len(f->payload_len);
     __u32 zero = 0;
     struct kv_cache_val *s = kv_fill_scratch.lookup(&zero);
@@ -336,7 +346,7 @@ static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
         return;
     }
     s->len = len;
-    s->flags = KV_CF_FILLED;
+    s->flags = flags;
     s->csum = bpf_ntohl(kv->csum);
     s->nchunks = bpf_ntohl(kv->nchunks);
     s->reserved = 0;
@@ -355,6 +365,8 @@ static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
         return;
     }
     count(KV_STAT_FILL, 1);
+    if (flags & KV_CF_SPECULATIVE)
+        count(KV_STAT_SPEC_FILL, 1);
 }
 
 /* Close the chunk's pending round: one waiter gets the reply the ordinary way, several get it
