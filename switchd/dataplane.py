@@ -25,7 +25,7 @@ MAX_CHUNK = 3424
 STAT_NAMES = {v: n[len("KV_STAT_"):].lower() for n, v in CONSTANTS.items()
               if n.startswith("KV_STAT_") and n != "KV_STAT_MAX"}
 MAP_NAMES = ("kv_cache", "kv_admit", "kv_ports", "kv_stats", "kv_settings", "kv_pending",
-             "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats", "kv_port_ns")
+             "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats", "kv_port_ns", "kv_ns_low")
 SETTINGS = {n[len("KV_SET_"):].lower(): v for n, v in CONSTANTS.items()
             if n.startswith("KV_SET_") and n != "KV_SET_MAX"}
 
@@ -143,7 +143,7 @@ class DataPlane:
                                              bcc.BPFAttachType.XDP_DEVMAP)
             self.devmap = self.bpf.get_table(b"kv_devmap")
         (self.cache, self.admit, self.ports, self.stats, self.settings, self.pending,
-         self.waiters, self.sketch, self.recent, self.ns_stats, self.port_ns) = (
+         self.waiters, self.sketch, self.recent, self.ns_stats, self.port_ns, self.ns_low) = (
             self.bpf.get_table(n.encode()) for n in MAP_NAMES)
         self.attached: dict[str, int] = {}
 
@@ -198,8 +198,10 @@ class DataPlane:
             del self.port_ns[k]
         for ns in namespaces or []:
             self.port_ns[self.port_ns.Key(index, ns)] = self.port_ns.Leaf(1)
-        flags = CONSTANTS["KV_PF_NS_LIMITED"] if namespaces else 0
-        self.ports[self.ports.Key(index)] = self.ports.Leaf(role=role, flags=flags)
+        limited = CONSTANTS["KV_PF_NS_LIMITED"]
+        self.ports[self.ports.Key(index)] = self.ports.Leaf(role=role,
+                                                            flags=limited if namespaces else 0)
+        self.set("ns_limits", int(any(v.flags & limited for v in self.ports.values())))
 
     def counters(self) -> dict[str, int]:
         """Per-CPU counters summed, by name."""

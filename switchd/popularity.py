@@ -4,7 +4,6 @@ per-namespace counters. Reading the sketch resets it: it counts one interval's m
 policy keeps the long-term, decayed view."""
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,12 +85,12 @@ class Popularity:
         return Snapshot(candidates, cached, self.ns_counters(), entries)
 
     def ns_counters(self) -> dict[int, dict[str, int]]:
-        out: dict[int, dict[str, int]] = defaultdict(lambda: {"hits": 0, "misses": 0,
-                                                              "hit_bytes": 0})
-        for k, per_cpu in self.dp.ns_stats.items():
-            row = out[k.value]
-            for v in per_cpu:
-                row["hits"] += v.hits
-                row["misses"] += v.misses
-                row["hit_bytes"] += v.hit_bytes
-        return dict(out)
+        out: dict[int, dict[str, int]] = {}
+        for table in (self.dp.ns_low, self.dp.ns_stats):
+            for k, per_cpu in table.items():
+                row = {"hits": sum(v.hits for v in per_cpu),
+                       "misses": sum(v.misses for v in per_cpu),
+                       "hit_bytes": sum(v.hit_bytes for v in per_cpu)}
+                if any(row.values()):
+                    out[k.value] = row
+        return out

@@ -22,7 +22,7 @@ def loaded(ports_namespace):
 
 @pytest.fixture
 def dp(loaded):
-    for table in (loaded.cache, loaded.admit, loaded.recent, loaded.ns_stats):
+    for table in (loaded.cache, loaded.admit, loaded.recent, loaded.ns_stats, loaded.ns_low):
         table.clear()
     Popularity(loaded).read_sketch()  # zeroes it
     loaded.set("spec_fill", 0)
@@ -103,3 +103,11 @@ def test_speculative_fills_are_kept_or_evicted_by_the_policy(dp):
     assert cache.get(5, B, 0) is None and (5, B) not in cache.admit_entries()   # evicted
     assert manager.rejected == 1 and manager.admissions == 1
     assert dp.get("spec_fill") == 16 - claimed - 4
+
+
+@pytest.mark.parametrize("ns", [0, 255, 256, 0xFFFFFFFF])   # array slots and the hash beyond
+def test_namespace_counters_at_every_namespace(dp, ns):
+    Cache(dp).put(ns, A, 1, b"x" * 100, nchunks=2)
+    miss(dp, A, ns=ns, times=2)
+    run(dp, get_frame(key=A, chunk=1, ns=ns))
+    assert Popularity(dp).ns_counters()[ns] == {"hits": 1, "misses": 2, "hit_bytes": 100}

@@ -26,6 +26,7 @@ KV_MAP("lru_hash", struct kv_waiter_key, struct kv_waiter, kv_waiters, KV_WAITER
 /* popularity: count-min sketch of misses, the blocks recently missed, per-namespace counters */
 KV_MAP("percpu_array", __u32, struct kv_sketch_row, kv_sketch, KV_SKETCH_DEPTH);
 KV_MAP("lru_hash", struct kv_block_key, struct kv_recent, kv_recent, KV_RECENT_ENTRIES);
+KV_MAP("percpu_array", __u32, struct kv_ns_stats, kv_ns_low, KV_NS_LOW);
 KV_MAP("percpu_hash", __u32, struct kv_ns_stats, kv_ns_stats, KV_NS_ENTRIES);
 /* settings, KV_SET_* */
 KV_MAP("array", __u32, __u64, kv_settings, KV_SET_MAX);

@@ -90,7 +90,7 @@ struct kv_cache_val {
     __u32 nchunks;                 /* chunks in the block */
     __u32 reserved;
     __u64 hits;                    /* GETs answered from this entry (data plane adds) */
-    __u64 last_hit_ns;             /* bpf_ktime_get_ns() of the last hit */
+    __u64 filled_ns;               /* bpf_ktime_get_ns() when it was learned (0: put) */
     __u8  data[KV_CHUNK_MAX];
 };
 #define KV_CF_FILLED 1             /* learned from a passing pool reply (else put by switchd) */
@@ -180,7 +180,9 @@ struct kv_recent {
     __u32 reserved;
 };
 
-/* per-namespace counters (per CPU) */
+/* per-namespace counters (per CPU): namespaces below KV_NS_LOW in an array (no hashing on the
+ * hit path), the others in a hash of KV_NS_ENTRIES */
+#define KV_NS_LOW 256
 #define KV_NS_ENTRIES 1024
 struct kv_ns_stats {
     __u64 hits;
@@ -194,6 +196,7 @@ struct kv_ns_stats {
 /* settings (u64 array, written by switchd) */
 #define KV_SET_COALESCE 0          /* 1: hold concurrent misses and replicate the reply */
 #define KV_SET_PENDING_NS 1        /* a pending round older than this is retried upstream */
+#define KV_SET_NS_LIMITS 3         /* 1: some port is limited to some namespaces (KV_PF_NS_LIMITED) */
 #define KV_SET_SPEC_FILL 2         /* chunks of blocks not admitted that may still be learned
                                       (s64, decremented per fill; switchd refills it each step) */
 #define KV_SET_MAX 4
