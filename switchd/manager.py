@@ -7,7 +7,9 @@ Speculative fill: the data plane also learns replies of blocks that are not admi
 a budget switchd sets lasts (``fill_headroom`` chunks kept free for it). At the next step each
 such block is offered to its policy, which keeps it (it is admitted) or not (it is evicted). A
 block is so cached from its first miss, as an offline policy that admits on the miss would have
-it, instead of from the first miss after switchd's decision.
+it, instead of from the first miss after switchd's decision. With speculative fill on, only
+blocks that were learned are offered: admitting one that was not would claim room that stays
+empty until its next miss.
 
 Capacity is counted in chunks (map entries). A namespace with a byte quota gets a policy of its
 own sized to the quota; every other namespace shares what is left. Blocks admitted by an operator
@@ -84,8 +86,11 @@ class CacheManager:
             pol.access(block, now, count=misses)
             if block in pol or block in admitted:
                 continue
+            cached = snap.cached.get(block)
+            if self.headroom and cached is None:
+                continue    # not learned (no budget left): its next miss may be; claim no room
             offered.add(block)
-            self._offer(block, now, self.sizes.get(block, typical), snap.cached.get(block))
+            self._offer(block, now, self.sizes.get(block, typical), cached)
         for block, cb in snap.cached.items():           # speculative fills nobody missed since
             if cb.speculative and block not in admitted and block not in offered:
                 if block not in self.policy_for(block[0]):

@@ -72,9 +72,9 @@ async def _drive(trace_path: str, pool: str, limit: int | None, speedup: float,
 
 
 def run_replay(trace_path: str, capacity: float, limit: int | None = None,
-               speedup: float = 60.0, interval: float = 0.1, block_bytes: int = 1024,
+               speedup: float = 10.0, interval: float = 0.1, block_bytes: int = 1024,
                json_path: str | None = None, fill_headroom: int | None = None,
-               log=print) -> dict:
+               policy: str | None = None, log=print) -> dict:
     trace = load_trace(trace_path)
     n = min(trace.n_requests, limit or trace.n_requests)
     if n < trace.n_requests:
@@ -87,13 +87,14 @@ def run_replay(trace_path: str, capacity: float, limit: int | None = None,
         trace_for_eval, distinct = trace_path, trace.distinct_blocks
     cap = capacity_blocks(capacity, distinct)
     offline = evaluate(trace_for_eval, cap)
-    default = offline["default_policy"]
+    default = policy or offline["default_policy"]
     log(f"offline: {default} hits {offline['hit_ratio'][default]:.4f} of block requests at "
         f"{cap} blocks (belady {offline['hit_ratio']['belady']:.4f})")
     headroom = max(16, cap // 4) if fill_headroom is None else fill_headroom
     with Lab(f"rp{os.getpid() % 100000}", hosts=1, pools=1, chunk_size=block_bytes,
              cache_entries=cap + headroom,
-             switchd_args=("--interval", str(interval), "--fill-headroom", str(headroom))) as lab:
+             switchd_args=("--interval", str(interval), "--fill-headroom", str(headroom),
+                           "--policy", default)) as lab:
         argv = python_argv("testbed.replay", "drive", str(Path(trace_path).resolve()),
                            lab.pool_addrs[0], str(n), str(speedup), str(block_bytes))
         r = lab.topo.run("h1", argv, timeout=3600)

@@ -55,7 +55,7 @@ def test_reply_tells_the_block_size(dp):
 
 
 def test_hot_block_is_admitted_then_learned(dp):
-    manager = CacheManager(dp, "lru")
+    manager = CacheManager(dp, "lru", fill_headroom=0)      # admitted first, learned after
     miss(dp, A, times=3)
     run(dp, reply_frame(key=A, chunk=0), port="pool")
     manager.step()
@@ -67,7 +67,7 @@ def test_hot_block_is_admitted_then_learned(dp):
 
 
 def test_policy_evicts_to_stay_within_a_quota(dp):
-    manager = CacheManager(dp, "lru", quotas={5: 9 * 1024})   # room for one 9-chunk block
+    manager = CacheManager(dp, "lru", quotas={5: 9 * 1024}, fill_headroom=0)  # one 9-chunk block
     for key in (A, B):
         miss(dp, key, times=2)
         run(dp, reply_frame(key=key, chunk=0), port="pool")
