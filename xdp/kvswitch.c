@@ -368,7 +368,8 @@ static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
         return;
     }
     count(KV_STAT_FILL, 1);
-    if (flags & KV_CF_SPECULATIVE)
+    if (s->flags & KV_CF_SPECULATIVE)  /* not `flags`: a register live across the CRC loop
+                                          would double the states the verifier walks */
         count(KV_STAT_SPEC_FILL, 1);
 }
 
