@@ -4,6 +4,7 @@ BPF maps whose layouts BCC reads from xdp/kvproto.h. This module and the maps ar
 meeting point of data plane and control plane."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import socket
@@ -52,6 +53,17 @@ class Deployment:
         if self.pin_dir:
             flags.append(f'-DKV_PIN_DIR="{self.pin_dir}"')
         return flags
+
+
+def crc32_table() -> list[int]:
+    """The byte-at-a-time table of CRC-32 (IEEE, reflected), as the data plane's kv_crc_table."""
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ (0xEDB88320 if c & 1 else 0)
+        table.append(c)
+    return table
 
 
 def _import_bcc():
@@ -138,6 +150,8 @@ class DataPlane:
             raise SwitchError(f"compiling {src.name} failed: {exc}") from None
         self.ingress = self.egress = self.devmap = None
         if programs:
+            table = self.bpf.get_table(b"kv_crc_table")
+            table[table.Key(0)] = table.Leaf((ctypes.c_uint32 * 256)(*crc32_table()))
             self.ingress = self.bpf.load_func(b"kv_ingress", bcc.BPF.XDP)
             self.egress = self.bpf.load_func(b"kv_egress", bcc.BPF.XDP, None,
                                              bcc.BPFAttachType.XDP_DEVMAP)

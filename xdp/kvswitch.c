@@ -51,21 +51,26 @@ static __always_inline __u64 opaque_len(__u32 len)
     return n;
 }
 
-/* CRC-32 (IEEE, reflected, as zlib.crc32) of p[0..len), len <= KV_CHUNK_MAX; bitwise, so it
- * needs no table. Run only when learning a reply, so what the cache holds always matches its CRC.
- * The loop always runs KV_CHUNK_MAX times and keeps the CRC of the first len bytes with
- * arithmetic, not a branch on len: a branch would make the verifier walk the rest of the loop
- * once per possible length. (Sign-mask idioms such as -(x & 1) or (s64)x >> 63 are avoided on
- * purpose: they crashed this kernel's verifier in maybe_fork_scalars.) */
-static __always_inline __u32 crc32_ieee(const __u8 *p, __u32 len)
+/* CRC-32 (IEEE, reflected, as zlib.crc32), one table lookup per byte: the 256-entry table is
+ * written by switchd when it loads the program (an empty table fails every check, so nothing
+ * is learned, never anything wrong). */
+struct kv_crc_table {
+    __u32 t[256];
+};
+BPF_ARRAY(kv_crc_table, struct kv_crc_table, 1);
+
+/* CRC of p[0..len), len <= KV_CHUNK_MAX. Run only when learning a reply, so what the cache
+ * holds always matches its CRC. The loop always runs KV_CHUNK_MAX times and keeps the CRC of
+ * the first len bytes with arithmetic, not a branch on len: a branch would make the verifier
+ * walk the rest of the loop once per possible length. (Sign-mask idioms such as -(x & 1) or
+ * (s64)x >> 63 are avoided on purpose: they crashed this kernel's verifier in
+ * maybe_fork_scalars.) */
+static __always_inline __u32 crc32_ieee(const struct kv_crc_table *tab, const __u8 *p, __u32 len)
 {
     __u32 c = 0xffffffff;
 #pragma clang loop unroll(disable)
     for (__u32 i = 0; i < KV_CHUNK_MAX; i++) {
-        __u32 d = c ^ p[i];
-#pragma unroll
-        for (int k = 0; k < 8; k++)
-            d = (d >> 1) ^ (0xEDB88320 * (d & 1));
+        __u32 d = (c >> 8) ^ tab->t[(c ^ p[i]) & 0xff];
         __u32 take = (i - len) >> 31;  /* 1 while i < len (both far below 2^31) */
         c ^= (c ^ d) * take;
     }
@@ -359,7 +364,8 @@ static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
         count(KV_STAT_FILL_FAIL, 1);
         return;
     }
-    if (crc32_ieee(s->data, len) != s->csum) {
+    struct kv_crc_table *tab = kv_crc_table.lookup(&zero);
+    if (!tab || crc32_ieee(tab, s->data, len) != s->csum) {
         count(KV_STAT_FILL_CORRUPT, 1);  /* never cache bytes that fail their own checksum */
         return;
     }
