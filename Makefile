@@ -8,7 +8,7 @@ DEBS  := python3-bpfcc python3-venv linux-headers-amd64 libbpf1 bpftool \
          iproute2 iperf3 tcpdump ethtool iputils-ping memcached procps
 KREL  := $(shell uname -r)
 
-.PHONY: setup debs kernel-headers bpffs venv test test-python test-bpf test-e2e demo demo-inference bench clean
+.PHONY: setup debs kernel-headers bpffs venv test test-python test-bpf test-e2e demo demo-inference bench bench-sim clean
 
 setup: debs kernel-headers bpffs venv
 	@echo "setup: OK ($(VENV) ready; run 'make test')"
@@ -63,6 +63,12 @@ bench:
 	$(VENV)/bin/testbed bench loss --json bench/results/loss.json
 	$(VENV)/bin/testbed policy-eval --trace ../shared/traces/mooncake_synthetic_trace.jsonl \
 	  --capacity 0.02 --json bench/results/policy-0.02.json
+
+# the cluster model: 1M requests on 1,024 nodes, the break-even sweep, validation on the testbed
+bench-sim:
+	$(VENV)/bin/testbed sim run --nodes 1024 --requests 1000000 --json bench/results/sim-run-1024.json
+	$(VENV)/bin/testbed sim sweep --json bench/results/sim-sweep.json --plot bench/results/sim-breakeven.png
+	$(VENV)/bin/testbed sim validate --json bench/results/sim-validate.json
 
 clean:
 	-$(VENV)/bin/testbed down --all 2>/dev/null
