@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from switchd.policy import POLICIES
+
 from .options import int_list
 from .topology import TestbedError, Topology, down, namespaces_of
 
@@ -71,9 +73,10 @@ def bench():
               show_default=True)
 @click.option("--reps", type=click.IntRange(1, 50), default=3, show_default=True,
               help="Repetitions per reader count and mode.")
-@click.option("--chunk-size", type=click.IntRange(64, 3424), default=1024, show_default=True)
-@click.option("--pool-link-mbit", type=click.FloatRange(min=1), help="Shape the pool node's link "
-              "to this rate (default: unshaped veth).")
+@click.option("--chunk-size", type=click.IntRange(64, 3424), default=3072, show_default=True)
+@click.option("--pool-link-mbit", type=click.FloatRange(min=0), default=100, show_default=True,
+              help="Shape the pool node's link to this rate, so that it and not the readers' "
+              "shared CPU is the bottleneck, as in a cluster (0: unshaped veth).")
 @click.option("--json", "json_path", default="bench/results/incast.json", show_default=True)
 @click.option("--plot", "plot_path", default="bench/results/incast.png", show_default=True)
 def incast(readers, block_mib, reps, chunk_size, pool_link_mbit, json_path, plot_path):
@@ -81,7 +84,8 @@ def incast(readers, block_mib, reps, chunk_size, pool_link_mbit, json_path, plot
     from .bench_incast import run_incast
     if readers[-1] > 99:
         raise click.BadParameter("at most 99 readers", param_hint="--readers")
-    out = run_incast(readers, block_mib, reps, json_path, plot_path, chunk_size, pool_link_mbit)
+    out = run_incast(readers, block_mib, reps, json_path, plot_path, chunk_size,
+                     pool_link_mbit or None)
     click.echo(json.dumps(out["summary"], indent=2))
     click.echo(f"wrote {json_path} and {plot_path}")
 
@@ -92,15 +96,20 @@ def incast(readers, block_mib, reps, chunk_size, pool_link_mbit, json_path, plot
 @click.option("--capacity", type=click.FloatRange(min=0, min_open=True), default=0.02,
               show_default=True, help="Fraction of the trace's distinct blocks (<1) or a count.")
 @click.option("--limit", type=click.IntRange(1), help="Only the first N requests.")
-@click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=60.0,
-              show_default=True, help="Time compression of the trace's pace.")
+@click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="Time compression of the trace's pace (10 with a 0.1 s "
+              "interval: one policy step per second of trace, as switchd's default).")
 @click.option("--interval", type=click.FloatRange(min=0.05), default=0.1, show_default=True,
               help="switchd's policy interval, seconds.")
+@click.option("--policy", type=click.Choice(list(POLICIES)), help="Default: switchd's default.")
+@click.option("--fill-headroom", type=click.IntRange(min=0),
+              help="Extra cache entries for speculative fills (default: a quarter of capacity).")
 @click.option("--json", "json_path", help="Write the result here.")
-def replay(trace_path, capacity, limit, speedup, interval, json_path):
+def replay(trace_path, capacity, limit, speedup, interval, policy, fill_headroom, json_path):
     """Replay a trace through the testbed; compare the live hit ratio with the evaluator's."""
     from .replay import run_replay
-    run_replay(trace_path, capacity, limit, speedup, interval, json_path=json_path)
+    run_replay(trace_path, capacity, limit, speedup, interval, json_path=json_path,
+               fill_headroom=fill_headroom, policy=policy)
 
 
 @main.command()
@@ -156,3 +165,119 @@ def _register_commands():
 
 
 _register_commands()
+
+
+@main.group()
+def sim():
+    """Cluster-scale model: tiers, switch pool on/off, break-even, testbed validation."""
+
+
+def _sim_options(f):
+    for opt in reversed([
+        click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
+                     default="../shared/traces/mooncake_synthetic_trace.jsonl", show_default=True),
+        click.option("--requests", type=click.IntRange(1), help="Resample to this many requests."),
+        click.option("--nodes", type=click.IntRange(1, 1 << 20), default=4, show_default=True),
+        click.option("--pools", type=click.IntRange(1), help="Pool nodes (default nodes/8)."),
+        click.option("--model", type=click.Choice(["llama3-8b", "llama3-70b", "deepseek-v3"]),
+                     default="llama3-8b", show_default=True),
+        click.option("--kv-bytes-per-token", type=click.IntRange(1)),
+        click.option("--block-tokens", type=click.IntRange(1, 512), default=512,
+                     show_default=True),
+        click.option("--hbm-gib", type=click.FloatRange(0), default=40.0, show_default=True),
+        click.option("--dram-gib", type=click.FloatRange(0), default=256.0, show_default=True),
+        click.option("--switch-gib", type=click.FloatRange(0), default=64.0, show_default=True),
+        click.option("--pool-gib", type=click.FloatRange(0, min_open=True),
+                     help="Per pool node (default unlimited)."),
+        click.option("--node-gbps", type=click.FloatRange(0, min_open=True), default=100.0,
+                     show_default=True),
+        click.option("--pool-gbps", type=click.FloatRange(0, min_open=True), default=100.0,
+                     show_default=True),
+        click.option("--routing", type=click.Choice(["random", "least-loaded", "affinity"]),
+                     default="affinity", show_default=True),
+        click.option("--demote", type=click.Choice(["none", "all", "value"]), default="value",
+                     show_default=True),
+        click.option("--policy", "switch_policy", default="prefix", show_default=True,
+                     type=click.Choice(["prefix", "lru", "lfu", "tinylfu"])),
+        click.option("--sharing", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+                     help="Share of resampled prefix trees that keep their ids (shared content)."),
+        click.option("--load", type=click.FloatRange(0, min_open=True), default=0.7,
+                     show_default=True, help="Per-node prefill utilisation without caching."),
+        click.option("--seed", type=int, default=1, show_default=True),
+    ]):
+        f = opt(f)
+    return f
+
+
+@sim.command("run")
+@_sim_options
+@click.option("--json", "json_path", help="Write the result here.")
+def sim_run(trace_path, requests, sharing, json_path, **kw):
+    """Simulate one cluster configuration, switch pool on and off."""
+    from .results import write_json
+    from .sim import SimConfig, run
+    from .trace import TraceError, load_trace
+    try:
+        trace = load_trace(trace_path)
+        cfg = SimConfig(**kw)
+    except (TraceError, ValueError) as exc:
+        raise click.UsageError(str(exc)) from None
+    out = run(trace, cfg, requests, sharing, log=lambda m: click.echo(m, err=True))
+    write_json(json_path, out)
+    for mode in ("pool_off", "pool_on"):
+        r = out[mode]
+        click.echo(f"{mode}: hits {json.dumps(r['hit_ratio'])} ttft p50/p99 "
+                   f"{r['ttft_s']['p50']}/{r['ttft_s']['p99']}s prefill GPU-s saved "
+                   f"{r['prefill_gpu_s_saved']} pool egress {r['bytes']['pool_to_switch']}")
+    click.echo(f"switch pool: {json.dumps(out['switch_benefit'])}")
+    click.echo(f"{out['requests']} requests over {cfg.nodes} nodes in {out['wall_seconds']}s")
+
+
+@sim.command("sweep")
+@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
+              default="../shared/traces/mooncake_synthetic_trace.jsonl", show_default=True)
+@click.option("--nodes", "nodes", default="4,16,64,256,1024", show_default=True,
+              callback=int_list)
+@click.option("--switch-gib", "switch_gib", default="16,64,256", show_default=True)
+@click.option("--sharing", "sharing", default="0,0.5,0.9", show_default=True)
+@click.option("--requests-per-node", type=click.IntRange(1), default=200, show_default=True)
+@click.option("--max-requests", type=click.IntRange(1), default=200_000, show_default=True)
+@click.option("--routing", type=click.Choice(["random", "least-loaded", "affinity"]),
+              default="random", show_default=True)
+@click.option("--pools", type=click.IntRange(1), default=4, show_default=True,
+              help="Pool nodes, fixed while the inference nodes grow.")
+@click.option("--json", "json_path", default="bench/results/sim-sweep.json", show_default=True)
+@click.option("--plot", "plot_path", default="bench/results/sim-breakeven.png",
+              show_default=True)
+def sim_sweep(trace_path, nodes, switch_gib, sharing, requests_per_node, max_requests, routing,
+              pools, json_path, plot_path):
+    """Sweep nodes x switch memory x sharing; find and draw the break-even."""
+    from .sim_sweep import floats, run_sweep
+    mem, share = floats(switch_gib, "--switch-gib"), floats(sharing, "--sharing", hi=1.0)
+    out = run_sweep(trace_path, nodes, mem, share, requests_per_node, max_requests, routing,
+                    json_path, plot_path, log=lambda m: click.echo(m, err=True), pools=pools)
+    click.echo(json.dumps(out["break_even"], indent=2))
+    click.echo(f"wrote {json_path} and {plot_path}")
+
+
+@sim.command("validate")
+@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
+              default="../shared/traces/mooncake_synthetic_trace.jsonl", show_default=True)
+@click.option("--limit", type=click.IntRange(4), default=2000, show_default=True,
+              help="First N requests of the trace.")
+@click.option("--capacity", type=click.FloatRange(0, min_open=True), default=0.05,
+              show_default=True, help="Switch cache: fraction of distinct blocks (<1) or count.")
+@click.option("--speedup", type=click.FloatRange(0, min_open=True), default=20.0,
+              show_default=True)
+@click.option("--routing", type=click.Choice(["random", "affinity"]), default="random",
+              show_default=True)
+@click.option("--json", "json_path", default="bench/results/sim-validate.json",
+              show_default=True)
+def sim_validate(trace_path, limit, capacity, speedup, routing, json_path):
+    """Replay a trace slice on a 4-node testbed and compare with the model."""
+    from .sim_validate import run_validate
+    out = run_validate(trace_path, limit, capacity, speedup, routing, json_path,
+                       log=lambda m: click.echo(m, err=True))
+    click.echo(json.dumps(out["comparison"], indent=2))
+    if not out["within_targets"]:
+        sys.exit(1)
