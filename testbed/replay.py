@@ -41,6 +41,17 @@ def block_payload(hash_id: int, size: int) -> bytes:
     return (seed * (size // len(seed) + 1))[:size]
 
 
+async def put_blocks(client, hash_ids, block_bytes: int, parallel: int = 32) -> None:
+    """Put every trace block (by hash id) on its pool node, ``parallel`` at a time."""
+    sem = asyncio.Semaphore(parallel)
+
+    async def put(h):
+        async with sem:
+            await client.put_block(NS, block_key(h), block_payload(h, block_bytes))
+
+    await asyncio.gather(*(put(h) for h in hash_ids))
+
+
 async def _drive(trace_path: str, pool: str, limit: int | None, speedup: float,
                  block_bytes: int) -> dict:
     from hostagent.client import KVClient
@@ -48,13 +59,7 @@ async def _drive(trace_path: str, pool: str, limit: int | None, speedup: float,
     n = min(trace.n_requests, limit or trace.n_requests)
     wanted = sorted({int(h) for i in range(n) for h in trace.blocks(i)})
     async with KVClient([pool], chunk_size=block_bytes, window=64) as c:
-        sem = asyncio.Semaphore(32)
-
-        async def put(h):
-            async with sem:
-                await c.put_block(NS, block_key(h), block_payload(h, block_bytes))
-
-        await asyncio.gather(*(put(h) for h in wanted))
+        await put_blocks(c, wanted, block_bytes)
         hits = total = exact = 0
         t0, ts0 = time.monotonic(), int(trace.timestamp[0])
         for i in range(n):

@@ -26,7 +26,7 @@ import numpy as np
 
 from .lab import Lab
 from .policy_eval import capacity_blocks
-from .replay import NS, block_key, block_payload
+from .replay import NS, block_key, block_payload, put_blocks
 from .results import write_json
 from .sim import GIB, SimConfig, Workload, route, simulate
 from .topology import python_argv
@@ -67,13 +67,7 @@ async def _put(trace_path: str, limit: int, pool: str) -> dict:
     tr = _slice(load_trace(trace_path), limit)
     ids = np.unique(tr.hash_ids).tolist()
     async with KVClient([pool], chunk_size=BLOCK, window=64) as c:
-        sem = asyncio.Semaphore(32)
-
-        async def put(h):
-            async with sem:
-                await c.put_block(NS, block_key(h), block_payload(h, BLOCK))
-
-        await asyncio.gather(*(put(h) for h in ids))
+        await put_blocks(c, ids, BLOCK)
     return {"blocks": len(ids)}
 
 
