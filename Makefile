@@ -7,6 +7,7 @@ PY    := $(VENV)/bin/python
 DEBS  := python3-bpfcc python3-venv linux-headers-amd64 libbpf1 bpftool \
          iproute2 iperf3 tcpdump ethtool iputils-ping memcached procps
 KREL  := $(shell uname -r)
+TRACE ?= ../shared/traces/mooncake_synthetic_trace.jsonl
 
 .PHONY: setup debs kernel-headers bpffs venv test test-python test-bpf test-e2e demo demo-inference bench bench-sim clean
 
@@ -61,14 +62,16 @@ bench:
 	$(VENV)/bin/testbed bench throughput --json bench/results/throughput.json
 	$(VENV)/bin/testbed bench incast --json bench/results/incast.json
 	$(VENV)/bin/testbed bench loss --json bench/results/loss.json
-	$(VENV)/bin/testbed policy-eval --trace ../shared/traces/mooncake_synthetic_trace.jsonl \
+	$(VENV)/bin/testbed policy-eval --trace $(TRACE) \
 	  --capacity 0.02 --json bench/results/policy-0.02.json
 
 # the cluster model: 1M requests on 1,024 nodes, the break-even sweep, validation on the testbed
 bench-sim:
-	$(VENV)/bin/testbed sim run --nodes 1024 --requests 1000000 --json bench/results/sim-run-1024.json
-	$(VENV)/bin/testbed sim sweep --json bench/results/sim-sweep.json --plot bench/results/sim-breakeven.png
-	$(VENV)/bin/testbed sim validate --json bench/results/sim-validate.json
+	$(VENV)/bin/testbed sim run --trace $(TRACE) --nodes 1024 --requests 1000000 \
+	  --json bench/results/sim-run-1024.json
+	$(VENV)/bin/testbed sim sweep --trace $(TRACE) --json bench/results/sim-sweep.json \
+	  --plot bench/results/sim-breakeven.png
+	$(VENV)/bin/testbed sim validate --trace $(TRACE) --json bench/results/sim-validate.json
 
 clean:
 	-$(VENV)/bin/testbed down --all 2>/dev/null

@@ -175,7 +175,7 @@ def sim():
 def _sim_options(f):
     for opt in reversed([
         click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
-                     default="../shared/traces/mooncake_synthetic_trace.jsonl", show_default=True),
+                     required=True, help="Mooncake-format JSONL trace."),
         click.option("--requests", type=click.IntRange(1), help="Resample to this many requests."),
         click.option("--nodes", type=click.IntRange(1, 1 << 20), default=4, show_default=True),
         click.option("--pools", type=click.IntRange(1), help="Pool nodes (default nodes/8)."),
@@ -235,7 +235,7 @@ def sim_run(trace_path, requests, sharing, json_path, **kw):
 
 @sim.command("sweep")
 @click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
-              default="../shared/traces/mooncake_synthetic_trace.jsonl", show_default=True)
+              required=True, help="Mooncake-format JSONL trace.")
 @click.option("--nodes", "nodes", default="4,16,64,256,1024", show_default=True,
               callback=int_list)
 @click.option("--switch-gib", "switch_gib", default="16,64,256", show_default=True)
@@ -262,7 +262,7 @@ def sim_sweep(trace_path, nodes, switch_gib, sharing, requests_per_node, max_req
 
 @sim.command("validate")
 @click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
-              default="../shared/traces/mooncake_synthetic_trace.jsonl", show_default=True)
+              required=True, help="Mooncake-format JSONL trace.")
 @click.option("--limit", type=click.IntRange(4), default=2000, show_default=True,
               help="First N requests of the trace.")
 @click.option("--capacity", type=click.FloatRange(0, min_open=True), default=0.05,

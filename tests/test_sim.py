@@ -3,6 +3,7 @@ break-even, the CLI's errors, and one end-to-end validation against the veth tes
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from testbed.sim_sweep import break_even
 from testbed.trace import parse_requests
 
 KIB_TOKEN = 2   # 1024-byte blocks: easy byte arithmetic
+TRACE_HEAD = Path(__file__).parent / "data" / "mooncake-head300.jsonl"  # the shared trace's start
 
 
 def _wl(chains, times, tokens=512):
@@ -140,9 +142,11 @@ def test_config_and_cli_errors():
         SimConfig(routing="nearest")
     with pytest.raises(ValueError, match="block tokens"):
         SimConfig(block_tokens=100)
-    r = CliRunner().invoke(main, ["sim", "run", "--routing", "nearest"])
+    r = CliRunner().invoke(main, ["sim", "run", "--trace", str(TRACE_HEAD),
+                                  "--routing", "nearest"])
     assert r.exit_code == 2 and "nearest" in r.output
-    r = CliRunner().invoke(main, ["sim", "sweep", "--sharing", "0,2"])
+    r = CliRunner().invoke(main, ["sim", "sweep", "--trace", str(TRACE_HEAD),
+                                  "--sharing", "0,2"])
     assert r.exit_code == 2 and "sharing" in r.output
 
 
@@ -165,7 +169,7 @@ def test_cli_run_writes_json(tmp_path):
 @pytest.mark.e2e
 def test_validate_on_the_testbed(tmp_path):
     from testbed.sim_validate import run_validate
-    out = run_validate("../shared/traces/mooncake_synthetic_trace.jsonl", limit=300,
+    out = run_validate(str(TRACE_HEAD), limit=300,
                        capacity=0.05, speedup=30.0, json_path=str(tmp_path / "v.json"),
                        log=lambda m: None)
     c = out["comparison"]
