@@ -432,10 +432,12 @@ class PrefixAware(_HeapPolicy):
     - demand: S = exponentially decayed request count with time constant ``tau`` seconds, i.e.
       frequency and recency in one number (LRFU). Kept as the time-invariant log rank
       ln S(t) + t/tau, so ranks change only on access and a heap suffices.
-    - self-tuning tau (``tau=None``, the default): how fast demand drifts is a property of the
-      workload, so the policy replays a 1-in-``sample`` sample of the keys through miniature
-      caches (capacity/``sample``), one per candidate in ``taus``, and adopts the tau whose
-      miniature hit the most in the last window (SHARDS-style spatial sampling).
+    - self-tuning (``tau=None``, the default): how fast demand drifts, and whether a key seen
+      once is worth admitting, are properties of the workload, so the policy replays a
+      1-in-``sample`` sample of the keys through miniature caches (capacity/``sample``), one per
+      candidate tau in ``taus`` and admission bar (1 or ``min_count``), and adopts the pair
+      whose miniature hit the most in the last window (SHARDS-style spatial sampling). It
+      starts with bar 1, i.e. admitting as LRU does, so it is not below LRU while it learns.
     - work saved: ``fill * (1 + gamma*depth)``: a partial block holds fewer tokens, and a deeper
       block's prefill attends over a longer prefix (gamma ~ attention/linear FLOPs per 512-token
       block of context, ~1/60 for an 8B model). gamma=0 (default) maximises hits; > 0 trades
@@ -444,13 +446,13 @@ class PrefixAware(_HeapPolicy):
       is ranked at least as high as any child that hit through it; among equals the deepest
       block goes first, so chains are trimmed from the tail and heads stay.
     - admission: when the cache is full, a key is admitted only if it was requested at least
-      ``min_count`` times recently (a one-request chain such as the unique tail of a prompt
-      never displaces anything) and it outranks the victim.
+      ``min_count`` times recently (with bar 2, a one-request chain such as the unique tail of
+      a prompt never displaces anything) and it outranks the victim.
     Demand of keys not cached is remembered for the ``history`` most recent ones.
     """
 
     name = "prefix"
-    TAUS = (2.0, 8.0, 32.0, 128.0, 512.0, 2048.0)
+    TAUS = (0.25, 2.0, 8.0, 32.0, 128.0, 512.0, 2048.0)
 
     def __init__(self, capacity: float, *, tau: float | None = None, gamma: float = 0.0,
                  min_count: int = 2, history: int | None = None, taus=TAUS, sample: int = 4,
@@ -463,14 +465,16 @@ class PrefixAware(_HeapPolicy):
         self._minis: list[PrefixAware] = []
         if tau is None:
             mini = max(1.0, capacity / sample)
-            self._minis = [PrefixAware(mini, tau=t, gamma=gamma, min_count=min_count,
-                                       history=max(512, int(8 * mini))) for t in taus]
-            self._mini_hits = [0.0] * len(taus)
+            self._minis = [PrefixAware(mini, tau=t, gamma=gamma, min_count=mc,
+                                       history=max(512, int(8 * mini)))
+                           for mc in sorted({1, self.min_count}) for t in taus]
+            self._mini_hits = [0.0] * len(self._minis)
             self._window = int(window)
             self._margin, self._keep = margin, keep
             self._seen = 0
             self._sample_bits = 64 - max(0, (int(sample) - 1).bit_length())
             tau = taus[len(taus) // 2]
+            self.min_count = 1     # admit like LRU until the miniatures show the filter pays
         self.tau = float(tau)
 
     # -- demand and rank
@@ -554,15 +558,19 @@ class PrefixAware(_HeapPolicy):
         self._seen += 1
         if self._seen >= self._window:
             hits = self._mini_hits
-            cur = next((h for h, m in zip(hits, self._minis) if m.tau == self.tau), 0.0)
+            cur = next((h for h, m in zip(hits, self._minis)
+                        if (m.tau, m.min_count) == (self.tau, self.min_count)), 0.0)
             best = max(range(len(hits)), key=hits.__getitem__)
             if hits[best] > self._margin * cur:
-                self.retune(self._minis[best].tau, now)
+                self.retune(self._minis[best].tau, now, self._minis[best].min_count)
             self._mini_hits = [h * self._keep for h in hits]
             self._seen = 0
 
-    def retune(self, tau: float, now: float) -> None:
-        """Switch to time constant ``tau``: re-express every remembered demand, re-rank."""
+    def retune(self, tau: float, now: float, min_count: int | None = None) -> None:
+        """Switch to time constant ``tau`` (and admission bar ``min_count``): re-express every
+        remembered demand, re-rank."""
+        if min_count is not None:
+            self.min_count = int(min_count)
         old, self.tau = self.tau, float(tau)
         for st in (*self._rank.values(), *self._ghost.values()):
             log_s = st[0] - st[3] / old          # ln S at the last access
