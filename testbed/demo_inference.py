@@ -22,6 +22,7 @@ The orchestrator runs here; the model runs inside the node namespaces
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -87,6 +88,15 @@ class _Node:
         """One block and a question's worth: the shapes timed later are not run cold."""
         self.recompute(list(range(1, self.layout.block_tokens + QUESTION_TOKENS + 1)))
 
+    @contextlib.asynccontextmanager
+    async def connector(self, client_args: dict, concurrency: int):
+        """Warmed up, a KV connector for this node's model over a client of its own."""
+        from hostagent.client import KVClient
+        from hostagent.kvconnector import KVConnector
+        self.warm_up()
+        async with KVClient(**client_args) as client:
+            yield KVConnector(client, NS, self.layout, self.model_id, self.config, concurrency)
+
     def info(self) -> dict:
         return {"model": self.model_id, "params": self.params,
                 "dtype": str(self.dtype).removeprefix("torch."),
@@ -104,12 +114,8 @@ def _link_bytes() -> tuple[int, int]:
 
 
 async def _node_a(node: _Node, name: str, sizes, client_args: dict, concurrency: int) -> dict:
-    from hostagent.client import KVClient
-    from hostagent.kvconnector import KVConnector
-    node.warm_up()
     out = []
-    async with KVClient(**client_args) as client:
-        conn = KVConnector(client, NS, node.layout, node.model_id, node.config, concurrency)
+    async with node.connector(client_args, concurrency) as conn:
         for size in sizes:
             tokens = node.tokens(size, name)
             _, cache, seconds = node.recompute(tokens)
@@ -121,13 +127,10 @@ async def _node_a(node: _Node, name: str, sizes, client_args: dict, concurrency:
 
 async def _node_b(node: _Node, name: str, sizes, client_args: dict, concurrency: int,
                   new_tokens: int) -> dict:
-    from hostagent.client import KVClient
-    from hostagent.kvconnector import KVConnector, greedy, prefill
+    from hostagent.kvconnector import greedy, prefill
     import torch
-    node.warm_up()
     out = []
-    async with KVClient(**client_args) as client:
-        conn = KVConnector(client, NS, node.layout, node.model_id, node.config, concurrency)
+    async with node.connector(client_args, concurrency) as conn:
         for size in sizes:
             tokens = node.tokens(size, name)
             rx0, tx0 = _link_bytes()

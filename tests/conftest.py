@@ -3,6 +3,7 @@ BPF_PROG_TEST_RUN) and `e2e` (a veth/namespace testbed with real traffic). The b
 never skip: when something they need is missing they fail and say what to install."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -28,3 +29,13 @@ def _kernel_tier_requirements(request):
         problem = _missing_for_kernel_tiers()
         if problem:
             pytest.fail(f"cannot run this tier: {problem}", pytrace=False)
+
+
+@contextlib.contextmanager
+def leaves_no_namespaces(prefix: str):
+    """Around a testbed named ``prefix``: afterwards none of its namespaces may be left."""
+    from testbed.topology import namespaces_of
+    try:
+        yield prefix
+    finally:
+        assert not namespaces_of(prefix), "testbed left namespaces behind"

@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from conftest import leaves_no_namespaces
 from testbed.lab import Lab
 from testbed.topology import namespaces_of, python_argv
 
@@ -18,12 +19,9 @@ NS = 1
 
 @pytest.fixture(scope="module")
 def lab():
-    prefix = f"t{os.getpid() % 100000}"
-    try:
-        with Lab(prefix, hosts=2, pools=1) as running:
-            yield running
-    finally:
-        assert not namespaces_of(prefix), "testbed left namespaces behind"
+    with leaves_no_namespaces(f"t{os.getpid() % 100000}") as prefix, \
+            Lab(prefix, hosts=2, pools=1) as running:
+        yield running
 
 
 def test_put_miss_admit_hit_byte_exact(lab):

@@ -8,6 +8,7 @@ from scapy.layers.inet import IP, TCP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 
+from conftest import leaves_no_namespaces
 from hostagent.protocol import CONSTANTS, PORT, Flag, Message, Op, Status
 from switchd import netns
 from switchd.dataplane import DataPlane, Deployment
@@ -16,7 +17,7 @@ from testbed.bench_throughput import fill_cache
 from testbed.generator import (GEN_PORT, MC_PORT, Endpoint, Generator, Iperf3,
                                check_kv_reply, check_memcached_reply, check_reflected, endpoint,
                                kv_get, memcached_get, payload)
-from testbed.topology import Topology, namespaces_of
+from testbed.topology import Topology
 
 XDP_DROP, XDP_PASS, XDP_TX = 1, 2, 3
 H1 = Endpoint("x-h1", "eth0", 2, "02:00:00:00:00:01", "198.18.0.1")
@@ -182,12 +183,9 @@ def test_check_memcached_and_reflected():
 # ---- live frames through a testbed ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def topo():
-    prefix = f"tg{os.getpid() % 100000}"
-    try:
-        with Topology(prefix, hosts=1, pools=1) as t:
-            yield t
-    finally:
-        assert not namespaces_of(prefix), "testbed left namespaces behind"
+    with leaves_no_namespaces(f"tg{os.getpid() % 100000}") as prefix, \
+            Topology(prefix, hosts=1, pools=1) as t:
+        yield t
 
 
 @pytest.mark.e2e

@@ -3,10 +3,10 @@ crafted frames through BPF_PROG_TEST_RUN: the miss sketch, the candidates, admis
 import pytest
 
 from switchd.cache import Cache
-from switchd.dataplane import DataPlane, Deployment
 from switchd.manager import CacheManager
 from switchd.popularity import Popularity, sketch_x
-from test_xdp import PORTS, get_frame, ports_namespace, reply_frame, run  # noqa: F401
+from test_xdp import (PORTS, dataplane, get_frame, ports_namespace,  # noqa: F401
+                      reply_frame, run)
 
 pytestmark = pytest.mark.bpf
 
@@ -15,9 +15,7 @@ A, B = bytes.fromhex("aa" * 16), bytes.fromhex("bb" * 16)
 
 @pytest.fixture(scope="module")
 def loaded(ports_namespace):
-    dp = DataPlane(Deployment(chunk_size=1024, cache_entries=16, pin_dir=None))
-    dp.ports[dp.ports.Key(PORTS["pool"])] = dp.ports.Leaf(role=1)
-    return dp
+    return dataplane(16)
 
 
 @pytest.fixture

@@ -45,11 +45,16 @@ def ports_namespace():
         ip("netns", "del", name, check=False)
 
 
-@pytest.fixture(scope="module")
-def dp(ports_namespace):
-    dp = DataPlane(Deployment(chunk_size=1024, cache_entries=4096, pin_dir=None))
+def dataplane(cache_entries: int) -> DataPlane:
+    """The switch's programs and private maps, with the "pool" port a pool-node port."""
+    dp = DataPlane(Deployment(chunk_size=1024, cache_entries=cache_entries, pin_dir=None))
     dp.ports[dp.ports.Key(PORTS["pool"])] = dp.ports.Leaf(role=1)
     return dp
+
+
+@pytest.fixture(scope="module")
+def dp(ports_namespace):
+    return dataplane(4096)
 
 
 @pytest.fixture
