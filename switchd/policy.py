@@ -453,10 +453,11 @@ class PrefixAware(_HeapPolicy):
 
     name = "prefix"
     TAUS = (0.25, 2.0, 8.0, 32.0, 128.0, 512.0, 2048.0)
+    MIN_COUNT = 2   # the admission bar that keeps one-request chains out
 
     def __init__(self, capacity: float, *, tau: float | None = None, gamma: float = 0.0,
-                 min_count: int = 2, history: int | None = None, taus=TAUS, sample: int = 4,
-                 window: int = 2000, margin: float = 1.05, keep: float = 0.5):
+                 min_count: int = MIN_COUNT, history: int | None = None, taus=TAUS,
+                 sample: int = 4, window: int = 2000, margin: float = 1.05, keep: float = 0.5):
         super().__init__(capacity)
         self.gamma, self.min_count = float(gamma), int(min_count)
         self.history = int(history or max(4096, 8 * capacity))

@@ -509,7 +509,7 @@ def _dram(cfg, key, node, prev_n, next_n, nbytes, T_hbm, span, demote, orders) -
     grp_start = np.maximum.accumulate(np.where(first, np.arange(len(key)), 0))
     count = np.empty(len(key), np.int64)
     count[order] = np.arange(len(key)) - grp_start + 1     # requests of the block so far
-    valued = count >= PrefixAware(1).min_count
+    valued = count >= PrefixAware.MIN_COUNT
     evicted = valued & (next_n > Th)                     # this copy leaves HBM and is demoted
     resid = np.where(evicted, next_n - Th, 0.0)
     T_d = che_ttl(node[evicted], resid[evicted], nbytes[evicted], cfg.dram_gib * GIB,
