@@ -4,8 +4,8 @@ ratio the switch actually achieved, beside the offline evaluator's for the same 
 Scaling: every trace block (512 tokens) becomes a KV block of one chunk; its key is derived from
 its hash id. Time: requests keep their order and are paced at ``speedup`` times the trace's pace
 (or as fast as the client goes, if that is slower). The switch's cache holds ``capacity`` blocks
-(a fraction of the trace's distinct blocks, or a count), and switchd's default policy, stepping
-every ``interval`` seconds, decides what it holds; the cache map has ``fill_headroom`` more
+(a fraction of the trace's distinct blocks, or a count), and switchd's default policy (or the
+one asked for), stepping every ``interval`` seconds, decides what it holds; the cache map has ``fill_headroom`` more
 entries for speculative fills (blocks learned on their first miss, kept or evicted at the next
 step), so the policy's own capacity is the evaluator's. One inference node fetches each request's
 blocks in chain order; a block is a hit when the switch answered it.
@@ -92,14 +92,14 @@ def run_replay(trace_path: str, capacity: float, limit: int | None = None,
         trace_for_eval, distinct = trace_path, trace.distinct_blocks
     cap = capacity_blocks(capacity, distinct)
     offline = evaluate(trace_for_eval, cap)
-    default = policy or offline["default_policy"]
-    log(f"offline: {default} hits {offline['hit_ratio'][default]:.4f} of block requests at "
+    name = policy or offline["default_policy"]
+    log(f"offline: {name} hits {offline['hit_ratio'][name]:.4f} of block requests at "
         f"{cap} blocks (belady {offline['hit_ratio']['belady']:.4f})")
     headroom = max(16, cap // 4) if fill_headroom is None else fill_headroom
     with Lab(f"rp{os.getpid() % 100000}", hosts=1, pools=1, chunk_size=block_bytes,
              cache_entries=cap + headroom,
              switchd_args=("--interval", str(interval), "--fill-headroom", str(headroom),
-                           "--policy", default)) as lab:
+                           "--policy", name)) as lab:
         argv = python_argv("testbed.replay", "drive", str(Path(trace_path).resolve()),
                            lab.pool_addrs[0], str(n), str(speedup), str(block_bytes))
         r = lab.topo.run("h1", argv, timeout=3600)
@@ -107,12 +107,12 @@ def run_replay(trace_path: str, capacity: float, limit: int | None = None,
         counters = lab.stats()
     live_ratio = live["switch_hits"] / live["block_requests"]
     out = {"trace": trace_path, "capacity_blocks": cap, "fill_headroom_blocks": headroom,
-           "policy": default, "speedup": speedup, "interval_s": interval,
+           "policy": name, "speedup": speedup, "interval_s": interval,
            "live": {**live, "hit_ratio": round(live_ratio, 4),
                     "filled_chunks": counters["fill"],
                     "speculative_fills": counters["spec_fill"]},
            "offline_hit_ratio": offline["hit_ratio"],
-           "difference_pp": round(100 * (live_ratio - offline["hit_ratio"][default]), 2)}
+           "difference_pp": round(100 * (live_ratio - offline["hit_ratio"][name]), 2)}
     log(f"live: switch answered {live['switch_hits']} of {live['block_requests']} block "
         f"requests = {live_ratio:.4f} ({out['difference_pp']:+.2f} pp vs offline), "
         f"byte-exact {live['byte_exact']}, {live['seconds']}s")
