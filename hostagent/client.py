@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass
 from .protocol import MAX_PAYLOAD, PORT, Flag, Message, Op, ProtocolError, Status
 from .udp import grow_buffers
 
-_REPLICA, _FROM_SWITCH = int(Flag.REPLICA), int(Flag.FROM_SWITCH)  # plain ints: IntFlag ops are slow
+# plain ints: IntFlag operations are slow on the receive path
+_REPLICA, _FROM_SWITCH = int(Flag.REPLICA), int(Flag.FROM_SWITCH)
 DEFAULT_CHUNK = 1024
 DEFAULT_WINDOW = 64
 

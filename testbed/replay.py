@@ -7,8 +7,8 @@ its hash id. Time: requests keep their order and are paced at ``speedup`` times 
 (a fraction of the trace's distinct blocks, or a count), and switchd's default policy (or the
 one asked for), stepping every ``interval`` seconds, decides what it holds; the cache map has
 ``fill_headroom`` more entries for speculative fills (blocks learned on their first miss, kept
-or evicted at the next step), so the policy's own capacity is the evaluator's. One inference node fetches each request's
-blocks in chain order; a block is a hit when the switch answered it.
+or evicted at the next step), so the policy's own capacity is the evaluator's. One inference
+node fetches each request's blocks in chain order; a block is a hit when the switch answered it.
 
 The orchestrator runs here; the client part (`python -m testbed.replay drive`) runs inside the
 inference node's namespace.
