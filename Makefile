@@ -64,6 +64,8 @@ bench:
 	$(VENV)/bin/testbed bench loss --json bench/results/loss.json
 	$(VENV)/bin/testbed policy-eval --trace $(TRACE) \
 	  --capacity 0.02 --json bench/results/policy-0.02.json
+	$(VENV)/bin/testbed policy-eval --trace $(TRACE) \
+	  --capacity 0.10 --json bench/results/policy-0.10.json
 
 # the cluster model: 1M requests on 1,024 nodes, the break-even sweep, validation on the testbed
 bench-sim:

@@ -632,3 +632,18 @@ def belady_hits(keys: np.ndarray, capacity: int) -> np.ndarray:
         cached[key] = nu
         heapq.heappush(heap, (-nu, key))
     return hits
+
+
+def static_hits(keys: np.ndarray, capacity: int) -> np.ndarray:
+    """Hit mask of the best fixed set in hindsight: the ``capacity`` most requested keys (ties:
+    the earlier first request), each cached at its first request and never evicted. The most a
+    policy that knew every block's total demand in advance, but not when it comes, gets without
+    exploiting recency; at most Belady's (it is one of the schedules Belady's optimum covers)."""
+    keys = np.asarray(keys)
+    uniq, first, inverse, counts = np.unique(keys, return_index=True, return_inverse=True,
+                                             return_counts=True)
+    chosen = np.zeros(len(uniq), bool)
+    chosen[np.lexsort((first, -counts))[:int(capacity)]] = True
+    hits = chosen[inverse.reshape(-1)]
+    hits[first] = False
+    return hits

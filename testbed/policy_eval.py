@@ -1,5 +1,7 @@
 """Offline cache-policy evaluation: replay a trace's block requests against every switchd policy
-and Belady's optimum at one capacity, print a table and write JSON (``testbed policy-eval``).
+and two offline references at one capacity, print a table and write JSON (``testbed
+policy-eval``). The references: Belady's optimum (``belady``, knows when every block comes back)
+and the best fixed set in hindsight (``static``, knows how often each block comes, not when).
 
 Replay: the block requests are every hash_id of every request, in order. Each one is
 ``policy.access``-ed at its request's timestamp; a miss is then offered to ``policy.admit``. Every
@@ -18,11 +20,12 @@ from pathlib import Path
 import click
 import numpy as np
 
-from switchd.policy import DEFAULT_POLICY, POLICIES, belady_hits, make_policy
+from switchd.policy import DEFAULT_POLICY, POLICIES, belady_hits, make_policy, static_hits
 
 from .trace import Trace, TraceError, as_trace
 
 BELADY = "belady"
+OFFLINE = {BELADY: belady_hits, "static": static_hits}   # hindsight references, always run
 GAMMA = 1 / 60       # attention share of a 512-token block's prefill per block of context
 
 
@@ -55,20 +58,19 @@ def evaluate(trace, capacity: float, policies=None) -> dict:
     default: all) plus Belady at ``capacity``; returns the result (see the module doc)."""
     trace: Trace = as_trace(trace)
     names = list(policies or POLICIES)
-    unknown = [p for p in names if p not in POLICIES and p != BELADY]
+    unknown = [p for p in names if p not in POLICIES and p not in OFFLINE]
     if unknown:
         raise ValueError(f"unknown policy {', '.join(unknown)} (choose from "
-                         f"{', '.join([*POLICIES, BELADY])})")
-    if BELADY not in names:
-        names.append(BELADY)
+                         f"{', '.join([*POLICIES, *OFFLINE])})")
+    names += [name for name in OFFLINE if name not in names]
     stream = trace.stream()
     cap = capacity_blocks(capacity, trace.distinct_blocks)
     work = stream.fill * (1 + GAMMA * stream.depth)   # prefill compute a hit saves (relative)
     ratio, saved, seconds = {}, {}, {}
     for name in names:
         t0 = time.perf_counter()
-        hits = belady_hits(stream.key, cap) if name == BELADY else replay(make_policy(name, cap),
-                                                                            stream)
+        hits = (OFFLINE[name](stream.key, cap) if name in OFFLINE
+                else replay(make_policy(name, cap), stream))
         seconds[name] = round(time.perf_counter() - t0, 3)
         ratio[name] = float(hits.mean())
         saved[name] = float(work[hits].sum() / work.sum())
@@ -120,7 +122,7 @@ def _policy_list(ctx, param, value):
     if value is None:
         return None
     names = [v.strip() for v in value.split(",") if v.strip()]
-    known = [*POLICIES, BELADY]
+    known = [*POLICIES, *OFFLINE]
     bad = [n for n in names if n not in known]
     if bad or not names:
         raise click.BadParameter(f"unknown policy {', '.join(bad) or '(none given)'}; "
@@ -144,9 +146,10 @@ def _positive(ctx, param, value):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the result here as JSON.")
 @click.option("--policies", callback=_policy_list,
-              help=f"Comma list (default: all of {', '.join(POLICIES)}); belady always runs.")
+              help=f"Comma list (default: all of {', '.join(POLICIES)}); belady and static always "
+                   "run.")
 def policy_eval(trace_path, capacity, json_path, policies):
-    """Replay a trace against the cache policies and Belady's optimum."""
+    """Replay a trace against the cache policies, Belady's optimum and the best fixed set."""
     try:
         result = evaluate(trace_path, capacity, policies)
     except TraceError as exc:

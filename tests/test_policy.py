@@ -10,7 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from switchd.policy import (DEFAULT_POLICY, LFU, LRU, POLICIES, CountMinSketch, PrefixAware,
-                            TinyLFU, U32_MAX, belady_hits, key64, make_policy, next_use)
+                            TinyLFU, U32_MAX, belady_hits, key64, make_policy, next_use,
+                            static_hits)
 from testbed.policy_eval import evaluate, policy_eval
 from testbed.trace import TraceError, generate_sessions, load_trace, resample
 
@@ -51,6 +52,20 @@ def test_belady_hand_computed():
     assert belady_hits(np.array([1, 2, 3, 1, 3, 2]), 2).tolist() == \
         [False, False, False, True, True, False]
     assert sum(run(LRU(2), [1, 2, 3, 1, 2, 4, 1, 2])) == 0
+
+
+def test_static_hand_computed_and_never_above_belady():
+    # counts: 3 x4, 1 x3, 2 x2; cap 1 keeps 3 (hits after its first request), cap 2 adds 1
+    seq = np.array([1, 2, 3, 1, 2, 1, 3, 3, 3])
+    assert static_hits(seq, 1).tolist() == [False] * 6 + [True] * 3
+    assert static_hits(seq, 2).tolist() == \
+        [False, False, False, True, False, True, True, True, True]
+    # ties go to the earlier first request
+    assert static_hits(np.array([5, 4, 4, 5]), 1).tolist() == [False, False, False, True]
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        keys, cap = rng.integers(0, 8, 40), int(rng.integers(1, 5))
+        assert static_hits(keys, cap).sum() <= belady_hits(keys, cap).sum()
 
 
 def test_next_use():
@@ -310,7 +325,8 @@ def test_evaluate_hand_computed():
     r = evaluate(reqs, 2, ["lru"])
     # lru: 1m 2m | 1h 2h | 3m (evicts 1) | 1m 2m      belady: 3 is bypassed -> 4 hits
     assert r["capacity_blocks"] == 2 and r["block_requests"] == 7
-    assert r["hit_ratio"] == {"lru": 2 / 7, "belady": 4 / 7}
+    # static: 1 and 2 are requested most, cached at their first miss -> 4 hits
+    assert r["hit_ratio"] == {"lru": 2 / 7, "belady": 4 / 7, "static": 4 / 7}
 
 
 def test_cli_writes_the_json_document(tmp_path):
@@ -324,7 +340,7 @@ def test_cli_writes_the_json_document(tmp_path):
     assert doc["trace"] == str(trace) and doc["default_policy"] == DEFAULT_POLICY
     tr = load_trace(trace)
     assert doc["capacity_blocks"] == round(0.05 * tr.distinct_blocks)
-    assert set(doc["hit_ratio"]) == {*POLICIES, "belady"}
+    assert set(doc["hit_ratio"]) == {*POLICIES, "belady", "static"}
     assert all(0 <= v <= doc["hit_ratio"]["belady"] for v in doc["hit_ratio"].values())
     assert doc["hit_ratio"]["belady"] > 0
     assert set(doc["seconds"]) == set(doc["hit_ratio"])
