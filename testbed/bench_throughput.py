@@ -3,12 +3,15 @@ XDP program on its veth end, not requests sent), with the same live-frames gener
 frame sizes for every scenario, measured in one run:
 
   ceiling       a bare XDP_TX reflector on the switch port: the limit of this path;
-  switch_hit    the real data plane (switchd), every GET a cache hit;
+  switch_hit    the real data plane (switchd), every GET a cache hit; and again over only 128
+                chunks (switch_hit_hot), which stay in the CPU's L2: the cost of a hit
+                without the cost of fetching its payload from memory;
   pool_server   every GET a miss, answered by `hostagent serve` behind the switch;
   memcached     Debian's memcached behind the switch, GET over UDP, values of the chunk size;
   hit ratios    0..100 % hits, misses answered by the pool server (at one chunk size);
   cache scaling the hit path as the cache grows to a million entries (small chunks);
-  tcp           iperf3 through the switch, program attached vs detached.
+  tcp           iperf3 through the switch, program attached vs detached (and vs a bare
+                XDP_PASS program, the cost of any XDP program on a veth), in interleaved rounds.
 
 switchd runs with --no-coalesce (the generator asks for the same chunks again and again; with
 coalescing on, a repeated miss from the same asker is held, not forwarded) and --policy off (the
@@ -48,6 +51,8 @@ KEY = bytes.fromhex("7470" * 8)
 SWITCHD_ARGS = ("--no-coalesce", "--policy", "off")
 SCENARIOS = ("ceiling", "switch_hit", "pool_server", "memcached")
 SERVER_OFFERS = (1.25, 1.5)  # fixed offered rates tried, x the reply rate under a flood
+TCP_MODES = ("detached", "pass_program", "attached")
+HOT_KEYS = 128  # switch_hit_hot sweeps this many chunks: at most 384 KiB, within the CPU's L2
 
 
 class Memcached:
@@ -165,14 +170,46 @@ def _lab(chunk_size: int, **kw) -> Lab:
     return Lab(PREFIX, hosts=1, pools=1, chunk_size=chunk_size, switchd_args=SWITCHD_ARGS, **kw)
 
 
-def _tcp(topo: Topology, runs: int, seconds: float) -> list[float]:
-    return [Iperf3(topo, "h1", "p1", seconds).run()["bits_per_second"] for _ in range(runs)]
+def _tcp(cs: int, rounds: int, seconds: float, log) -> dict:
+    """iperf3 h1 -> p1 through the switch with the ports detached, running xdp/pass.c (what any
+    XDP program at all costs on a veth) and running kv_ingress. Each round measures every mode
+    once, in an order that rotates from round to round, so drift on a shared machine falls on
+    all three alike instead of on whichever ran last."""
+    out: dict = {"chunk_bytes": cs, "rounds": rounds, "seconds": seconds}
+    with _lab(cs) as lab:              # switchd running, as deployed
+        topo = lab.topo
+        out["mtu"] = topo.mtu
+        dp = DataPlane(pinned_deployment(topo.pin_dir))  # switchd's program, to re-attach
+        try:
+            for i in range(rounds):
+                for mode in TCP_MODES[i % 3:] + TCP_MODES[:i % 3]:
+                    with netns.inside(topo.switch_ns):
+                        for port in topo.ports:
+                            detach_port(port)
+                            if mode == "attached":
+                                dp.attach(port)
+                    if mode == "pass_program":
+                        for port in topo.ports:
+                            attach_pass_programs([topo.switch_ns], port)
+                    bps = Iperf3(topo, "h1", "p1", seconds, cpus=(0, 1)).run()["bits_per_second"]
+                    out.setdefault(f"{mode}_bps", []).append(bps)
+                log(f"  tcp round {i + 1}: " + ", ".join(
+                    f"{m} {out[f'{m}_bps'][-1] / 1e9:.2f}" for m in TCP_MODES) + " Gbit/s")
+        finally:
+            dp.bpf.cleanup()
+    for m in TCP_MODES:
+        out[f"{m}_median_bps"] = statistics.median(out[f"{m}_bps"])
+    out["attached_vs_pass_program"] = round(out["attached_median_bps"] /
+                                            out["pass_program_median_bps"], 3)
+    out["pass_program_vs_detached"] = round(out["pass_program_median_bps"] /
+                                            out["detached_median_bps"], 3)
+    return out
 
 
 def _chunk_size(b: _Bench, cs: int, nkeys: int, hit_ratios: list[int] | None,
-                tcp: tuple[int, float] | None, mc_threads: int) -> tuple[dict, list, dict]:
-    """Every per-chunk-size scenario in one testbed; the hit-ratio sweep and TCP when asked."""
-    row, sweep, tcp_out = {"chunk_bytes": cs}, [], {}
+                mc_threads: int) -> tuple[dict, list]:
+    """Every per-chunk-size scenario in one testbed; the hit-ratio sweep when asked."""
+    row, sweep = {"chunk_bytes": cs}, []
     with _lab(cs, switch=False, pool_capacity="1GiB", cache_entries=max(65536, nkeys)) as lab:
         topo = lab.topo
         row["mtu"] = topo.mtu
@@ -185,15 +222,6 @@ def _chunk_size(b: _Bench, cs: int, nkeys: int, hit_ratios: list[int] | None,
         def check_kv(frame):
             return check_kv_reply(frame, h1, p1, NS, KEY, nkeys, cs)
 
-        if tcp:
-            tcp_out["mtu"] = topo.mtu
-            tcp_out["detached_bps"] = _tcp(topo, *tcp)
-            for port in topo.ports:       # any XDP program at all, for comparison
-                attach_pass_programs([topo.switch_ns], port)
-            tcp_out["pass_program_bps"] = _tcp(topo, *tcp)
-            with netns.inside(topo.switch_ns):
-                for port in topo.ports:
-                    detach_port(port)
         details = {}
         with Memcached(topo, "p1", mc_threads) as mc, b.gen.counting(h1.netns):
             mc.preload(nkeys, cs)
@@ -210,6 +238,9 @@ def _chunk_size(b: _Bench, cs: int, nkeys: int, hit_ratios: list[int] | None,
                     lambda f: check_memcached_reply(f, h1, cs))
                 cache.put_block(NS, KEY, block)
                 details["switch_hit"] = b.measure(f"{cs} B switch_hit", h1, kv, nkeys, check_kv)
+                details["switch_hit_hot"] = b.measure(  # every chunk in the CPU's L2
+                    f"{cs} B switch_hit, {HOT_KEYS} chunks", h1, kv, min(HOT_KEYS, nkeys),
+                    check_kv)
                 for pct in sorted(hit_ratios or [], reverse=True):
                     cached = nkeys * pct // 100
                     for chunk in range(cached, nkeys):
@@ -223,12 +254,10 @@ def _chunk_size(b: _Bench, cs: int, nkeys: int, hit_ratios: list[int] | None,
                                   "byte_exact": r["byte_exact"]})
             finally:
                 dp.bpf.cleanup()
-        if tcp:
-            tcp_out["attached_bps"] = _tcp(topo, *tcp)
-    for name in SCENARIOS:
+    for name in (*SCENARIOS, "switch_hit_hot"):
         row[f"{name}_pps"] = details[name]["reply_pps"]
     row["details"] = details
-    return row, sweep, tcp_out
+    return row, sweep
 
 
 def _cache_scaling(b: _Bench, entries: list[int], cs: int) -> list[dict]:
@@ -267,7 +296,7 @@ def run_throughput(chunk_sizes=(256, 1024, 3072), seconds: float = 2.0, windows:
                    cores: tuple[int, ...] = (0,), nkeys: int = 4096, rate: float = 0,
                    hit_ratios=(0, 25, 50, 75, 100), sweep_chunk: int = 1024,
                    scaling=(1000, 10000, 100000, 1000000), scaling_chunk: int = 64,
-                   tcp_runs: int = 3, tcp_seconds: float = 2.0, memcached_threads: int = 2,
+                   tcp_runs: int = 5, tcp_seconds: float = 2.0, memcached_threads: int = 2,
                    json_path: str | None = None, plot_path: str | None = None,
                    log=print) -> dict:
     """Run every scenario; returns (and writes, when given paths) the results."""
@@ -280,23 +309,21 @@ def run_throughput(chunk_sizes=(256, 1024, 3072), seconds: float = 2.0, windows:
     try:
         for cs in chunk_sizes:
             log(f"chunk {cs} B:")
-            row, s, t = _chunk_size(b, cs, nkeys, list(hit_ratios) if cs == sweep_chunk else None,
-                                    (tcp_runs, tcp_seconds) if cs == tcp_chunk and tcp_runs
-                                    else None, memcached_threads)
+            row, s = _chunk_size(b, cs, nkeys, list(hit_ratios) if cs == sweep_chunk else None,
+                                 memcached_threads)
             results.append(row)
             sweep += s
-            tcp.update(t)
+        if tcp_runs:
+            log(f"tcp, {tcp_chunk} B chunks' MTU:")
+            tcp = _tcp(tcp_chunk, tcp_runs, tcp_seconds, log)
         log(f"cache scaling, {scaling_chunk} B chunks:")
         scaling_rows = _cache_scaling(b, list(scaling), scaling_chunk) if scaling else []
     finally:
         gen.close()
     if tcp:
-        for k in ("attached", "detached", "pass_program"):
-            tcp[f"{k}_median_bps"] = statistics.median(tcp[f"{k}_bps"])
-        tcp["chunk_bytes"] = tcp_chunk
         log(f"tcp: attached {tcp['attached_median_bps'] / 1e9:.2f} Gbit/s, detached "
             f"{tcp['detached_median_bps'] / 1e9:.2f} Gbit/s, xdp/pass.c on the ports "
-            f"{tcp['pass_program_median_bps'] / 1e9:.2f} Gbit/s (medians of {tcp_runs})")
+            f"{tcp['pass_program_median_bps'] / 1e9:.2f} Gbit/s (medians of {tcp_runs} rounds)")
     out = {"results": results, "cache_scaling": scaling_rows, "hit_ratio_sweep": sweep,
            "tcp_ratio": round(tcp["attached_median_bps"] / tcp["detached_median_bps"], 3)
            if tcp else None,
@@ -346,11 +373,12 @@ def plot_throughput(out: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     ax = axes[0]
     sizes = [r["chunk_bytes"] for r in out["results"]]
-    width = 0.8 / len(SCENARIOS)
-    for i, name in enumerate(SCENARIOS):
+    bars = ("ceiling", "switch_hit_hot", "switch_hit", "pool_server", "memcached")
+    width = 0.8 / len(bars)
+    for i, name in enumerate(bars):
         ax.bar(np.arange(len(sizes)) + i * width, [r[f"{name}_pps"] for r in out["results"]],
                width, label=name)
-    ax.set(xticks=np.arange(len(sizes)) + width * (len(SCENARIOS) - 1) / 2, xticklabels=sizes,
+    ax.set(xticks=np.arange(len(sizes)) + width * (len(bars) - 1) / 2, xticklabels=sizes,
            xlabel="chunk payload (bytes)", ylabel="replies/s at the requester", yscale="log",
            title="GET replies per second, one generator core")
     ax.legend(fontsize=8)
@@ -375,7 +403,8 @@ def plot_throughput(out: dict, path: str) -> None:
         ax.legend(fontsize=8)
     if out["tcp_ratio"] is not None:
         fig.suptitle(f"TCP through the switch: program attached / detached = "
-                     f"{out['tcp_ratio']:.3f}", fontsize=10)
+                     f"{out['tcp_ratio']:.3f}; a bare XDP_PASS program / detached = "
+                     f"{out['tcp']['pass_program_vs_detached']:.3f}", fontsize=10)
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -414,8 +443,9 @@ def _cores(ctx, param, value: str) -> tuple[int, ...]:
               help="Cache sizes (entries) of the lookup-cost series (empty: skip).")
 @click.option("--scaling-chunk", type=click.IntRange(8, 3424), default=64, show_default=True,
               help="Chunk size of the cache-size series (small, so a million entries fit).")
-@click.option("--tcp-runs", type=click.IntRange(0, 20), default=3, show_default=True,
-              help="iperf3 runs each with the program attached and detached (0: skip).")
+@click.option("--tcp-runs", type=click.IntRange(0, 20), default=5, show_default=True,
+              help="Rounds of iperf3 runs, one each detached, with xdp/pass.c and with the "
+                   "program attached (0: skip).")
 @click.option("--tcp-seconds", type=click.FloatRange(0.5, 60), default=2.0, show_default=True)
 @click.option("--memcached-threads", type=click.IntRange(1, 64), default=2, show_default=True)
 @click.option("--json", "json_path", default="bench/results/throughput.json", show_default=True)

@@ -358,19 +358,21 @@ def check_reflected(frame: bytes | None, t: Template) -> str | None:
 # ---- background TCP ----------------------------------------------------------------------
 class Iperf3:
     """iperf3 TCP from ``client`` to ``server`` (node names of a topology): run() in the
-    foreground, or start() ... result() around other work for background traffic."""
+    foreground, or start() ... result() around other work for background traffic. ``cpus``
+    pins the client and the server to one CPU each."""
 
     def __init__(self, topo: Topology, client: str, server: str, seconds: float = 2.0,
-                 port: int = 5201):
+                 port: int = 5201, cpus: tuple[int, int] | None = None):
         self.topo, self.client, self.server = topo, client, server
         self.seconds, self.port = seconds, port
+        self.affinity = ([["-A", str(cpu)] for cpu in cpus] if cpus else [[], []])
         self._srv: subprocess.Popen | None = None
         self._cli: subprocess.Popen | None = None
 
     def start(self) -> Iperf3:
         addr = self.topo.node(self.server).ip
         self._srv = self.topo.popen(self.server, ["iperf3", "-s", "-1", "-B", addr,
-                                                  "-p", str(self.port)],
+                                                  "-p", str(self.port), *self.affinity[1]],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 10
         while not self.topo.run(self.server, ["ss", "-Hltn", f"sport = :{self.port}"]).stdout:
@@ -379,7 +381,8 @@ class Iperf3:
                 raise TestbedError(f"iperf3 server did not start: {self._srv.stderr.read()}")
             time.sleep(0.02)
         self._cli = self.topo.popen(self.client, ["iperf3", "-c", addr, "-p", str(self.port),
-                                                  "-t", f"{self.seconds:g}", "-J"],
+                                                  "-t", f"{self.seconds:g}", "-J",
+                                                  *self.affinity[0]],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         return self
 

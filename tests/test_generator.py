@@ -227,6 +227,6 @@ def test_live_ceiling_and_switch_hits_are_counted_at_the_requester(gen, topo):
 
 @pytest.mark.e2e
 def test_iperf3_runs_tcp_through_the_switch(topo):
-    result = Iperf3(topo, "h1", "p1", seconds=1).run()
+    result = Iperf3(topo, "h1", "p1", seconds=1, cpus=(0, 0)).run()
     assert result["bits_per_second"] > 1e8
     assert not topo.run("p1", ["ss", "-Hltn", "sport = :5201"]).stdout  # server gone
