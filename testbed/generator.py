@@ -142,7 +142,8 @@ class Generator:
         (self.cfg, self.state, self.zipf, self.rx_cfg, self.rx_count, self.rx_sample) = (
             self.bpf.get_table(n) for n in (b"gen_cfg", b"gen_state", b"gen_zipf", b"rx_cfg",
                                              b"rx_count", b"rx_sample"))
-        self.rx_cfg[0] = self.rx_cfg.Leaf(port=socket.htons(GEN_PORT))
+        self._sample_gen = 0
+        self.clear_sample()
         self.template: Template | None = None
 
     def close(self) -> None:
@@ -208,12 +209,15 @@ class Generator:
         return sum(int(v.seq) for v in self.state[self.state.Key(0)])
 
     def clear_sample(self) -> None:
-        self.rx_sample[self.rx_sample.Key(0)] = self.rx_sample.Leaf()
+        """Ask for a new sample: count_replies keeps the next reply of the new generation."""
+        self._sample_gen += 1
+        self.rx_cfg[0] = self.rx_cfg.Leaf(port=socket.htons(GEN_PORT),
+                                          sample_gen=self._sample_gen)
 
     def sample(self) -> bytes | None:
         """The first reply counted (on any CPU) since clear_sample()."""
         for v in self.rx_sample[self.rx_sample.Key(0)]:
-            if v.len:
+            if v.gen == self._sample_gen and v.len:
                 return bytes(v.data[:v.len])
         return None
 

@@ -7,8 +7,8 @@
  *                 id, and goes out with XDP_TX. At a fixed rate, each CPU sends one frame per
  *                 gap_ns and drops (does not send) the runs in between.
  *  count_replies  on the requester's veth end: counts (per CPU) the replies addressed to the
- *                 generator's UDP port, keeps the first one in a per-CPU sample slot for
- *                 byte-exact checks, and drops them (no socket waits for them: passing them on
+ *                 generator's UDP port, keeps the first one of each sample generation in a
+ *                 per-CPU slot for byte-exact checks, and drops them (no socket waits for them: passing them on
  *                 would only cost an ICMP port unreachable each). Everything else passes.
  *  reflect        the bare XDP_TX reflector of the `ceiling` scenario.
  *
@@ -65,12 +65,14 @@ struct gen_state {                 /* per CPU */
 struct rx_cfg {
     __be16 port;                   /* the generator's UDP source port */
     __u16 reserved;
-    __u32 reserved2;
+    __u32 sample_gen;              /* bumped by the driver to ask for a new sample */
 };
 
-struct rx_sample {                 /* per CPU: the first reply counted since last cleared */
+/* Per CPU: the first reply counted in sample generation `gen`. The driver never writes it: a
+ * slot it cleared while this program filled it would come out part reply, part zeros. */
+struct rx_sample {
     __u32 len;
-    __u32 reserved;
+    __u32 gen;
     __u8  data[KV_GEN_SAMPLE_MAX];
 };
 
@@ -213,10 +215,12 @@ int count_replies(struct xdp_md *ctx)
         bump(what, 1);
     bump(KV_CNT_BYTES, len);
     struct rx_sample *s = rx_sample.lookup(&zero);
-    if (sample && s && s->len == 0) {
+    if (sample && s && s->gen != cfg->sample_gen) {
         __u64 n = opaque(len);
-        if (n >= 1 && n <= KV_GEN_SAMPLE_MAX && !bpf_xdp_load_bytes(ctx, 0, s->data, n))
+        if (n >= 1 && n <= KV_GEN_SAMPLE_MAX && !bpf_xdp_load_bytes(ctx, 0, s->data, n)) {
             s->len = n;
+            s->gen = cfg->sample_gen;
+        }
     }
     return XDP_DROP;
 }
