@@ -81,6 +81,8 @@ class Cache:
             raise SwitchError(f"chunk {chunk} is outside a {nchunks}-chunk block")
         v = self.table.Leaf()
         v.len, v.csum, v.nchunks = len(payload), checksum(payload), nchunks
+        v.owner.ns, v.owner.chunk = ns, chunk
+        _set_bytes(v.owner.key, key)
         _set_bytes(v.data, payload)
         try:
             self.table[self._chunk_key(ns, key, chunk)] = v

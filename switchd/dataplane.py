@@ -19,7 +19,7 @@ from . import libbpf
 XDP_DIR = Path(__file__).resolve().parents[1] / "xdp"
 DEFAULT_PIN_DIR = "/sys/fs/bpf/kvswitch"
 XDP_FLAGS = {"native": 1 << 2, "generic": 1 << 1}
-CACHE_VAL_HEADER = 32  # bytes of struct kv_cache_val before data[]
+CACHE_VAL_HEADER = CONSTANTS["KV_CACHE_VAL_HEADER"]  # bytes of kv_cache_val before data[]
 # This kernel refuses native XDP on a veth whose MTU exceeds 3506 bytes (no multi-buffer), so the
 # largest chunk a deployment can use is 3506 - 76 rounded down to a multiple of 8.
 MAX_CHUNK = 3424

@@ -127,6 +127,7 @@ def fill_cache(dp: DataPlane, ns: int, key: bytes, first: int, last: int, nchunk
         vb[:, V.nchunks.offset:V.nchunks.offset + 4] = np.frombuffer(
             nchunks.to_bytes(4, "little"), np.uint8)
         vb[:, V.data.offset:V.data.offset + data.shape[1]] = data
+        vb[:, V.owner.offset:V.owner.offset + kb.shape[1]] = kb
         table.items_update_batch((K * n).from_buffer(kb), (V * n).from_buffer(vb))
 
 

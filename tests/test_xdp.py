@@ -189,6 +189,27 @@ def test_non_kv_traffic_is_untouched(dp, cache):
     assert dp.counters()["non_kv"] - before["non_kv"] == 3
 
 
+@pytest.mark.parametrize("owner", ["other chunk", "other namespace", "other key", "nobody"])
+def test_an_entry_rewritten_for_another_chunk_is_never_served(dp, cache, owner):
+    """A hash map hands a deleted element to the next insert at once, even while another CPU
+    still reads it: the hit path serves an entry only if it still holds the chunk asked for."""
+    cache.put(5, KEY, 3, PAYLOAD, nchunks=9)
+    k = cache._chunk_key(5, KEY, 3)
+    v = dp.cache[k]
+    if owner == "nobody":
+        ctypes.memset(ctypes.addressof(v.owner), 0, ctypes.sizeof(v.owner))
+    else:
+        v.owner.chunk, v.owner.ns, v.owner.key[0] = {
+            "other chunk": (4, 5, KEY[0]), "other namespace": (3, 6, KEY[0]),
+            "other key": (3, 5, KEY[0] ^ 1)}[owner]
+    dp.cache[k] = v
+    frame = bytes(get_frame())
+    before = dp.counters()
+    assert run(dp, frame) == (XDP_PASS, frame)      # a miss: on to the pool node
+    after = dp.counters()
+    assert after["reused"] - before["reused"] == 1 and after["get_hit"] == before["get_hit"]
+
+
 def test_admitted_reply_from_pool_port_is_learned_and_passed(dp, cache):
     cache.admit(5, KEY)
     run(dp, get_frame())                  # the request it answers
@@ -197,6 +218,8 @@ def test_admitted_reply_from_pool_port_is_learned_and_passed(dp, cache):
     entry, payload = cache.get(5, KEY, 3)
     assert payload == PAYLOAD and entry.csum == zlib.crc32(PAYLOAD)
     assert entry.nchunks == 9 and entry.filled
+    owner = dp.cache[cache._chunk_key(5, KEY, 3)].owner
+    assert (owner.ns, owner.chunk, bytes(owner.key)) == (5, 3, KEY)
     # and the next GET for it is a hit carrying exactly those bytes
     verdict, out = run(dp, get_frame())
     assert verdict == XDP_TX and Ether(out)[Raw].load == PAYLOAD

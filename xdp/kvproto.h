@@ -91,8 +91,14 @@ struct kv_cache_val {
     __u32 reserved;
     __u64 hits;                    /* GETs answered from this entry (data plane adds) */
     __u64 filled_ns;               /* bpf_ktime_get_ns() when it was learned (0: put) */
+    /* The chunk this value was written for, checked by the hit path before and after it copies
+     * the payload. A hash map reuses a deleted element at once, even while another CPU still
+     * reads it: without this, an eviction followed by a fill could send one chunk's bytes,
+     * with their valid CRC, as the reply for another. */
+    struct kv_cache_key owner;
     __u8  data[KV_CHUNK_MAX];
 };
+#define KV_CACHE_VAL_HEADER 56     /* bytes of kv_cache_val before data[] */
 #define KV_CF_FILLED 1             /* learned from a passing pool reply (else put by switchd) */
 #define KV_CF_SPECULATIVE 2        /* filled for a block not (yet) admitted: switchd decides */
 
@@ -228,6 +234,9 @@ struct kv_ns_stats {
 #define KV_STAT_DENIED 23          /* request for a namespace its port may not use: dropped */
 #define KV_STAT_UNSOLICITED 24     /* pool reply matching no outstanding request: never learned */
 #define KV_STAT_SPEC_FILL 25       /* of KV_STAT_FILL: chunks learned speculatively */
+#define KV_STAT_REUSED 26          /* a looked-up entry turned out rewritten for another chunk:
+                                      the GET was handled as a miss, or, if that happened while
+                                      its payload was copied, the half-made reply dropped */
 #define KV_STAT_MAX 32
 
 #endif /* KVPROTO_H */

@@ -147,10 +147,30 @@ static __always_inline void count_miss(struct kv_cache_key *k)
     }
 }
 
-/* Turn the GET in ctx into the reply carrying `v`. Returns the XDP verdict. */
-static __always_inline int answer_get(struct xdp_md *ctx, struct kv_cache_val *v, __u32 room,
-                                      __u32 ns)
+/* Whether the entry `v` (found under `k`) still holds k's chunk; see kv_cache_val.owner. */
+static __always_inline int owned_by(const struct kv_cache_val *v, const struct kv_cache_key *k)
 {
+    const __u64 *a = (const __u64 *)&v->owner, *b = (const __u64 *)k;
+    return a[0] == b[0] && a[1] == b[1] && a[2] == b[2];
+}
+
+/* k's entry in the cache, if there is one that still holds k's chunk. */
+static __always_inline struct kv_cache_val *cached(struct kv_cache_key *k)
+{
+    struct kv_cache_val *v = kv_cache.lookup(k);
+    if (v && !owned_by(v, k)) {
+        count(KV_STAT_REUSED, 1);
+        return 0;
+    }
+    return v;
+}
+
+/* Turn the GET in ctx into the reply carrying `v`, found under `k` and owned by it. Returns the
+ * XDP verdict. */
+static __always_inline int answer_get(struct xdp_md *ctx, struct kv_cache_val *v,
+                                      struct kv_cache_key *k, __u32 room)
+{
+    __u32 ns = k->ns;
     __u32 len = v->len;
     if (len == 0 || len > KV_CHUNK_MAX)
         return XDP_PASS;           /* never happens for entries we wrote; be safe */
@@ -199,6 +219,10 @@ static __always_inline int answer_get(struct xdp_md *ctx, struct kv_cache_val *v
         return XDP_DROP;
     if (bpf_xdp_store_bytes(ctx, KV_PAYLOAD_OFF, v->data, n))
         return XDP_DROP;           /* headers already rewritten: never send half a reply */
+    if (!owned_by(v, k)) {         /* evicted and refilled for another chunk while we copied */
+        count(KV_STAT_REUSED, 1);
+        return XDP_DROP;           /* the asker retransmits */
+    }
 
     v->hits++;                     /* not atomic: a popularity count may lose a concurrent hit */
     count(KV_STAT_GET_HIT, 1);
@@ -271,9 +295,9 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
     if (!p) {
         /* No round open: maybe one just closed on another CPU, whose reply was learned before
          * the round was deleted. Look again rather than send a needless request upstream. */
-        struct kv_cache_val *v = kv_cache.lookup(k);
+        struct kv_cache_val *v = cached(k);
         if (v)
-            return answer_get(ctx, v, f->payload_len, k->ns);
+            return answer_get(ctx, v, k, f->payload_len);
     }
     struct kv_pending np = {};
     np.gen = now;
@@ -317,10 +341,10 @@ static __always_inline int handle_get(struct xdp_md *ctx, struct kv_frame *f)
     }
     struct kv_cache_key k = {};
     chunk_key(&k, f->kv);
-    struct kv_cache_val *v = kv_cache.lookup(&k);
+    struct kv_cache_val *v = cached(&k);
     if (!v)
         return hold_or_forward(ctx, f, &k);
-    return answer_get(ctx, v, f->payload_len, k.ns);
+    return answer_get(ctx, v, &k, f->payload_len);
 }
 
 /* Copy a pool reply's payload into the cache if its block is admitted. Leaves the frame as it
@@ -360,6 +384,7 @@ static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
     s->reserved = 0;
     s->hits = 0;
     s->filled_ns = bpf_ktime_get_ns();
+    s->owner = *k;
     if (bpf_xdp_load_bytes(ctx, KV_PAYLOAD_OFF, s->data, len)) {
         count(KV_STAT_FILL_FAIL, 1);
         return;
