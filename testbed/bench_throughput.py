@@ -49,7 +49,7 @@ PREFIX = "tp"
 NS = 9
 KEY = bytes.fromhex("7470" * 8)
 SWITCHD_ARGS = ("--no-coalesce", "--policy", "off")
-SCENARIOS = ("ceiling", "switch_hit", "pool_server", "memcached")
+SCENARIOS = ("ceiling", "switch_hit_hot", "switch_hit", "pool_server", "memcached")
 SERVER_OFFERS = (1.25, 1.5)  # fixed offered rates tried, x the reply rate under a flood
 TCP_MODES = ("detached", "pass_program", "attached")
 HOT_KEYS = 128  # switch_hit_hot sweeps this many chunks: at most 384 KiB, within the CPU's L2
@@ -255,7 +255,7 @@ def _chunk_size(b: _Bench, cs: int, nkeys: int, hit_ratios: list[int] | None,
                                   "byte_exact": r["byte_exact"]})
             finally:
                 dp.bpf.cleanup()
-    for name in (*SCENARIOS, "switch_hit_hot"):
+    for name in SCENARIOS:
         row[f"{name}_pps"] = details[name]["reply_pps"]
     row["details"] = details
     return row, sweep
@@ -374,12 +374,11 @@ def plot_throughput(out: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     ax = axes[0]
     sizes = [r["chunk_bytes"] for r in out["results"]]
-    bars = ("ceiling", "switch_hit_hot", "switch_hit", "pool_server", "memcached")
-    width = 0.8 / len(bars)
-    for i, name in enumerate(bars):
+    width = 0.8 / len(SCENARIOS)
+    for i, name in enumerate(SCENARIOS):
         ax.bar(np.arange(len(sizes)) + i * width, [r[f"{name}_pps"] for r in out["results"]],
                width, label=name)
-    ax.set(xticks=np.arange(len(sizes)) + width * (len(bars) - 1) / 2, xticklabels=sizes,
+    ax.set(xticks=np.arange(len(sizes)) + width * (len(SCENARIOS) - 1) / 2, xticklabels=sizes,
            xlabel="chunk payload (bytes)", ylabel="replies/s at the requester", yscale="log",
            title="GET replies per second, one generator core")
     ax.legend(fontsize=8)

@@ -8,8 +8,9 @@
  *                 gap_ns and drops (does not send) the runs in between.
  *  count_replies  on the requester's veth end: counts (per CPU) the replies addressed to the
  *                 generator's UDP port, keeps the first one of each sample generation in a
- *                 per-CPU slot for byte-exact checks, and drops them (no socket waits for them: passing them on
- *                 would only cost an ICMP port unreachable each). Everything else passes.
+ *                 per-CPU slot for byte-exact checks, and drops them (no socket waits for
+ *                 them: passing them on would only cost an ICMP port unreachable each).
+ *                 Everything else passes.
  *  reflect        the bare XDP_TX reflector of the `ceiling` scenario.
  *
  * Constants are `#define KV_<NAME> <integer>` lines, as in kvproto.h, so the driver reads them.
