@@ -4,7 +4,7 @@
 SHELL := /bin/bash
 VENV  ?= .venv
 PY    := $(VENV)/bin/python
-DEBS  := python3-bpfcc python3-venv linux-headers-amd64 libbpf1 bpftool \
+DEBS  := python3-bpfcc python3-venv linux-headers-amd64 linux-libc-dev libbpf1 bpftool \
          iproute2 iperf3 tcpdump ethtool iputils-ping memcached procps
 KREL  := $(shell uname -r)
 TRACE ?= ../shared/traces/mooncake_synthetic_trace.jsonl

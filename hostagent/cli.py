@@ -8,7 +8,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import re
 import signal
 import sys
 import time
@@ -17,28 +16,9 @@ import click
 
 from . import client as kvclient
 from .hashing import DEFAULT_BLOCK_TOKENS, block_hashes
-from .protocol import MAX_PAYLOAD, PORT
+from kvproto import MAX_PAYLOAD, PORT
+from kvproto.cli import SizeType
 from .server import serve as serve_forever
-
-_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]i?B?|B)?\s*$", re.I)
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """'4096', '64KiB', '256MiB', '1G' -> bytes."""
-    m = _SIZE.match(text)
-    if not m:
-        raise click.BadParameter(f"{text!r} is not a size like 4096, 64KiB or 1GiB")
-    unit = (m.group(2) or "").lower()[:1]
-    return int(m.group(1)) * _UNITS[unit]
-
-
-class SizeType(click.ParamType):
-    name = "size"
-
-    def convert(self, value, param, ctx):
-        return value if isinstance(value, int) else parse_size(value)
-
 
 def _key(text: str) -> bytes:
     try:

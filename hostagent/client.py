@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from .protocol import MAX_PAYLOAD, PORT, Flag, Message, Op, ProtocolError, Status
+from kvproto import MAX_PAYLOAD, PORT, Flag, Message, Op, ProtocolError, Status
 from .udp import grow_buffers
 
 # plain ints: IntFlag operations are slow on the receive path

@@ -9,7 +9,7 @@ import asyncio
 import logging
 from collections import Counter
 
-from .protocol import FIELDS, HEADER, HEADER_LEN, MAGIC, Flag, Message, Op, ProtocolError, Status
+from kvproto import FIELDS, HEADER, HEADER_LEN, MAGIC, Flag, Message, Op, ProtocolError, Status
 from .udp import grow_buffers
 from .store import BlockStore, StoreError
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from .protocol import Status, checksum
+from kvproto import Status, checksum
 
 
 class StoreError(Exception):

@@ -6,12 +6,13 @@ are pinned). Errors the user can fix print one line and exit non-zero.
 from __future__ import annotations
 
 import json
-import sys
 import time
 import tomllib
 from pathlib import Path
 
 import click
+
+from kvproto.cli import one_line_errors, parse_size
 
 from . import netns
 from .cache import Cache, parse_key
@@ -40,18 +41,7 @@ class Context:
 pass_ctx = click.make_pass_decorator(Context)
 
 
-class SwitchdGroup(click.Group):
-    """Turns SwitchError into one line on stderr and exit status 1."""
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except SwitchError as exc:
-            click.echo(f"switchd: error: {exc}", err=True)
-            sys.exit(1)
-
-
-@click.group(cls=SwitchdGroup)
+@click.group(cls=one_line_errors("switchd", SwitchError))
 @click.option("--netns", "netns_name", metavar="NAME", help="Network namespace of the ports.")
 @click.option("--pin-dir", default=DEFAULT_PIN_DIR, show_default=True,
               help="bpffs directory holding the switch's maps.")
@@ -140,7 +130,6 @@ def _parse_port_ns(items: list[str], ports: list[str]) -> dict[str, list[int]]:
 
 
 def _parse_quotas(items: list[str]) -> dict[int, int]:
-    from hostagent.cli import parse_size
     quotas = {}
     for item in items:
         ns, sep, size = item.partition("=")

@@ -8,9 +8,9 @@ import logging
 import signal
 import threading
 
-from hostagent.protocol import CONSTANTS
 
-from .dataplane import DataPlane, Deployment
+
+from .dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment
 from .manager import CacheManager
 from .metrics import serve_metrics
 
@@ -36,8 +36,8 @@ class Daemon:
     def run(self) -> None:
         dp = DataPlane(self.deployment)
         for port in self.ports:
-            role = "KV_ROLE_POOL" if port in self.pool_ports else "KV_ROLE_HOST"
-            dp.set_port_role(port, CONSTANTS[role], self.port_namespaces.get(port))
+            role = ROLE_POOL if port in self.pool_ports else ROLE_HOST
+            dp.set_port_role(port, role, self.port_namespaces.get(port))
         dp.set_replication_ports(self.ports)
         dp.set("coalesce", int(self.coalesce))
         dp.set("pending_ns", int(self.pending_timeout * 1e9))

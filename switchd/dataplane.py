@@ -1,7 +1,9 @@
 """The switch's data plane as userspace sees it: compiles xdp/kvswitch.c with BCC for one
 deployment (chunk size, cache entries, pin directory), attaches it to switch ports, and opens the
-BPF maps whose layouts BCC reads from xdp/kvproto.h. This module and the maps are the only
-meeting point of data plane and control plane."""
+BPF maps whose layouts BCC reads from xdp/kvswitch.h. This module and the maps are the only
+meeting point of data plane and control plane. It is also the one place that imports BCC and
+loads and attaches XDP programs, for the testbed's auxiliary programs too (``load_xdp``,
+``attach_xdp``)."""
 from __future__ import annotations
 
 import ctypes
@@ -12,13 +14,14 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from hostagent.protocol import CONSTANTS
+import xdp
 
 from . import libbpf
 
-XDP_DIR = Path(__file__).resolve().parents[1] / "xdp"
+CONSTANTS = xdp.constants("kvswitch.h")   # the wire format's and the switch's own
 DEFAULT_PIN_DIR = "/sys/fs/bpf/kvswitch"
-XDP_FLAGS = {"native": 1 << 2, "generic": 1 << 1}
+MODES = ("native", "generic")             # XDP attach modes: driver (veth, NICs) or SKB
+ROLE_HOST, ROLE_POOL = CONSTANTS["KV_ROLE_HOST"], CONSTANTS["KV_ROLE_POOL"]   # port roles
 CACHE_VAL_HEADER = CONSTANTS["KV_CACHE_VAL_HEADER"]  # bytes of kv_cache_val before data[]
 # This kernel refuses native XDP on a veth whose MTU exceeds 3506 bytes (no multi-buffer), so the
 # largest chunk a deployment can use is 3506 - 76 rounded down to a multiple of 8.
@@ -48,8 +51,8 @@ class Deployment:
             raise SwitchError("cache entries must be between 1 and 16777216")
 
     def cflags(self) -> list[str]:
-        flags = [f"-I{XDP_DIR}", f"-DKV_CHUNK_MAX={self.chunk_size}",
-                 f"-DKV_CACHE_ENTRIES={self.cache_entries}"]
+        flags = xdp.cflags(f"-DKV_CHUNK_MAX={self.chunk_size}",
+                           f"-DKV_CACHE_ENTRIES={self.cache_entries}")
         if self.pin_dir:
             flags.append(f'-DKV_PIN_DIR="{self.pin_dir}"')
         return flags
@@ -66,7 +69,8 @@ def crc32_table() -> list[int]:
     return table
 
 
-def _import_bcc():
+def import_bcc():
+    """The bcc module, or a SwitchError that says how to get it."""
     try:
         import bcc
     except ImportError:
@@ -74,6 +78,32 @@ def _import_bcc():
                           "/usr/bin/python3 or a venv made with --system-site-packages "
                           "('make setup' does both)") from None
     return bcc
+
+
+def mode_flags(mode: str = "native") -> int:
+    """BCC's XDP attach flags for an attach mode (one of MODES)."""
+    flags = import_bcc().XDPFlags
+    return {"native": flags.DRV_MODE, "generic": flags.SKB_MODE}[mode]
+
+
+def load_xdp(source: str | Path, functions: tuple[str, ...], cflags: list[str] | None = None,
+             devmap_egress: tuple[str, ...] = ()):
+    """Compile a C file with BCC and load XDP programs from it (``devmap_egress``: programs run
+    on devmap redirects). Returns the BPF object and the programs by name."""
+    bcc = import_bcc()
+    try:
+        bpf = bcc.BPF(src_file=str(source).encode(), cflags=xdp.cflags(*(cflags or [])))
+    except Exception as exc:
+        raise SwitchError(f"compiling {Path(source).name} failed: {exc}") from None
+    fns = {name: bpf.load_func(name.encode(), bcc.BPF.XDP) for name in functions}
+    fns.update({name: bpf.load_func(name.encode(), bcc.BPF.XDP, None,
+                                    bcc.BPFAttachType.XDP_DEVMAP) for name in devmap_egress})
+    return bpf, fns
+
+
+def attach_xdp(ifname: str, fn, mode: str = "native") -> None:
+    """Attach a loaded program to an interface of this namespace (replacing what is there)."""
+    import_bcc().BPF.attach_xdp(ifname.encode(), fn, mode_flags(mode))
 
 
 def _bpffs_mounts() -> list[str]:
@@ -94,7 +124,7 @@ def preflight(pin_dir: str | None) -> None:
                            for m in _bpffs_mounts()):
         raise SwitchError(f"{pin_dir} is not on a bpf filesystem: mount one with "
                           "'mount -t bpf bpf /sys/fs/bpf'")
-    _import_bcc()
+    import_bcc()
 
 
 def pinned_deployment(pin_dir: str) -> Deployment:
@@ -124,10 +154,10 @@ def attached_program(ifname: str) -> str | None:
     return prog.get("name") or (f"id {prog['id']}" if "id" in prog else None)
 
 
-def detach_port(ifname: str, flags: int = XDP_FLAGS["native"]) -> None:
+def detach_port(ifname: str, mode: str = "native") -> None:
     """Remove whatever XDP program is attached to ``ifname`` in that mode."""
     ifindex(ifname)
-    _import_bcc().BPF.remove_xdp(ifname.encode(), flags)
+    import_bcc().BPF.remove_xdp(ifname.encode(), mode_flags(mode))
 
 
 class DataPlane:
@@ -135,27 +165,24 @@ class DataPlane:
     when the deployment has a pin directory), for tools that only read or edit them."""
 
     def __init__(self, deployment: Deployment, programs: bool = True):
-        bcc = _import_bcc()
+        bcc = import_bcc()
         self.bcc, self.deployment = bcc, deployment
         if deployment.pin_dir:
             os.makedirs(deployment.pin_dir, exist_ok=True)
             self._check_pins_match(deployment)
-        src = XDP_DIR / ("kvswitch.c" if programs else "kvmaps.h")
-        try:
-            if programs:
-                self.bpf = bcc.BPF(src_file=str(src).encode(), cflags=deployment.cflags())
-            else:
-                self.bpf = bcc.BPF(text=b'#include "kvmaps.h"\n', cflags=deployment.cflags())
-        except Exception as exc:
-            raise SwitchError(f"compiling {src.name} failed: {exc}") from None
         self.ingress = self.egress = self.devmap = None
         if programs:
+            self.bpf, fns = load_xdp(xdp.source("kvswitch.c"), ("kv_ingress",),
+                                     deployment.cflags(), devmap_egress=("kv_egress",))
+            self.ingress, self.egress = fns["kv_ingress"], fns["kv_egress"]
             table = self.bpf.get_table(b"kv_crc_table")
             table[table.Key(0)] = table.Leaf((ctypes.c_uint32 * 256)(*crc32_table()))
-            self.ingress = self.bpf.load_func(b"kv_ingress", bcc.BPF.XDP)
-            self.egress = self.bpf.load_func(b"kv_egress", bcc.BPF.XDP, None,
-                                             bcc.BPFAttachType.XDP_DEVMAP)
             self.devmap = self.bpf.get_table(b"kv_devmap")
+        else:
+            try:
+                self.bpf = bcc.BPF(text=b'#include "kvmaps.h"\n', cflags=deployment.cflags())
+            except Exception as exc:
+                raise SwitchError(f"compiling kvmaps.h failed: {exc}") from None
         (self.cache, self.admit, self.ports, self.stats, self.settings, self.pending,
          self.waiters, self.sketch, self.recent, self.ns_stats, self.port_ns, self.ns_low) = (
             self.bpf.get_table(n.encode()) for n in MAP_NAMES)
@@ -178,13 +205,13 @@ class DataPlane:
             raise SwitchError(f"{ifname} already runs XDP program {other!r}: remove it first "
                               f"('switchd detach --port {ifname}')")
         try:
-            self.bcc.BPF.attach_xdp(ifname.encode(), self.ingress, XDP_FLAGS[mode])
+            attach_xdp(ifname, self.ingress, mode)
         except Exception as exc:
             raise SwitchError(f"attaching to {ifname} ({mode} mode) failed: {exc}") from None
-        self.attached[ifname] = XDP_FLAGS[mode]
+        self.attached[ifname] = mode
 
     def detach(self, ifname: str) -> None:
-        detach_port(ifname, self.attached.pop(ifname, XDP_FLAGS["native"]))
+        detach_port(ifname, self.attached.pop(ifname, "native"))
 
     def detach_all(self) -> None:
         for name in list(self.attached):

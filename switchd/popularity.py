@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hostagent.protocol import CONSTANTS
+
 
 from .cache import SPECULATIVE
-from .dataplane import DataPlane
-from .policy import CountMinSketch
+from .dataplane import CONSTANTS, DataPlane
+from .sketch import CountMinSketch
 
 DEPTH, WIDTH = CONSTANTS["KV_SKETCH_DEPTH"], CONSTANTS["KV_SKETCH_WIDTH"]
 HI_MUL, NS_MUL = CONSTANTS["KV_SKETCH_HI_MUL"], CONSTANTS["KV_SKETCH_NS_MUL"]

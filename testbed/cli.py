@@ -1,27 +1,99 @@
-"""The `testbed` command line: build and remove topologies, run the demo, evaluate policies."""
+"""The `testbed` command line, every command of it: topologies, demos, benchmarks, the fuzzer,
+trace evaluation and replay, the cluster model. Each command parses its options and calls the
+library function of its experiment (testbed.lab, .bench, .sim, .demos, .fuzz), imported when the
+command runs."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import click
 
+from kvproto.cli import one_line_errors
+from switchd.dataplane import MAX_CHUNK
 from switchd.policy import POLICIES
 
-from .options import int_list
-from .topology import TestbedError, Topology, down, namespaces_of
+from .demos.inference import BLOCK_TOKENS, MODELS as DEMO_MODELS
+from .lab.topology import TestbedError, Topology, down, namespaces_of
+from .sim.config import DEMOTES, MODELS, ROUTINGS
 
 
-class TestbedGroup(click.Group):
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except TestbedError as exc:
-            click.echo(f"testbed: error: {exc}", err=True)
-            sys.exit(1)
+# ---- option values -----------------------------------------------------------------------------
+def _numbers(value: str, kind=int, lo: float = 0, hi: float | None = None) -> list:
+    try:
+        items = sorted({kind(v) for v in value.split(",") if v.strip()})
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers") from None
+    if not items or items[0] < lo or (hi is not None and items[-1] > hi):
+        raise click.BadParameter(f"give numbers in [{lo}, {hi if hi is not None else 'inf'}]")
+    return items
 
 
-@click.group(cls=TestbedGroup)
+def int_list(ctx, param, value: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (sorted, distinct, positive)."""
+    return _numbers(value, int, 1)
+
+
+def _float_list(hi=None):
+    return lambda ctx, param, value: _numbers(value, float, 0, hi)
+
+
+def _percent_list(ctx, param, value: str) -> list[int]:
+    return _numbers(value, int, 0, 100) if value.strip() else []
+
+
+def _cores(ctx, param, value: str) -> tuple[int, ...]:
+    cores = _numbers(value, int, 0)
+    if not set(cores) <= os.sched_getaffinity(0):
+        raise click.BadParameter(f"give CPUs among {sorted(os.sched_getaffinity(0))}")
+    return tuple(cores)
+
+
+def _capacity(ctx, param, value):
+    if value is not None and not value > 0:
+        raise click.BadParameter(f"must be > 0 (a fraction of distinct blocks if < 1, else a "
+                                 f"block count), got {value}")
+    return value
+
+
+def _policy_list(ctx, param, value):
+    from .sim.evaluate import OFFLINE
+    if value is None:
+        return None
+    names, known = [v.strip() for v in value.split(",") if v.strip()], [*POLICIES, *OFFLINE]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise click.BadParameter(f"unknown policy {', '.join(bad) or '(none given)'}; "
+                                 f"choose from {', '.join(known)}")
+    return names
+
+
+def _options(*opts):
+    def apply(f):
+        for opt in reversed(opts):
+            f = opt(f)
+        return f
+    return apply
+
+
+trace_opt = click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
+                         required=True, help="Mooncake-format JSONL trace.")
+
+
+def json_opt(default=None):
+    return click.option("--json", "json_path", default=default, show_default=bool(default),
+                        help="Write the result here.")
+
+
+def _fail_unless(ok: bool) -> None:
+    if not ok:
+        sys.exit(1)
+
+
+# ---- topologies and demos ----------------------------------------------------------------------
+@click.group(cls=one_line_errors("testbed", TestbedError))
 def main():
     """veth/namespace testbeds for the in-network KV-cache switch."""
 
@@ -46,24 +118,110 @@ def up(name, hosts, pools, mtu):
 @click.option("--all", "everything", is_flag=True, help="Every testbed this tool made.")
 def down_cmd(name, everything):
     """Remove a testbed and anything left running in it (idempotent)."""
-    prefixes = {n.rsplit("-", 1)[0] for n in namespaces_of("") if n.endswith("-sw")} \
-        if everything else {name}
+    prefixes = ({n.rsplit("-", 1)[0] for n in namespaces_of("") if n.endswith("-sw")}
+                if everything else {name})
     removed = [ns for p in sorted(prefixes) for ns in down(p)]
-    click.echo(f"removed {len(removed)} namespace(s)" + (f": {' '.join(removed)}" if removed else ""))
+    click.echo(f"removed {len(removed)} namespace(s)" + (f": {' '.join(removed)}" if removed
+                                                         else ""))
 
 
 @main.command()
 @click.option("--chunks", type=click.IntRange(64, 65536), default=256, show_default=True)
 def demo(chunks):
     """Fetch a KV block through the switch from two inference nodes (see `make demo`)."""
-    from .demo import run_demo
-    if not run_demo(chunks):
-        sys.exit(1)
+    from .demos.basic import run_demo
+    _fail_unless(run_demo(chunks))
 
 
+@main.command("demo-inference")
+@click.option("--sizes", default="1024,4096,16384", show_default=True, callback=int_list,
+              help="Shared-prompt sizes in tokens (multiples of --block-tokens).")
+@click.option("--chunk-size", type=click.IntRange(64, MAX_CHUNK), default=3072, show_default=True)
+@click.option("--concurrency", type=click.IntRange(1, 64), default=4, show_default=True,
+              help="Blocks fetched or put at once per node.")
+@click.option("--window", type=click.IntRange(1, 1024), default=64, show_default=True,
+              help="Chunks in flight per block.")
+@click.option("--new-tokens", type=click.IntRange(1, 1024), default=16, show_default=True,
+              help="Greedy tokens generated and compared per prompt.")
+@click.option("--model", type=click.Choice(sorted(DEMO_MODELS)), default="llama3-mini",
+              show_default=True)
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
+              show_default=True)
+@click.option("--block-tokens", type=click.IntRange(16, 4096), default=BLOCK_TOKENS,
+              show_default=True, help="Tokens per KV block (also the prefill chunk).")
+@click.option("--name", default="inf", show_default=True, help="Testbed prefix.")
+@json_opt()
+def demo_inference(sizes, chunk_size, concurrency, window, new_tokens, model, dtype,
+                   block_tokens, name, json_path):
+    """Prefix KV of a real (seeded-random) transformer through the switch: TTFT vs recompute."""
+    from .demos.inference import run_inference_demo
+    if any(s % block_tokens for s in sizes):
+        raise click.BadParameter(f"must be multiples of --block-tokens ({block_tokens})",
+                                 param_hint="--sizes")
+    _fail_unless(run_inference_demo(sizes, chunk_size, window, concurrency, new_tokens, model,
+                                    dtype, block_tokens, name, json_path))
+
+
+@main.command()
+@click.option("--frames", type=click.IntRange(1), default=100_000, show_default=True)
+@click.option("--seed", type=int, default=1, show_default=True)
+@json_opt()
+def fuzz(frames, seed, json_path):
+    """Random and mutated frames through the data plane, checked against a reference."""
+    from .fuzz import run_fuzz
+    _fail_unless(not run_fuzz(frames, seed, json_path)["violations"])
+
+
+# ---- benchmarks --------------------------------------------------------------------------------
 @main.group()
 def bench():
     """Benchmarks: side-by-side modes in one run, JSON results and plots."""
+
+
+@bench.command()
+@click.option("--chunk-sizes", default="256,1024,3072", show_default=True, callback=int_list,
+              help="Chunk payload sizes (the veth MTU follows the chunk size).")
+@click.option("--seconds", type=click.FloatRange(0.1, 30), default=2.0, show_default=True,
+              help="Measuring time of each scenario (after 0.3 s of warm-up).")
+@click.option("--windows", type=click.IntRange(1, 50), default=5, show_default=True,
+              help="Parts of it; a scenario's rate is the median of theirs.")
+@click.option("--cores", default="0", show_default=True, callback=_cores,
+              help="CPUs the generator sends from, one pinned thread each.")
+@click.option("--rate", type=click.FloatRange(min=0), default=0, show_default=True,
+              help="Frames per second offered in all (0: as fast as possible).")
+@click.option("--keys", type=click.IntRange(16, 1 << 20), default=4096, show_default=True,
+              help="Chunks swept per scenario.")
+@click.option("--hit-ratios", default="0,25,50,75,100", show_default=True,
+              callback=_percent_list, help="Hit percentages of the sweep (empty: skip).")
+@click.option("--sweep-chunk", type=int, default=1024, show_default=True,
+              help="Chunk size of the hit-ratio sweep and the TCP measurement.")
+@click.option("--scaling", default="1000,10000,100000,1000000", show_default=True,
+              help="Cache sizes (entries) of the lookup-cost series (empty: skip).")
+@click.option("--scaling-chunk", type=click.IntRange(8, MAX_CHUNK), default=64, show_default=True,
+              help="Chunk size of the cache-size series (small, so a million entries fit).")
+@click.option("--tcp-runs", type=click.IntRange(0, 20), default=5, show_default=True,
+              help="Rounds of iperf3 runs, one each detached, with a bare XDP_PASS program "
+                   "and with the program attached (0: skip).")
+@click.option("--tcp-seconds", type=click.FloatRange(0.5, 60), default=2.0, show_default=True)
+@click.option("--memcached-threads", type=click.IntRange(1, 64), default=2, show_default=True)
+@json_opt("bench/results/throughput.json")
+@click.option("--plot", "plot_path", help="PNG path (default: the JSON path with .png).")
+def throughput(chunk_sizes, seconds, windows, cores, rate, keys, hit_ratios, sweep_chunk,
+               scaling, scaling_chunk, tcp_runs, tcp_seconds, memcached_threads, json_path,
+               plot_path):
+    """GET replies/s: XDP_TX ceiling, switch hits, pool server, memcached; hit ratios, cache
+    size, TCP."""
+    from .bench.throughput import run_throughput
+    sizes = _numbers(scaling, int, 1) if scaling.strip() else []
+    plot_path = plot_path or str(Path(json_path).with_suffix(".png"))
+    out = run_throughput(chunk_sizes, seconds, windows, cores, keys, rate, hit_ratios,
+                         sweep_chunk, sizes, scaling_chunk, tcp_runs, tcp_seconds,
+                         memcached_threads, json_path, plot_path)
+    click.echo(json.dumps(out["targets"], indent=2))
+    click.echo(f"wrote {json_path} and {plot_path}")
+    if out["sample_problems"]:
+        raise click.ClickException("sampled replies were wrong: " +
+                                   "; ".join(out["sample_problems"]))
 
 
 @bench.command()
@@ -73,15 +231,15 @@ def bench():
               show_default=True)
 @click.option("--reps", type=click.IntRange(1, 50), default=3, show_default=True,
               help="Repetitions per reader count and mode.")
-@click.option("--chunk-size", type=click.IntRange(64, 3424), default=3072, show_default=True)
+@click.option("--chunk-size", type=click.IntRange(64, MAX_CHUNK), default=3072, show_default=True)
 @click.option("--pool-link-mbit", type=click.FloatRange(min=0), default=100, show_default=True,
               help="Shape the pool node's link to this rate, so that it and not the readers' "
               "shared CPU is the bottleneck, as in a cluster (0: unshaped veth).")
-@click.option("--json", "json_path", default="bench/results/incast.json", show_default=True)
+@json_opt("bench/results/incast.json")
 @click.option("--plot", "plot_path", default="bench/results/incast.png", show_default=True)
 def incast(readers, block_mib, reps, chunk_size, pool_link_mbit, json_path, plot_path):
     """N readers fetch one block at once: plain bridge vs the switch."""
-    from .bench_incast import run_incast
+    from .bench.incast import run_incast
     if readers[-1] > 99:
         raise click.BadParameter("at most 99 readers", param_hint="--readers")
     out = run_incast(readers, block_mib, reps, json_path, plot_path, chunk_size,
@@ -90,11 +248,57 @@ def incast(readers, block_mib, reps, chunk_size, pool_link_mbit, json_path, plot
     click.echo(f"wrote {json_path} and {plot_path}")
 
 
+@bench.command()
+@click.option("--loss", "losses", default="0,1,5", show_default=True,
+              callback=_float_list(99.999), help="Loss rates in percent, comma-separated.")
+@click.option("--block-mib", type=click.FloatRange(min=0.01, max=64), default=4.0,
+              show_default=True)
+@click.option("--reps", type=click.IntRange(1, 50), default=3, show_default=True)
+@json_opt("bench/results/loss.json")
+def loss(losses, block_mib, reps, json_path):
+    """Block fetches over links that drop KV frames."""
+    from .bench.loss import run_loss
+    run_loss(losses, block_mib, reps, json_path)
+
+
 @main.command()
-@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
-              required=True, help="Mooncake-format JSONL trace.")
-@click.option("--capacity", type=click.FloatRange(min=0, min_open=True), default=0.02,
-              show_default=True, help="Fraction of the trace's distinct blocks (<1) or a count.")
+@click.option("--minutes", type=click.FloatRange(min=0.1, max=120), default=10.0,
+              show_default=True)
+@json_opt("bench/results/soak.json")
+def soak(minutes, json_path):
+    """Sustained load for a bounded time; checks maps and daemon memory do not grow."""
+    from .bench.soak import run_soak
+    out = run_soak(minutes, json_path)
+    click.echo(json.dumps({k: v for k, v in out.items() if k != "samples"}, indent=2))
+    _fail_unless(out["within_capacity"])
+
+
+# ---- traces: offline evaluation and live replay ------------------------------------------------
+@main.command("policy-eval")
+@trace_opt
+@click.option("--capacity", type=float, default=0.02, show_default=True, callback=_capacity,
+              help="Cache size: a fraction of the trace's distinct blocks if < 1, else blocks.")
+@json_opt()
+@click.option("--policies", callback=_policy_list,
+              help=f"Comma list (default: all of {', '.join(POLICIES)}); belady and static "
+                   "always run.")
+def policy_eval(trace_path, capacity, json_path, policies):
+    """Replay a trace against the cache policies, Belady's optimum and the best fixed set."""
+    from .lab import write_json
+    from .sim.evaluate import evaluate, render
+    from .sim.trace import TraceError
+    try:
+        result = evaluate(trace_path, capacity, policies)
+    except TraceError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--trace'") from None
+    render(result)
+    write_json(json_path, result)
+
+
+@main.command()
+@trace_opt
+@click.option("--capacity", type=float, default=0.02, show_default=True, callback=_capacity,
+              help="Fraction of the trace's distinct blocks (<1) or a count.")
 @click.option("--limit", type=click.IntRange(1), help="Only the first N requests.")
 @click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=10.0,
               show_default=True, help="Time compression of the trace's pace (10 with a 0.1 s "
@@ -104,119 +308,56 @@ def incast(readers, block_mib, reps, chunk_size, pool_link_mbit, json_path, plot
 @click.option("--policy", type=click.Choice(list(POLICIES)), help="Default: switchd's default.")
 @click.option("--fill-headroom", type=click.IntRange(min=0),
               help="Extra cache entries for speculative fills (default: a quarter of capacity).")
-@click.option("--json", "json_path", help="Write the result here.")
+@json_opt()
 def replay(trace_path, capacity, limit, speedup, interval, policy, fill_headroom, json_path):
     """Replay a trace through the testbed; compare the live hit ratio with the evaluator's."""
-    from .replay import run_replay
+    from .sim.replay import run_replay
     run_replay(trace_path, capacity, limit, speedup, interval, json_path=json_path,
                fill_headroom=fill_headroom, policy=policy)
 
 
-@main.command()
-@click.option("--frames", type=click.IntRange(1), default=100_000, show_default=True)
-@click.option("--seed", type=int, default=1, show_default=True)
-@click.option("--json", "json_path", help="Write the result here.")
-def fuzz(frames, seed, json_path):
-    """Random and mutated frames through the data plane, checked against a reference."""
-    from .fuzz import run_fuzz
-    if run_fuzz(frames, seed, json_path)["violations"]:
-        sys.exit(1)
-
-
-@bench.command()
-@click.option("--loss", "losses", default="0,1,5", show_default=True,
-              help="Loss rates in percent, comma-separated.")
-@click.option("--block-mib", type=click.FloatRange(min=0.01, max=64), default=4.0,
-              show_default=True)
-@click.option("--reps", type=click.IntRange(1, 50), default=3, show_default=True)
-@click.option("--json", "json_path", default="bench/results/loss.json", show_default=True)
-def loss(losses, block_mib, reps, json_path):
-    """Block fetches over links that drop KV frames."""
-    from .bench_loss import run_loss
-    try:
-        rates = [float(x) for x in losses.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{losses!r} is not a list of percentages") from None
-    if not rates or any(not 0 <= r < 100 for r in rates):
-        raise click.BadParameter("loss rates must be in [0, 100)", param_hint="--loss")
-    run_loss(rates, block_mib, reps, json_path)
-
-
-@main.command()
-@click.option("--minutes", type=click.FloatRange(min=0.1, max=120), default=10.0,
-              show_default=True)
-@click.option("--json", "json_path", default="bench/results/soak.json", show_default=True)
-def soak(minutes, json_path):
-    """Sustained load for a bounded time; checks maps and daemon memory do not grow."""
-    from .soak import run_soak
-    out = run_soak(minutes, json_path)
-    click.echo(json.dumps({k: v for k, v in out.items() if k != "samples"}, indent=2))
-    if not out["within_capacity"]:
-        sys.exit(1)
-
-
-def _register_commands():
-    from .bench_throughput import throughput
-    from .demo_inference import demo_inference
-    from .policy_eval import policy_eval
-    main.add_command(policy_eval, "policy-eval")
-    main.add_command(demo_inference, "demo-inference")
-    bench.add_command(throughput, "throughput")
-
-
-_register_commands()
-
-
+# ---- the cluster model -------------------------------------------------------------------------
 @main.group()
 def sim():
     """Cluster-scale model: tiers, switch pool on/off, break-even, testbed validation."""
 
 
-def _sim_options(f):
-    for opt in reversed([
-        click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
-                     required=True, help="Mooncake-format JSONL trace."),
-        click.option("--requests", type=click.IntRange(1), help="Resample to this many requests."),
-        click.option("--nodes", type=click.IntRange(1, 1 << 20), default=4, show_default=True),
-        click.option("--pools", type=click.IntRange(1), help="Pool nodes (default nodes/8)."),
-        click.option("--model", type=click.Choice(["llama3-8b", "llama3-70b", "deepseek-v3"]),
-                     default="llama3-8b", show_default=True),
-        click.option("--kv-bytes-per-token", type=click.IntRange(1)),
-        click.option("--block-tokens", type=click.IntRange(1, 512), default=512,
-                     show_default=True),
-        click.option("--hbm-gib", type=click.FloatRange(0), default=40.0, show_default=True),
-        click.option("--dram-gib", type=click.FloatRange(0), default=256.0, show_default=True),
-        click.option("--switch-gib", type=click.FloatRange(0), default=64.0, show_default=True),
-        click.option("--pool-gib", type=click.FloatRange(0, min_open=True),
-                     help="Per pool node (default unlimited)."),
-        click.option("--node-gbps", type=click.FloatRange(0, min_open=True), default=100.0,
-                     show_default=True),
-        click.option("--pool-gbps", type=click.FloatRange(0, min_open=True), default=100.0,
-                     show_default=True),
-        click.option("--routing", type=click.Choice(["random", "least-loaded", "affinity"]),
-                     default="affinity", show_default=True),
-        click.option("--demote", type=click.Choice(["none", "all", "value"]), default="value",
-                     show_default=True),
-        click.option("--policy", "switch_policy", default="prefix", show_default=True,
-                     type=click.Choice(["prefix", "lru", "lfu", "tinylfu"])),
-        click.option("--sharing", type=click.FloatRange(0, 1), default=0.0, show_default=True,
-                     help="Share of resampled prefix trees that keep their ids (shared content)."),
-        click.option("--load", type=click.FloatRange(0, min_open=True), default=0.7,
-                     show_default=True, help="Per-node prefill utilisation without caching."),
-        click.option("--seed", type=int, default=1, show_default=True),
-    ]):
-        f = opt(f)
-    return f
-
-
 @sim.command("run")
-@_sim_options
-@click.option("--json", "json_path", help="Write the result here.")
+@_options(
+    trace_opt,
+    click.option("--requests", type=click.IntRange(1), help="Resample to this many requests."),
+    click.option("--nodes", type=click.IntRange(1, 1 << 20), default=4, show_default=True),
+    click.option("--pools", type=click.IntRange(1), help="Pool nodes (default nodes/8)."),
+    click.option("--model", type=click.Choice(sorted(MODELS)), default="llama3-8b",
+                 show_default=True),
+    click.option("--kv-bytes-per-token", type=click.IntRange(1)),
+    click.option("--block-tokens", type=click.IntRange(1, 512), default=512, show_default=True),
+    click.option("--hbm-gib", type=click.FloatRange(0), default=40.0, show_default=True),
+    click.option("--dram-gib", type=click.FloatRange(0), default=256.0, show_default=True),
+    click.option("--switch-gib", type=click.FloatRange(0), default=64.0, show_default=True),
+    click.option("--pool-gib", type=click.FloatRange(0, min_open=True),
+                 help="Per pool node (default unlimited)."),
+    click.option("--node-gbps", type=click.FloatRange(0, min_open=True), default=100.0,
+                 show_default=True),
+    click.option("--pool-gbps", type=click.FloatRange(0, min_open=True), default=100.0,
+                 show_default=True),
+    click.option("--routing", type=click.Choice(ROUTINGS), default="affinity",
+                 show_default=True),
+    click.option("--demote", type=click.Choice(DEMOTES), default="value", show_default=True),
+    click.option("--policy", "switch_policy", default="prefix", show_default=True,
+                 type=click.Choice(list(POLICIES))),
+    click.option("--sharing", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+                 help="Share of resampled prefix trees that keep their ids (shared content)."),
+    click.option("--load", type=click.FloatRange(0, min_open=True), default=0.7,
+                 show_default=True, help="Per-node prefill utilisation without caching."),
+    click.option("--seed", type=int, default=1, show_default=True),
+    json_opt())
 def sim_run(trace_path, requests, sharing, json_path, **kw):
     """Simulate one cluster configuration, switch pool on and off."""
-    from .results import write_json
-    from .sim import SimConfig, run
-    from .trace import TraceError, load_trace
+    from .lab import write_json
+    from .sim.config import SimConfig
+    from .sim.model import run
+    from .sim.trace import TraceError, load_trace
     try:
         trace = load_trace(trace_path)
         cfg = SimConfig(**kw)
@@ -234,35 +375,34 @@ def sim_run(trace_path, requests, sharing, json_path, **kw):
 
 
 @sim.command("sweep")
-@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
-              required=True, help="Mooncake-format JSONL trace.")
+@trace_opt
 @click.option("--nodes", "nodes", default="4,16,64,256,1024", show_default=True,
               callback=int_list)
-@click.option("--switch-gib", "switch_gib", default="16,64,256", show_default=True)
-@click.option("--sharing", "sharing", default="0,0.5,0.9", show_default=True)
+@click.option("--switch-gib", "switch_gib", default="16,64,256", show_default=True,
+              callback=_float_list())
+@click.option("--sharing", "sharing", default="0,0.5,0.9", show_default=True,
+              callback=_float_list(1.0))
 @click.option("--requests-per-node", type=click.IntRange(1), default=200, show_default=True)
 @click.option("--max-requests", type=click.IntRange(1), default=200_000, show_default=True)
-@click.option("--routing", type=click.Choice(["random", "least-loaded", "affinity"]),
-              default="random", show_default=True)
+@click.option("--routing", type=click.Choice(ROUTINGS), default="random", show_default=True)
 @click.option("--pools", type=click.IntRange(1), default=4, show_default=True,
               help="Pool nodes, fixed while the inference nodes grow.")
-@click.option("--json", "json_path", default="bench/results/sim-sweep.json", show_default=True)
+@json_opt("bench/results/sim-sweep.json")
 @click.option("--plot", "plot_path", default="bench/results/sim-breakeven.png",
               show_default=True)
 def sim_sweep(trace_path, nodes, switch_gib, sharing, requests_per_node, max_requests, routing,
               pools, json_path, plot_path):
     """Sweep nodes x switch memory x sharing; find and draw the break-even."""
-    from .sim_sweep import floats, run_sweep
-    mem, share = floats(switch_gib, "--switch-gib"), floats(sharing, "--sharing", hi=1.0)
-    out = run_sweep(trace_path, nodes, mem, share, requests_per_node, max_requests, routing,
-                    json_path, plot_path, log=lambda m: click.echo(m, err=True), pools=pools)
+    from .sim.sweep import run_sweep
+    out = run_sweep(trace_path, nodes, switch_gib, sharing, requests_per_node, max_requests,
+                    routing, json_path, plot_path, log=lambda m: click.echo(m, err=True),
+                    pools=pools)
     click.echo(json.dumps(out["break_even"], indent=2))
     click.echo(f"wrote {json_path} and {plot_path}")
 
 
 @sim.command("validate")
-@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
-              required=True, help="Mooncake-format JSONL trace.")
+@trace_opt
 @click.option("--limit", type=click.IntRange(4), default=2000, show_default=True,
               help="First N requests of the trace.")
 @click.option("--capacity", type=click.FloatRange(0, min_open=True), default=0.05,
@@ -271,13 +411,11 @@ def sim_sweep(trace_path, nodes, switch_gib, sharing, requests_per_node, max_req
               show_default=True)
 @click.option("--routing", type=click.Choice(["random", "affinity"]), default="random",
               show_default=True)
-@click.option("--json", "json_path", default="bench/results/sim-validate.json",
-              show_default=True)
+@json_opt("bench/results/sim-validate.json")
 def sim_validate(trace_path, limit, capacity, speedup, routing, json_path):
     """Replay a trace slice on a 4-node testbed and compare with the model."""
-    from .sim_validate import run_validate
+    from .sim.validate import run_validate
     out = run_validate(trace_path, limit, capacity, speedup, routing, json_path,
                        log=lambda m: click.echo(m, err=True))
     click.echo(json.dumps(out["comparison"], indent=2))
-    if not out["within_targets"]:
-        sys.exit(1)
+    _fail_unless(out["within_targets"])

@@ -19,36 +19,28 @@ import time
 import zlib
 from contextlib import contextmanager
 
-from hostagent.protocol import HEADER, HEADER_LEN, MAGIC, MAX_PAYLOAD, PORT, VERSION, Flag, Op
+from kvproto import (FIELDS, HEADER, HEADER_LEN, MAGIC, MAX_PAYLOAD, OFFSET, PORT, VERSION, Flag,
+                     Op)
+from kvproto.frames import ETH_LEN as ETH
+from kvproto.frames import HDR_OFF as KV_OFF
+from kvproto.frames import IPV4_LEN as IPH
+from kvproto.frames import UDP_LEN as UDPH
+from kvproto.frames import XDP, ip_checksum, ipv4_frame
 from switchd import netns
 from switchd.cache import Cache
-from switchd.dataplane import DataPlane, Deployment
+from switchd.dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment
 from switchd.libbpf import xdp_test_run
 
-from .results import write_json
-from .topology import ip
+from .lab import ip, write_json
 
-XDP_DROP, XDP_PASS, XDP_TX = 1, 2, 3
-ETH, IPH, UDPH = 14, 20, 8
-KV_OFF = ETH + IPH + UDPH
 CHUNK = 512
 MACS = (bytes.fromhex("020000000001"), bytes.fromhex("020000000065"))
 HOST_IP, POOL_IP = socket.inet_aton("198.18.0.1"), socket.inet_aton("198.18.0.101")
 STATE_MAPS = ("cache", "admit", "pending", "waiters", "recent", "ns_stats")
 
 
-def ip_checksum(header: bytes) -> int:
-    s = sum(struct.unpack("!10H", header))
-    s = (s & 0xFFFF) + (s >> 16)
-    s = (s & 0xFFFF) + (s >> 16)
-    return ~s & 0xFFFF
-
-
 def build(src_mac, dst_mac, src_ip, dst_ip, sport, dport, payload, proto=17) -> bytes:
-    l4 = struct.pack("!HHHH", sport, dport, UDPH + len(payload), 0) + payload
-    iph = struct.pack("!BBHHHBBH4s4s", 0x45, 0, IPH + len(l4), 1, 0, 64, proto, 0, src_ip, dst_ip)
-    iph = iph[:10] + struct.pack("!H", ip_checksum(iph)) + iph[12:]
-    return dst_mac + src_mac + b"\x08\x00" + iph + l4
+    return ipv4_frame(src_mac, dst_mac, src_ip, dst_ip, sport, dport, payload, proto)
 
 
 def kv(op, ns, key, chunk, nchunks=0, flags=0, payload=b"", room=0, req_id=7) -> bytes:
@@ -74,8 +66,7 @@ def reference_parse(frame: bytes):
     if len(frame) < KV_OFF + HEADER_LEN:
         return "bad"
     tot = struct.unpack("!H", iph[2:4])[0]
-    f = dict(zip(("magic", "version", "op", "flags", "status", "ns", "req_id", "key", "chunk",
-                  "nchunks", "len", "reserved", "csum"), HEADER.unpack_from(frame, KV_OFF)))
+    f = dict(zip(FIELDS, HEADER.unpack_from(frame, KV_OFF)))
     want = IPH + UDPH + HEADER_LEN
     if (tot < want or tot > len(frame) - ETH or ip_checksum(iph) != 0 or ulen != tot - IPH or
             f["len"] != tot - want or f["len"] > MAX_PAYLOAD or f["magic"] != MAGIC or
@@ -135,7 +126,7 @@ class Corpus:
         if choice < 0.25:
             return bytes(b) + rng.randbytes(rng.randrange(1, 64))        # extended
         if choice < 0.35:                                                # a length field lies
-            off = rng.choice((ETH + 2, ETH + IPH + 4, KV_OFF + 40))
+            off = rng.choice((ETH + 2, ETH + IPH + 4, KV_OFF + OFFSET["len"]))
             b[off:off + 2] = struct.pack("!H", rng.randrange(65536))
             return bytes(b)
         for _ in range(rng.randint(1, 4)):                              # header fields / bytes
@@ -171,7 +162,7 @@ def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print
     start = time.monotonic()
     with _ports() as ports:
         dp = DataPlane(Deployment(chunk_size=CHUNK, cache_entries=256, pin_dir=None))
-        dp.ports[dp.ports.Key(ports["pool"])] = dp.ports.Leaf(role=1)
+        dp.ports[dp.ports.Key(ports["pool"])] = dp.ports.Leaf(role=ROLE_POOL)
         dp.set("coalesce", 1)
         dp.set("pending_ns", 10 ** 8)
         cache = Cache(dp)
@@ -193,7 +184,7 @@ def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print
             for frame, port, ref in invalid:
                 kinds["not_kv" if ref is None else "invalid"] += 1
                 verdict, out = xdp_test_run(dp.ingress.fd, frame, ifindex=ports[port])
-                if verdict != XDP_PASS or out != frame:
+                if verdict != XDP.PASS or out != frame:
                     violations.append({"what": "invalid frame answered or altered",
                                        "verdict": verdict, "frame": frame.hex()})
             if _state(dp) != before:
@@ -203,7 +194,7 @@ def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print
                 kinds["valid"] += 1
                 got = cache.get(ref["ns"], ref["key"], ref["chunk"])
                 verdict, out = xdp_test_run(dp.ingress.fd, frame, ifindex=ports[port])
-                if verdict == XDP_TX:
+                if verdict == XDP.TX:
                     kinds["tx"] += 1
                     ok = (ref["op"] == Op.GET and ref["dport"] == PORT and got is not None and
                           not ref["flags"] & Flag.NO_CACHE and got[0].len <= ref["len"] and
@@ -211,7 +202,7 @@ def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print
                     if not ok:
                         violations.append({"what": "XDP_TX that is not the exact reply",
                                            "frame": frame.hex(), "out": out.hex()})
-                elif verdict not in (XDP_PASS, XDP_DROP, 4):
+                elif verdict not in (XDP.PASS, XDP.DROP, XDP.REDIRECT):
                     violations.append({"what": f"verdict {verdict}", "frame": frame.hex()})
             done += len(batch)
     result = {"frames": frames, "seed": seed, "violations": len(violations),

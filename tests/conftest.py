@@ -34,7 +34,7 @@ def _kernel_tier_requirements(request):
 @contextlib.contextmanager
 def leaves_no_namespaces(prefix: str):
     """Around a testbed named ``prefix``: afterwards none of its namespaces may be left."""
-    from testbed.topology import namespaces_of
+    from testbed.lab.topology import namespaces_of
     try:
         yield prefix
     finally:

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import leaves_no_namespaces
 from testbed.lab import Lab
-from testbed.topology import namespaces_of, python_argv
+from testbed.lab.topology import namespaces_of, python_argv
 
 pytestmark = pytest.mark.e2e
 
@@ -207,7 +207,7 @@ def test_policy_admits_hot_blocks_serves_them_and_evicts_colder_ones():
 def test_trace_replay_reports_the_switch_hit_ratio(tmp_path):
     """A small trace with one hot shared prefix: the live switch learns it and serves it."""
     import json
-    from testbed.replay import run_replay
+    from testbed.sim.replay import run_replay
     lines = [{"timestamp": 50 * i, "input_length": 2048, "output_length": 8,
               "hash_ids": [0, 1, 2, 100 + i]} for i in range(60)]
     path = tmp_path / "trace.jsonl"
@@ -243,7 +243,7 @@ def test_dead_daemon_fails_open_and_a_restart_carries_on(lab):
 
 
 def test_a_port_running_someone_elses_program_is_refused():
-    from testbed.topology import Topology
+    from testbed.lab.topology import Topology
     with Topology(f"x{os.getpid() % 100000}", hosts=1, pools=1) as topo:
         r = subprocess.run(python_argv("switchd", "--netns", topo.node("h1").netns, "--pin-dir",
                                        topo.pin_dir, "run", "--port", "eth0"),
@@ -255,7 +255,7 @@ def test_a_port_running_someone_elses_program_is_refused():
 
 
 def test_blocks_arrive_byte_exact_over_lossy_links(lab):
-    from testbed.topology import attach_loss
+    from testbed.lab.topology import attach_loss
     key, block = os.urandom(16), os.urandom(150 * 1024)
     lab.put("h1", NS, key, block)
     lab.switchd("cache", "admit", "--ns", str(NS), "--key", key.hex())

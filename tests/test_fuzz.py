@@ -18,7 +18,7 @@ def test_short_fuzz_run_finds_no_violation():
 
 def test_reference_rejects_what_the_switch_must_not_answer():
     from testbed.fuzz import HOST_IP, MACS, POOL_IP, build, kv
-    from hostagent.protocol import Op, PORT
+    from kvproto import Op, PORT
     frame = build(MACS[0], MACS[1], HOST_IP, POOL_IP, 40000, PORT, kv(Op.GET, 1, b"k" * 16, 0,
                                                                       room=64))
     ref = reference_parse(frame)

@@ -9,17 +9,18 @@ from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 
 from conftest import leaves_no_namespaces
-from hostagent.protocol import CONSTANTS, PORT, Flag, Message, Op, Status
+from kvproto import PORT, Flag, Message, Op, Status
+from kvproto.frames import XDP
 from switchd import netns
-from switchd.dataplane import DataPlane, Deployment
+from switchd.cache import Cache
+from switchd.dataplane import ROLE_POOL, DataPlane, Deployment
 from switchd.libbpf import xdp_test_run
-from testbed.bench_throughput import fill_cache
-from testbed.generator import (GEN_PORT, MC_PORT, Endpoint, Generator, Iperf3,
+from testbed.bench.throughput import fill_cache
+from testbed.bench.generator import (GEN_PORT, MC_PORT, Endpoint, Generator, Iperf3,
                                check_kv_reply, check_memcached_reply, check_reflected, endpoint,
                                kv_get, memcached_get, payload)
-from testbed.topology import Topology
+from testbed.lab.topology import Topology
 
-XDP_DROP, XDP_PASS, XDP_TX = 1, 2, 3
 H1 = Endpoint("x-h1", "eth0", 2, "02:00:00:00:00:01", "198.18.0.1")
 P1 = Endpoint("x-p1", "eth0", 2, "02:00:00:00:00:65", "198.18.0.101")
 KEY = bytes(range(16))
@@ -67,7 +68,7 @@ def test_gen_frame_rewrites_headers_key_and_request_id(gen, one_cpu):
     dirty += bytes(len(t.frame) - len(dirty))
     for i in range(7):
         verdict, out = xdp_test_run(gen.gen_fn.fd, dirty)
-        assert verdict == XDP_TX and len(out) == len(t.frame)
+        assert verdict == XDP.TX and len(out) == len(t.frame)
         expect = bytearray(t.frame[:t.hdr_len])
         expect[t.key_off:t.key_off + 4] = (100 + i % 5).to_bytes(4, "big")
         expect[t.id_off:t.id_off + 4] = ((one_cpu << 24) | i).to_bytes(4, "big")
@@ -111,7 +112,7 @@ def test_fixed_rate_sends_one_frame_per_gap(gen, one_cpu):
     c.gap_ns = 10 ** 9            # one frame a second per CPU
     gen.cfg[0] = c
     verdicts = [xdp_test_run(gen.gen_fn.fd, t.frame)[0] for _ in range(5)]
-    assert verdicts == [XDP_TX] + [XDP_DROP] * 4 and gen.sent() == 1
+    assert verdicts == [XDP.TX] + [XDP.DROP] * 4 and gen.sent() == 1
 
 
 # ---- count_replies ---------------------------------------------------------------------------
@@ -119,23 +120,23 @@ def test_fixed_rate_sends_one_frame_per_gap(gen, one_cpu):
 def test_count_replies_counts_drops_and_samples_only_ours(gen):
     gen.clear_sample()
     cases = [  # frame, verdict, counter that must move (None: none)
-        (switch_reply(9), XDP_DROP, "kv_switch"),
-        (switch_reply(10, flags=0), XDP_DROP, "kv_pool"),
+        (switch_reply(9), XDP.DROP, "kv_switch"),
+        (switch_reply(10, flags=0), XDP.DROP, "kv_pool"),
         (bytes(Ether(src=P1.mac, dst=H1.mac) / IP(src=P1.ip, dst=H1.ip) /
                UDP(sport=PORT, dport=GEN_PORT) /
                Raw(Message(Op.NACK, NS, KEY, 1, status=Status.NOT_FOUND).encode())),
-         XDP_DROP, "kv_other"),
-        (kv_get(H1, P1, NS, KEY, 64).frame, XDP_DROP, "reflected"),
-        (memcached_datagram(0, 1, b"VALUE kv00000001 0 3\r\nabc\r\nEND\r\n"), XDP_DROP,
+         XDP.DROP, "kv_other"),
+        (kv_get(H1, P1, NS, KEY, 64).frame, XDP.DROP, "reflected"),
+        (memcached_datagram(0, 1, b"VALUE kv00000001 0 3\r\nabc\r\nEND\r\n"), XDP.DROP,
          "mc_reply"),
-        (memcached_datagram(0, 2, b"VALUE kv00000002 0 3000\r\n" + bytes(100)), XDP_DROP, None),
-        (memcached_datagram(1, 2, bytes(100) + b"\r\nEND\r\n"), XDP_DROP, "mc_reply"),
-        (memcached_datagram(0, 1, b"END\r\n"), XDP_DROP, "mc_other"),
-        (memcached_datagram(0, 1, b"END\r\n", dport=GEN_PORT + 1), XDP_PASS, None),
-        (switch_reply(9)[:60], XDP_DROP, "kv_other"),  # truncated: ours, but no reply
-        (bytes(Ether() / IP(src=P1.ip, dst=H1.ip) / TCP(sport=PORT, dport=GEN_PORT)), XDP_PASS,
+        (memcached_datagram(0, 2, b"VALUE kv00000002 0 3000\r\n" + bytes(100)), XDP.DROP, None),
+        (memcached_datagram(1, 2, bytes(100) + b"\r\nEND\r\n"), XDP.DROP, "mc_reply"),
+        (memcached_datagram(0, 1, b"END\r\n"), XDP.DROP, "mc_other"),
+        (memcached_datagram(0, 1, b"END\r\n", dport=GEN_PORT + 1), XDP.PASS, None),
+        (switch_reply(9)[:60], XDP.DROP, "kv_other"),  # truncated: ours, but no reply
+        (bytes(Ether() / IP(src=P1.ip, dst=H1.ip) / TCP(sport=PORT, dport=GEN_PORT)), XDP.PASS,
          None),
-        (bytes(Ether(type=0x0806) / Raw(bytes(28))), XDP_PASS, None),
+        (bytes(Ether(type=0x0806) / Raw(bytes(28))), XDP.PASS, None),
     ]
     for frame, verdict, counter in cases:
         before = gen.counts()
@@ -202,10 +203,10 @@ def test_live_ceiling_and_switch_hits_are_counted_at_the_requester(gen, topo):
         dp = DataPlane(Deployment(1024, 4096, None))
         try:
             with netns.inside(topo.switch_ns):
-                dp.set_port_role("p1", CONSTANTS["KV_ROLE_POOL"])
+                dp.set_port_role("p1", ROLE_POOL)
                 for port in ("h1", "p1"):
                     dp.attach(port)
-            fill_cache(dp, NS, KEY, 0, 256, 256)
+            fill_cache(Cache(dp), NS, KEY, 0, 256, 256)
             before = dp.counters()["get_hit"]
             run = gen.run(h1, seconds=0.3, warmup=0.1)
             assert run.counts["kv_switch"] > 0.5 * run.sent > 0

@@ -183,8 +183,8 @@ def test_layout_tag_and_keys_separate_models_and_layouts(model):
 def test_demo_inference_through_the_switch(capsys):
     """The demo's whole path on the testbed with the tiny model: h2 from the pool node, h3 from
     the switch, both identical to their own recompute (speed is the demo's business)."""
-    from testbed.demo_inference import run_inference_demo
-    from testbed.topology import namespaces_of
+    from testbed.demos.inference import run_inference_demo
+    from testbed.lab.topology import namespaces_of
     assert run_inference_demo(sizes=(512,), chunk_size=1024, new_tokens=4, model="tiny",
                               block_tokens=256, prefix="infe", must_win_from=1 << 30)
     assert "demo-inference: OK" in capsys.readouterr().out

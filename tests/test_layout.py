@@ -4,7 +4,9 @@ import ctypes
 
 import pytest
 
-from hostagent.protocol import FIELDS, HEADER, HEADER_LEN
+import xdp
+
+from kvproto import FIELDS, HEADER, HEADER_LEN
 from switchd.dataplane import CACHE_VAL_HEADER, DataPlane, Deployment
 
 pytestmark = pytest.mark.bpf
@@ -29,9 +31,8 @@ def _codec_layout():
 
 def test_kvhdr_matches_the_codec():
     from bcc import BPF
-    from switchd.dataplane import XDP_DIR
     b = BPF(text=b'#include "kvproto.h"\nBPF_ARRAY(probe, struct kvhdr, 1);',
-            cflags=[f"-I{XDP_DIR}"])
+            cflags=xdp.cflags())
     leaf = b.get_table(b"probe").Leaf
     assert ctypes.sizeof(leaf) == HEADER_LEN
     assert _struct_layout(leaf) == _codec_layout()

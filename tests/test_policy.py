@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from switchd.policy import (DEFAULT_POLICY, LFU, LRU, POLICIES, CountMinSketch, PrefixAware,
-                            TinyLFU, U32_MAX, belady_hits, key64, make_policy, next_use,
-                            static_hits)
-from testbed.policy_eval import evaluate, policy_eval
-from testbed.trace import TraceError, generate_sessions, load_trace, resample
+from switchd.policy import DEFAULT_POLICY, LFU, LRU, POLICIES, PrefixAware, TinyLFU, make_policy
+from switchd.sketch import U32_MAX, CountMinSketch, key64
+from testbed.cli import main
+from testbed.sim.evaluate import evaluate
+from testbed.sim.hindsight import belady_hits, next_use, static_hits
+from testbed.sim.trace import TraceError, generate_sessions, load_trace, resample
 
 
 def run(policy, keys, times=None):
@@ -333,7 +334,7 @@ def test_cli_writes_the_json_document(tmp_path):
     trace = tmp_path / "s.jsonl"
     generate_sessions(400, seed=5).save(trace)
     out = tmp_path / "out" / "r.json"
-    res = CliRunner().invoke(policy_eval, ["--trace", str(trace), "--capacity", "0.05",
+    res = CliRunner().invoke(main, ["policy-eval", "--trace", str(trace), "--capacity", "0.05",
                                            "--json", str(out)])
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
@@ -353,15 +354,15 @@ def test_cli_writes_the_json_document(tmp_path):
 ])
 def test_cli_bad_arguments(tmp_path, args, message):
     trace = write_lines(tmp_path / "t.jsonl", GOOD)
-    res = CliRunner().invoke(policy_eval, ["--trace", str(trace), *args])
+    res = CliRunner().invoke(main, ["policy-eval", "--trace", str(trace), *args])
     assert res.exit_code == 2 and message in res.output
 
 
 def test_cli_missing_and_malformed_trace(tmp_path):
-    res = CliRunner().invoke(policy_eval, ["--trace", str(tmp_path / "nope.jsonl")])
+    res = CliRunner().invoke(main, ["policy-eval", "--trace", str(tmp_path / "nope.jsonl")])
     assert res.exit_code == 2 and "does not exist" in res.output
     bad = write_lines(tmp_path / "t.jsonl", GOOD + ["{oops"])
-    res = CliRunner().invoke(policy_eval, ["--trace", str(bad)])
+    res = CliRunner().invoke(main, ["policy-eval", "--trace", str(bad)])
     assert res.exit_code == 2 and "t.jsonl:3" in res.output
 
 
@@ -370,9 +371,10 @@ def test_default_policy_is_not_below_lru_on_traces_it_was_not_tuned_on(sharing, 
     """Resampled from the start of the Mooncake trace (the sim's documented resampling): a
     workload whose reuse differs from the shared trace's."""
     from pathlib import Path
-    from testbed.policy_eval import evaluate
-    from testbed.sim import SimConfig, workload
-    from testbed.trace import load_trace
+    from testbed.sim.evaluate import evaluate
+    from testbed.sim.config import SimConfig
+    from testbed.sim.workload import workload
+    from testbed.sim.trace import load_trace
     trace = load_trace(Path(__file__).parent / "data" / "mooncake-head300.jsonl")
     wl = workload(trace, SimConfig(nodes=1, seed=7), requests=1500, sharing=sharing)
     order = np.argsort(wl.time, kind="stable")

@@ -90,7 +90,7 @@ def test_speculative_fills_are_kept_or_evicted_by_the_policy(dp):
     cache.admit(5, A, pinned=True)               # namespace 5 has no room left for B's 9 chunks
     manager = CacheManager(dp, "lru", quotas={5: 9 * 1024}, fill_headroom=2)
     manager.step()
-    claimed = sum(p.used for p in manager._all_policies())
+    claimed = manager.loop.claimed
     assert dp.get("spec_fill") == 16 - claimed, "what the policies have not claimed"
     for ns, nchunks in ((5, 9), (6, 4)):         # a first miss each, learned at once
         miss(dp, B, ns=ns)

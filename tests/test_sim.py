@@ -1,4 +1,4 @@
-"""The cluster model (testbed.sim) on tiny hand-made traces with known answers, the sweep's
+"""The cluster model (testbed.sim.model) on tiny hand-made traces with known answers, the sweep's
 break-even, the CLI's errors, and one end-to-end validation against the veth testbed."""
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import pytest
 from click.testing import CliRunner
 
 from testbed.cli import main
-from testbed.sim import (GIB, SimConfig, SwitchModel, Workload, che_ttl, route, simulate,
-                         workload, POOL, REPLICA, SWITCH)
-from testbed.sim_sweep import break_even
-from testbed.trace import parse_requests
+from testbed.sim.config import GIB, SimConfig
+from testbed.sim.model import simulate
+from testbed.sim.tiers import POOL, REPLICA, SWITCH, SwitchModel, che_ttl
+from testbed.sim.workload import Workload, route, workload
+from testbed.sim.sweep import break_even
+from testbed.sim.trace import parse_requests
 
 KIB_TOKEN = 2   # 1024-byte blocks: easy byte arithmetic
 TRACE_HEAD = Path(__file__).parent / "data" / "mooncake-head300.jsonl"  # the shared trace's start
@@ -168,7 +170,7 @@ def test_cli_run_writes_json(tmp_path):
 
 @pytest.mark.e2e
 def test_validate_on_the_testbed(tmp_path):
-    from testbed.sim_validate import run_validate
+    from testbed.sim.validate import run_validate
     out = run_validate(str(TRACE_HEAD), limit=300,
                        capacity=0.05, speedup=30.0, json_path=str(tmp_path / "v.json"),
                        log=lambda m: None)

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from hostagent.client import BlockNotFound, KVClient, pool_for, parse_addr
-from hostagent.protocol import Status, checksum
+from kvproto import Status, checksum
 from hostagent.server import PoolServer
 from hostagent.store import BlockStore, StoreError
 
@@ -118,7 +118,7 @@ def test_missing_block_is_reported_not_retried():
 
 def test_server_answers_garbage_with_error_or_silence():
     async def body(addr, proto):
-        from hostagent.protocol import Message, Op
+        from kvproto import Message, Op
         loop = asyncio.get_running_loop()
         got = asyncio.Queue()
 

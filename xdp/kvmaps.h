@@ -1,10 +1,10 @@
-/* kvmaps.h - the switch's BPF maps (layouts in kvproto.h). Compiled with -DKV_PIN_DIR="..."
+/* kvmaps.h - the switch's BPF maps (layouts in kvswitch.h). Compiled with -DKV_PIN_DIR="..."
  * every map is pinned there, so a restarted switchd (or `switchd stats`) finds the same maps;
  * without it (unit tests) the maps are private to the loaded object. */
 #ifndef KVMAPS_H
 #define KVMAPS_H
 
-#include "kvproto.h"
+#include "kvswitch.h"
 
 #ifdef KV_PIN_DIR
 #define KV_MAP(type, k, v, name, n) BPF_TABLE_PINNED(type, k, v, name, n, KV_PIN_DIR "/" #name)

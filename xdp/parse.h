@@ -9,9 +9,11 @@
 #include <linux/udp.h>
 #include "kvproto.h"
 
-#define KV_L4_OFF (sizeof(struct ethhdr) + sizeof(struct iphdr))
-#define KV_HDR_OFF (KV_L4_OFF + sizeof(struct udphdr))
-#define KV_PAYLOAD_OFF (KV_HDR_OFF + KV_HDR_LEN)
+_Static_assert(KV_ETH_LEN == sizeof(struct ethhdr) && KV_IPV4_LEN == sizeof(struct iphdr) &&
+               KV_UDP_LEN == sizeof(struct udphdr), "kvproto.h frame geometry");
+_Static_assert(KV_HDR_OFF == KV_ETH_LEN + KV_IPV4_LEN + KV_UDP_LEN &&
+               KV_PAYLOAD_OFF == KV_HDR_OFF + KV_HDR_LEN &&
+               KV_HDR_LEN == sizeof(struct kvhdr), "kvproto.h offsets");
 
 enum kv_parse_result { KV_NOT_KV = 0, KV_BAD = 1, KV_OK = 2 };
 

@@ -13,24 +13,10 @@ from __future__ import annotations
 import math
 import time
 
-import click
-
-from .results import write_json
-from .sim import SimConfig, run
+from ..lab import write_json
+from .config import SimConfig
+from .model import run
 from .trace import load_trace
-
-
-def floats(text: str, name: str, hi: float | None = None) -> list[float]:
-    """'16,64' -> [16.0, 64.0] (sorted, distinct, >= 0, <= hi)."""
-    try:
-        vals = sorted({float(v) for v in text.split(",") if v.strip()})
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a comma-separated list of numbers",
-                                 param_hint=name) from None
-    if not vals or vals[0] < 0 or (hi is not None and vals[-1] > hi):
-        raise click.BadParameter(f"give numbers in [0, {hi if hi is not None else 'inf'}]",
-                                 param_hint=name)
-    return vals
 
 
 def break_even(nodes: list[int], net: list[float]) -> float | None:

@@ -15,12 +15,14 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from switchd import netns
+from switchd.dataplane import attach_xdp, load_xdp
 
 SUBNET = "198.18.0"
 BRIDGE = "br0"
-PASS_PROG_MODE = 1 << 2  # native
+HERE = Path(__file__).resolve().parent            # pass.c and lossy.c
 
 
 class TestbedError(RuntimeError):
@@ -153,32 +155,26 @@ def _quiet_namespace(ns: str) -> None:
 def attach_pass_programs(namespaces: list[str], ifname: str = "eth0") -> None:
     """The XDP_PASS program on each node's veth end: frames the switch sends with XDP_TX (or
     redirects) are dropped by a veth whose peer has no XDP program."""
-    from switchd.dataplane import XDP_DIR, _import_bcc
-    bcc = _import_bcc()
-    bpf = bcc.BPF(src_file=str(XDP_DIR / "pass.c").encode())
-    fn = bpf.load_func(b"xdp_pass", bcc.BPF.XDP)
+    _, fns = load_xdp(HERE / "pass.c", ("xdp_pass",))
     for ns in namespaces:
         with netns.inside(ns):
-            bcc.BPF.attach_xdp(ifname.encode(), fn, PASS_PROG_MODE)
+            attach_xdp(ifname, fns["xdp_pass"])
 
 
 def attach_loss(namespaces: list[str], loss: float, ifname: str = "eth0") -> None:
     """Replace the pass program on each node's veth end by one that drops ``loss`` (0..1) of
     the KV frames it receives (this kernel has no netem); loss=0 restores plain passing."""
-    from switchd.dataplane import XDP_DIR, _import_bcc
     if not 0 <= loss < 1:
         raise TestbedError("loss must be in [0, 1)")
     if loss == 0:
         attach_pass_programs(namespaces, ifname)
         return
-    bcc = _import_bcc()
-    bpf = bcc.BPF(src_file=str(XDP_DIR / "lossy.c").encode(), cflags=[f"-I{XDP_DIR}"])
+    bpf, fns = load_xdp(HERE / "lossy.c", ("xdp_lossy",))
     table = bpf[b"loss_ppm"]
     table[table.Key(0)] = table.Leaf(int(loss * 1_000_000))
-    fn = bpf.load_func(b"xdp_lossy", bcc.BPF.XDP)
     for ns in namespaces:
         with netns.inside(ns):
-            bcc.BPF.attach_xdp(ifname.encode(), fn, PASS_PROG_MODE)
+            attach_xdp(ifname, fns["xdp_lossy"])
 
 
 def namespaces_of(prefix: str) -> list[str]:

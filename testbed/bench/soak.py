@@ -8,30 +8,29 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 
-from .lab import Lab
-from .results import write_json
+from ..lab import Lab, write_json
 
 NS = 13
-DRIVER = """
-import asyncio, json, os, sys, time
-import numpy as np
-from hostagent.client import KVClient
-seconds, seed, nblocks = float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-keys = [bytes.fromhex(k) for k in json.loads(sys.argv[5])]
-rng = np.random.default_rng(seed)
-ranks = np.arange(1, nblocks + 1); p = ranks ** -1.0; p /= p.sum()
-async def main():
-    done = hits = 0; end = time.monotonic() + seconds
-    async with KVClient([sys.argv[1]], deadline=20) as c:
+
+
+async def drive(pool: str, seconds: float, seed: int, keys_hex: list[str]) -> dict:
+    """In an inference node: fetch blocks drawn Zipf(1) from ``keys_hex`` for ``seconds``."""
+    import numpy as np
+    from hostagent.client import KVClient
+    keys = [bytes.fromhex(k) for k in keys_hex]
+    rng = np.random.default_rng(seed)
+    p = np.arange(1, len(keys) + 1) ** -1.0
+    p /= p.sum()
+    done = hits = 0
+    end = time.monotonic() + seconds
+    async with KVClient([pool], deadline=20) as c:
         while time.monotonic() < end:
-            data, st = await c.get_block(%d, keys[rng.choice(nblocks, p=p)])
-            done += 1; hits += st.from_switch
-    print(json.dumps({"fetches": done, "chunks_from_switch": hits}))
-asyncio.run(main())
-""" % NS
+            _data, st = await c.get_block(NS, keys[rng.choice(len(keys), p=p)])
+            done += 1
+            hits += st.from_switch
+    return {"fetches": done, "chunks_from_switch": hits}
 
 
 def _rss_kib(pid: int) -> int:
@@ -48,13 +47,10 @@ def run_soak(minutes: float, json_path: str | None, blocks: int = 200, block_kib
         for key in keys:
             lab.put("h1", NS, key, os.urandom(block_kib * 1024))
         seconds = minutes * 60
-        drivers = [lab.topo.popen(h, [sys.executable, "-c", DRIVER, lab.pool_addrs[0],
-                                      str(seconds), str(i), str(blocks),
-                                      json.dumps([k.hex() for k in keys])],
-                                  stdout=subprocess.PIPE, text=True)
-                   for i, h in enumerate(("h1", "h2"))]
+        drivers = [lab.start_task(h, f"{__name__}:drive", lab.pool_addrs[0], seconds, i,
+                                  [k.hex() for k in keys]) for i, h in enumerate(("h1", "h2"))]
         samples, start = [], time.monotonic()
-        while any(d.poll() is None for d in drivers):
+        while any(d.proc.poll() is None for d in drivers):
             time.sleep(sample_s)
             listing = json.loads(lab.switchd("cache", "ls", "--json").stdout)
             stats = lab.stats()
@@ -66,7 +62,7 @@ def run_soak(minutes: float, json_path: str | None, blocks: int = 200, block_kib
                       "hits": stats["get_hit"], "misses": stats["get_miss"]}
             samples.append(sample)
             log(json.dumps(sample))
-        fetched = [json.loads(d.communicate()[0].strip().splitlines()[-1]) for d in drivers]
+        fetched = [d.result() for d in drivers]
     rss = [s["switchd_rss_kib"] for s in samples]
     half = len(rss) // 2
     out = {"minutes": minutes, "working_set_blocks": blocks, "block_bytes": block_kib * 1024,

@@ -17,20 +17,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .lab import Lab
-from .policy_eval import capacity_blocks
+from ..lab import Lab, write_json
+from .config import GIB, SimConfig
+from .evaluate import capacity_blocks
+from .model import simulate
 from .replay import NS, block_key, block_payload, put_blocks
-from .results import write_json
-from .sim import GIB, SimConfig, Workload, route, simulate
-from .topology import python_argv
 from .trace import Trace, load_trace
+from .workload import Workload, route
 
 HOSTS = 4
 BLOCK = 1024
@@ -61,8 +59,8 @@ def model_config(cap: int, headroom: int, routing: str, speedup: float,
                      switch_budget=1 << 62)
 
 
-# ---- inside the namespaces ----------------------------------------------------------------------
-async def _put(trace_path: str, limit: int, pool: str) -> dict:
+# ---- inside the namespaces (tasks) --------------------------------------------------------------
+async def put(trace_path: str, limit: int, pool: str) -> dict:
     from hostagent.client import KVClient
     tr = _slice(load_trace(trace_path), limit)
     ids = np.unique(tr.hash_ids).tolist()
@@ -71,8 +69,8 @@ async def _put(trace_path: str, limit: int, pool: str) -> dict:
     return {"blocks": len(ids)}
 
 
-async def _drive(trace_path: str, limit: int, pool: str, routes_path: str, me: int,
-                 speedup: float, start_at: float) -> dict:
+async def drive(trace_path: str, limit: int, pool: str, routes_path: str, me: int,
+                speedup: float, start_at: float) -> dict:
     from hostagent.client import KVClient
     tr = _slice(load_trace(trace_path), limit)
     mine = [i for i, n in enumerate(json.loads(Path(routes_path).read_text())) if n == me]
@@ -118,24 +116,16 @@ def run_validate(trace_path: str, limit: int = 2000, capacity: float = 0.05,
              cache_entries=cap + headroom,
              switchd_args=("--interval", str(interval), "--fill-headroom", str(headroom))) as lab:
         pool = lab.pool_addrs[0]
-        lab.topo.run("h1", python_argv("testbed.sim_validate", "put", trace_abs, str(n), pool),
-                     timeout=600)
+        lab.task("h1", f"{__name__}:put", trace_abs, n, pool, timeout=600)
         routes_path = os.path.join(lab.tmp.name, "routes.json")
         Path(routes_path).write_text(json.dumps(routes.tolist()))
         log(f"validate: {n} requests, {tr.n_block_requests} block fetches put; replaying on "
             f"{HOSTS} nodes ({time.monotonic() - t0:.0f}s)")
         before = _counters(lab)
-        start_at = f"{time.time() + 2.0:.6f}"
-        procs = [lab.topo.popen(f"h{i + 1}", python_argv(
-            "testbed.sim_validate", "drive", trace_abs, str(n), pool, routes_path, str(i),
-            str(speedup), start_at), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for i in range(HOSTS)]
-        live = []
-        for i, p in enumerate(procs):
-            out, err = p.communicate(timeout=900)
-            if p.returncode:
-                raise RuntimeError(f"h{i + 1}: replay failed: {err.strip()[-400:]}")
-            live.append(json.loads(out.strip().splitlines()[-1]))
+        start_at = time.time() + 2.0
+        tasks = [lab.start_task(f"h{i + 1}", f"{__name__}:drive", trace_abs, n, pool,
+                                routes_path, i, speedup, start_at) for i in range(HOSTS)]
+        live = [task.result(timeout=900) for task in tasks]
         after = _counters(lab)
         counters = lab.stats()
     delta = {node: {d: after[node][d] - before[node][d] for d in ("tx", "rx")} for node in after}
@@ -179,11 +169,3 @@ def run_validate(trace_path: str, limit: int = 2000, capacity: float = 0.05,
     write_json(json_path, out)
     return out
 
-
-if __name__ == "__main__":
-    cmd, args = sys.argv[1], sys.argv[2:]
-    if cmd == "put":
-        print(json.dumps(asyncio.run(_put(args[0], int(args[1]), args[2]))))
-    elif cmd == "drive":
-        print(json.dumps(asyncio.run(_drive(args[0], int(args[1]), args[2], args[3],
-                                            int(args[4]), float(args[5]), float(args[6])))))

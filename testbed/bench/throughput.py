@@ -20,17 +20,13 @@ for byte. Writes JSON and a plot next to it.
 """
 from __future__ import annotations
 
-import ctypes
-import json
 import os
 import socket
 import statistics
 import subprocess
 import time
-import zlib
 from pathlib import Path
 
-import click
 import numpy as np
 
 from switchd import netns
@@ -40,10 +36,7 @@ from switchd.dataplane import DataPlane, detach_port, pinned_deployment
 from .generator import (MC_PORT, Endpoint, Generator, Iperf3, check_kv_reply,
                         check_memcached_reply, check_reflected, endpoint, kv_get, memcached_get,
                         memcached_key, payload)
-from .lab import Lab
-from .options import int_list
-from .results import write_json
-from .topology import TestbedError, Topology, attach_pass_programs
+from ..lab import Lab, TestbedError, Topology, attach_pass_programs, write_json
 
 PREFIX = "tp"
 NS = 9
@@ -103,32 +96,16 @@ class Memcached:
                 buf += chunk
 
 
-def fill_cache(dp: DataPlane, ns: int, key: bytes, first: int, last: int, nchunks: int,
+def fill_cache(cache: Cache, ns: int, key: bytes, first: int, last: int, nchunks: int,
                batch: int = 1 << 16) -> None:
-    """Chunks first..last-1 of a block, payload(i, chunk size) each, straight into kv_cache with
-    BPF_MAP_UPDATE_BATCH: the bulk counterpart of Cache.put, for a million entries."""
-    table, size = dp.cache, dp.deployment.chunk_size
-    K, V = table.Key, table.Leaf
+    """Chunks first..last-1 of a block, payload(i, chunk size) each (as ``payload`` makes them,
+    but built with numpy: a million of them), into the cache in bulk."""
+    size = cache.chunk_size
     for lo in range(first, last, batch):
-        n = min(last, lo + batch) - lo
-        idx = np.arange(lo, lo + n, dtype=np.uint32)
-        kb = np.zeros((n, ctypes.sizeof(K)), np.uint8)
-        kb[:, K.ns.offset:K.ns.offset + 4] = np.frombuffer(ns.to_bytes(4, "little"), np.uint8)
-        kb[:, K.chunk.offset:K.chunk.offset + 4] = idx.astype("<u4").view(np.uint8).reshape(n, 4)
-        kb[:, K.key.offset:K.key.offset + 16] = np.frombuffer(key, np.uint8)
-        unit = np.concatenate([idx.astype(">u4").view(np.uint8).reshape(n, 4),
+        idx = np.arange(lo, min(last, lo + batch), dtype=np.uint32)
+        unit = np.concatenate([idx.astype(">u4").view(np.uint8).reshape(-1, 4),
                                np.repeat((idx & 0xFF).astype(np.uint8)[:, None], 4, 1)], 1)
-        data = np.tile(unit, (1, size // 8))
-        vb = np.zeros((n, ctypes.sizeof(V)), np.uint8)
-        vb[:, V.len.offset:V.len.offset + 2] = np.frombuffer(size.to_bytes(2, "little"),
-                                                             np.uint8)
-        crc = np.array([zlib.crc32(row) for row in data], "<u4")
-        vb[:, V.csum.offset:V.csum.offset + 4] = crc.view(np.uint8).reshape(n, 4)
-        vb[:, V.nchunks.offset:V.nchunks.offset + 4] = np.frombuffer(
-            nchunks.to_bytes(4, "little"), np.uint8)
-        vb[:, V.data.offset:V.data.offset + data.shape[1]] = data
-        vb[:, V.owner.offset:V.owner.offset + kb.shape[1]] = kb
-        table.items_update_batch((K * n).from_buffer(kb), (V * n).from_buffer(vb))
+        cache.put_chunks(ns, key, lo, np.tile(unit, (1, size // 8)), nchunks)
 
 
 class _Bench:
@@ -273,7 +250,7 @@ def _cache_scaling(b: _Bench, entries: list[int], cs: int) -> list[dict]:
             with b.gen.counting(h1.netns):
                 for n in sorted(entries):
                     t0 = time.monotonic()
-                    fill_cache(dp, NS, KEY, filled, n, most)
+                    fill_cache(Cache(dp), NS, KEY, filled, n, most)
                     filled = n
                     b.log(f"  cache filled to {n:,} entries of {cs} B "
                           f"({time.monotonic() - t0:.1f} s)")
@@ -410,61 +387,3 @@ def plot_throughput(out: dict, path: str) -> None:
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-
-
-def _cores(ctx, param, value: str) -> tuple[int, ...]:
-    try:
-        cores = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of CPUs") from None
-    if not cores or not set(cores) <= os.sched_getaffinity(0):
-        raise click.BadParameter(f"give CPUs among {sorted(os.sched_getaffinity(0))}")
-    return cores
-
-
-@click.command("throughput")
-@click.option("--chunk-sizes", default="256,1024,3072", show_default=True, callback=int_list,
-              help="Chunk payload sizes (the veth MTU follows the chunk size).")
-@click.option("--seconds", type=click.FloatRange(0.1, 30), default=2.0, show_default=True,
-              help="Measuring time of each scenario (after 0.3 s of warm-up).")
-@click.option("--windows", type=click.IntRange(1, 50), default=5, show_default=True,
-              help="Parts of it; a scenario's rate is the median of theirs.")
-@click.option("--cores", default="0", show_default=True, callback=_cores,
-              help="CPUs the generator sends from, one pinned thread each.")
-@click.option("--rate", type=click.FloatRange(min=0), default=0, show_default=True,
-              help="Frames per second offered in all (0: as fast as possible).")
-@click.option("--keys", type=click.IntRange(16, 1 << 20), default=4096, show_default=True,
-              help="Chunks swept per scenario.")
-@click.option("--hit-ratios", default="0,25,50,75,100", show_default=True,
-              help="Hit percentages of the sweep (empty: skip).")
-@click.option("--sweep-chunk", type=int, default=1024, show_default=True,
-              help="Chunk size of the hit-ratio sweep and the TCP measurement.")
-@click.option("--scaling", default="1000,10000,100000,1000000", show_default=True,
-              help="Cache sizes (entries) of the lookup-cost series (empty: skip).")
-@click.option("--scaling-chunk", type=click.IntRange(8, 3424), default=64, show_default=True,
-              help="Chunk size of the cache-size series (small, so a million entries fit).")
-@click.option("--tcp-runs", type=click.IntRange(0, 20), default=5, show_default=True,
-              help="Rounds of iperf3 runs, one each detached, with xdp/pass.c and with the "
-                   "program attached (0: skip).")
-@click.option("--tcp-seconds", type=click.FloatRange(0.5, 60), default=2.0, show_default=True)
-@click.option("--memcached-threads", type=click.IntRange(1, 64), default=2, show_default=True)
-@click.option("--json", "json_path", default="bench/results/throughput.json", show_default=True)
-@click.option("--plot", "plot_path", help="PNG path (default: the JSON path with .png).")
-def throughput(chunk_sizes, seconds, windows, cores, rate, keys, hit_ratios, sweep_chunk,
-               scaling, scaling_chunk, tcp_runs, tcp_seconds, memcached_threads, json_path,
-               plot_path):
-    """GET replies/s: XDP_TX ceiling, switch hits, pool server, memcached; hit ratios, cache
-    size, TCP."""
-    ratios = [int(v) for v in hit_ratios.split(",") if v.strip()]
-    if any(not 0 <= r <= 100 for r in ratios):
-        raise click.BadParameter("hit ratios are percentages", param_hint="--hit-ratios")
-    sizes = [int(v) for v in scaling.split(",") if v.strip()]
-    plot_path = plot_path or str(Path(json_path).with_suffix(".png"))
-    out = run_throughput(chunk_sizes, seconds, windows, cores, keys, rate, ratios, sweep_chunk,
-                         sizes, scaling_chunk, tcp_runs, tcp_seconds, memcached_threads,
-                         json_path, plot_path)
-    click.echo(json.dumps(out["targets"], indent=2))
-    click.echo(f"wrote {json_path} and {plot_path}")
-    if out["sample_problems"]:
-        raise click.ClickException("sampled replies were wrong: " +
-                                   "; ".join(out["sample_problems"]))

@@ -13,16 +13,14 @@ compute_saved (share of prefill compute the hits save, weight fill*(1+GAMMA*dept
 """
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
-import click
 import numpy as np
 
-from switchd.policy import DEFAULT_POLICY, POLICIES, belady_hits, make_policy, static_hits
+from switchd.policy import DEFAULT_POLICY, POLICIES, make_policy
 
-from .trace import Trace, TraceError, as_trace
+from .hindsight import belady_hits, static_hits
+from .trace import Trace, as_trace
 
 BELADY = "belady"
 OFFLINE = {BELADY: belady_hits, "static": static_hits}   # hindsight references, always run
@@ -116,46 +114,3 @@ def render(result: dict) -> None:
     for row in rows:
         table.add_row(*row)
     Console().print(table)
-
-
-def _policy_list(ctx, param, value):
-    if value is None:
-        return None
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    known = [*POLICIES, *OFFLINE]
-    bad = [n for n in names if n not in known]
-    if bad or not names:
-        raise click.BadParameter(f"unknown policy {', '.join(bad) or '(none given)'}; "
-                                 f"choose from {', '.join(known)}")
-    return names
-
-
-def _positive(ctx, param, value):
-    if not value > 0:
-        raise click.BadParameter(f"must be > 0 (a fraction of distinct blocks if < 1, else a "
-                                 f"block count), got {value}")
-    return value
-
-
-@click.command("policy-eval")
-@click.option("--trace", "trace_path", required=True,
-              type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Mooncake-format JSONL trace.")
-@click.option("--capacity", type=float, default=0.02, show_default=True, callback=_positive,
-              help="Cache size: a fraction of the trace's distinct blocks if < 1, else blocks.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the result here as JSON.")
-@click.option("--policies", callback=_policy_list,
-              help=f"Comma list (default: all of {', '.join(POLICIES)}); belady and static always "
-                   "run.")
-def policy_eval(trace_path, capacity, json_path, policies):
-    """Replay a trace against the cache policies, Belady's optimum and the best fixed set."""
-    try:
-        result = evaluate(trace_path, capacity, policies)
-    except TraceError as exc:
-        raise click.BadParameter(str(exc), param_hint="'--trace'") from None
-    result["trace"] = str(trace_path)
-    render(result)
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2) + "\n")

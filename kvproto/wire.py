@@ -6,24 +6,14 @@ header's ``struct kvhdr`` through BCC by the test suite. docs/protocol.md docume
 """
 from __future__ import annotations
 
-import re
 import struct
 import zlib
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
-from pathlib import Path
 
-HEADER_FILE = Path(__file__).resolve().parents[1] / "xdp" / "kvproto.h"
+import xdp
 
-
-def read_constants(path: Path = HEADER_FILE) -> dict[str, int]:
-    """Every ``#define KV_<NAME> <integer>`` of the C header, by name."""
-    text = path.read_text()
-    pattern = re.compile(r"^#define\s+(KV_\w+)\s+(0x[0-9a-fA-F]+|\d+)\b", re.M)
-    return {name: int(value, 0) for name, value in pattern.findall(text)}
-
-
-CONSTANTS = read_constants()
+CONSTANTS = xdp.constants("kvproto.h")
 PORT = CONSTANTS["KV_UDP_PORT"]
 MAGIC = CONSTANTS["KV_MAGIC"]
 VERSION = CONSTANTS["KV_VERSION"]
@@ -46,6 +36,17 @@ HEADER = struct.Struct("!HBBHHII16sIIHHI")
 FIELDS = ("magic", "version", "op", "flags", "status", "ns", "req_id", "key", "chunk",
           "nchunks", "len", "reserved", "csum")
 assert HEADER.size == HEADER_LEN, "struct kvhdr and the codec disagree on the header size"
+
+
+def _offsets() -> dict[str, int]:
+    out, at = {}, 0
+    for name, code in zip(FIELDS, HEADER.format.lstrip("!").replace("16s", "s")):
+        out[name] = at
+        at += 16 if code == "s" else struct.calcsize("!" + code)
+    return out
+
+
+OFFSET = _offsets()   # byte offset of each header field within the header
 
 
 _OPS = frozenset(int(o) for o in Op)

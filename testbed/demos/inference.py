@@ -16,24 +16,18 @@ half of Llama-3-8B's ratio (~107 kFLOP/B: 14 GFLOP and 128 KiB per token) and an
 Llama-3-70B's (~420 kFLOP/B), so the fetch path gets no help from the model choice. Prefill runs
 in 512-token chunks (one block each) on both paths; bf16 because this CPU has AMX.
 
-The orchestrator runs here; the model runs inside the node namespaces
-(`python -m testbed.demo_inference node-a|node-b ...`, one JSON line each).
+The orchestrator runs here; the model runs inside the node namespaces (tasks ``node_a`` and
+``node_b``).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
-import sys
 import time
 
-import click
 
-from .lab import Lab
-from .options import int_list
-from .results import write_json
-from .topology import python_argv
+from ..lab import Lab, write_json
 
 NS = 8
 SEED = 0
@@ -168,58 +162,27 @@ async def _node_b(node: _Node, name: str, sizes, client_args: dict, concurrency:
     return {"node": name, **node.info(), "sizes": out}
 
 
-@click.group()
-def _driver():
-    """The part of the demo that runs inside a node namespace."""
-
-
-def _node_options(f):
-    for opt in reversed([
-        click.option("--name", required=True, help="This node's name (h1, h2, ...)."),
-        click.option("--pool", "pools", multiple=True, required=True),
-        click.option("--chunk-size", type=int, default=3072),
-        click.option("--window", type=int, default=64),
-        click.option("--concurrency", type=int, default=4),
-        click.option("--sizes", required=True),
-        click.option("--model", type=click.Choice(sorted(MODELS)), default="llama3-mini"),
-        click.option("--dtype", default="bfloat16"),
-        click.option("--block-tokens", type=int, default=BLOCK_TOKENS),
-    ]):
-        f = opt(f)
-    return f
-
-
-def _setup(pools, chunk_size, window, sizes, model, dtype, block_tokens):
+def _setup(pools, chunk_size, window, model, dtype, block_tokens):
     client_args = dict(pools=list(pools), chunk_size=chunk_size, window=window, deadline=60)
-    return _Node(model, dtype, block_tokens), [int(s) for s in sizes.split(",")], client_args
+    return _Node(model, dtype, block_tokens), client_args
 
 
-@_driver.command("node-a")
-@_node_options
-def _cmd_node_a(name, pools, chunk_size, window, concurrency, sizes, model, dtype, block_tokens):
-    node, sizes, client_args = _setup(pools, chunk_size, window, sizes, model, dtype,
-                                      block_tokens)
-    print(json.dumps(asyncio.run(_node_a(node, name, sizes, client_args, concurrency))))
+def node_a(name: str, pools: list[str], chunk_size: int, window: int, concurrency: int,
+           sizes: list[int], model: str, dtype: str, block_tokens: int) -> dict:
+    """Task in the first inference node: prefill every prompt, put its blocks."""
+    node, client_args = _setup(pools, chunk_size, window, model, dtype, block_tokens)
+    return asyncio.run(_node_a(node, name, sizes, client_args, concurrency))
 
 
-@_driver.command("node-b")
-@_node_options
-@click.option("--new-tokens", type=int, default=16)
-def _cmd_node_b(name, pools, chunk_size, window, concurrency, sizes, model, dtype, block_tokens,
-                new_tokens):
-    node, sizes, client_args = _setup(pools, chunk_size, window, sizes, model, dtype,
-                                      block_tokens)
-    print(json.dumps(asyncio.run(_node_b(node, name, sizes, client_args, concurrency,
-                                         new_tokens))))
+def node_b(name: str, pools: list[str], chunk_size: int, window: int, concurrency: int,
+           sizes: list[int], model: str, dtype: str, block_tokens: int,
+           new_tokens: int) -> dict:
+    """Task in a later inference node: load each prompt's prefix, generate, compare."""
+    node, client_args = _setup(pools, chunk_size, window, model, dtype, block_tokens)
+    return asyncio.run(_node_b(node, name, sizes, client_args, concurrency, new_tokens))
 
 
 # ---- the orchestrator ----------------------------------------------------------------------------
-def _drive(lab: Lab, node: str, entry: str, *args: str) -> dict:
-    r = lab.topo.run(node, python_argv("testbed.demo_inference", entry, "--name", node, *args),
-                     timeout=3600)
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 def run_inference_demo(sizes=(1024, 4096, 16384), chunk_size: int = 3072, window: int = 64,
                        concurrency: int = 4, new_tokens: int = 16, model: str = "llama3-mini",
                        dtype: str = "bfloat16", block_tokens: int = BLOCK_TOKENS,
@@ -233,14 +196,12 @@ def run_inference_demo(sizes=(1024, 4096, 16384), chunk_size: int = 3072, window
     if any(s % block_tokens for s in sizes):
         raise ValueError(f"prompt sizes must be multiples of {block_tokens} tokens")
     with Lab(prefix, hosts=3, pools=1, chunk_size=chunk_size) as lab:
-        args = [a for ip in lab.pool_addrs for a in ("--pool", ip)] + [
-            "--chunk-size", str(chunk_size), "--window", str(window),
-            "--concurrency", str(concurrency), "--sizes", ",".join(map(str, sizes)),
-            "--model", model, "--dtype", dtype, "--block-tokens", str(block_tokens)]
+        args = [lab.pool_addrs, chunk_size, window, concurrency, sizes, model, dtype,
+                block_tokens]
         console.print(f"[bold]{model}[/] ({dtype}) on h1, h2, h3; prompt sizes {sizes} "
                       f"+ {QUESTION_TOKENS}-token questions; {block_tokens}-token blocks, "
                       f"{chunk_size}-byte chunks, {concurrency} blocks in flight")
-        a = _drive(lab, "h1", "node-a", *args)
+        a = lab.task("h1", f"{__name__}:node_a", "h1", *args)
         console.print(f"h1 prefilled and put {sum(len(s['keys']) for s in a['sizes'])} blocks "
                       f"({a['block_bytes']:,} bytes each, {a['kv_bytes_per_token']:,} B/token, "
                       f"{a['params'] / 1e6:.0f} M parameters)")
@@ -248,8 +209,8 @@ def run_inference_demo(sizes=(1024, 4096, 16384), chunk_size: int = 3072, window
             for key in s["keys"]:
                 lab.switchd("cache", "admit", "--ns", str(NS), "--key", key)
         console.print("admitted them to the switch (learned as pool replies pass)")
-        b = _drive(lab, "h2", "node-b", *args, "--new-tokens", str(new_tokens))
-        c = _drive(lab, "h3", "node-b", *args, "--new-tokens", str(new_tokens))
+        b = lab.task("h2", f"{__name__}:node_b", "h2", *args, new_tokens)
+        c = lab.task("h3", f"{__name__}:node_b", "h3", *args, new_tokens)
         counters = lab.stats()
     result = {"model": {k: v for k, v in a.items() if k != "sizes"},
               "config": {"chunk_size": chunk_size, "window": window, "concurrency": concurrency,
@@ -306,36 +267,3 @@ def report(console, result: dict, must_win_from: int) -> dict[str, bool]:
     for name, ok in checks.items():
         console.print(f"  {'ok ' if ok else 'FAIL'} {name}")
     return checks
-
-
-@click.command("demo-inference")
-@click.option("--sizes", default="1024,4096,16384", show_default=True, callback=int_list,
-              help="Shared-prompt sizes in tokens (multiples of --block-tokens).")
-@click.option("--chunk-size", type=click.IntRange(64, 3424), default=3072, show_default=True)
-@click.option("--concurrency", type=click.IntRange(1, 64), default=4, show_default=True,
-              help="Blocks fetched or put at once per node.")
-@click.option("--window", type=click.IntRange(1, 1024), default=64, show_default=True,
-              help="Chunks in flight per block.")
-@click.option("--new-tokens", type=click.IntRange(1, 1024), default=16, show_default=True,
-              help="Greedy tokens generated and compared per prompt.")
-@click.option("--model", type=click.Choice(sorted(MODELS)), default="llama3-mini",
-              show_default=True)
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
-              show_default=True)
-@click.option("--block-tokens", type=click.IntRange(16, 4096), default=BLOCK_TOKENS,
-              show_default=True, help="Tokens per KV block (also the prefill chunk).")
-@click.option("--name", default="inf", show_default=True, help="Testbed prefix.")
-@click.option("--json", "json_path", help="Write the result here.")
-def demo_inference(sizes, chunk_size, concurrency, window, new_tokens, model, dtype,
-                   block_tokens, name, json_path):
-    """Prefix KV of a real (seeded-random) transformer through the switch: TTFT vs recompute."""
-    if any(s % block_tokens for s in sizes):
-        raise click.BadParameter(f"must be multiples of --block-tokens ({block_tokens})",
-                                 param_hint="--sizes")
-    if not run_inference_demo(sizes, chunk_size, window, concurrency, new_tokens, model, dtype,
-                              block_tokens, name, json_path):
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    _driver()

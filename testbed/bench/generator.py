@@ -19,6 +19,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from scapy.layers.inet import IP, UDP
@@ -26,19 +27,21 @@ from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 from scapy.utils import checksum
 
-from hostagent.protocol import HEADER_LEN, PORT, Flag, Message, Op, ProtocolError, read_constants
+import xdp
+from kvproto import HEADER_LEN, OFFSET, PORT, Flag, Message, Op, ProtocolError
+from kvproto.frames import HDR_OFF
+from kvproto.scapy_layer import KV
 from switchd import libbpf, netns
-from switchd.dataplane import XDP_DIR, XDP_FLAGS, _import_bcc, detach_port
+from switchd.dataplane import attach_xdp, detach_port, load_xdp
 
-from .kvscapy import KV
-from .topology import Topology, TestbedError, attach_pass_programs, ip
+from ..lab import TestbedError, Topology, attach_pass_programs, ip
 
-SOURCE = XDP_DIR / "trafficgen.c"
-C = read_constants(SOURCE)
+SOURCE = Path(__file__).resolve().parent / "trafficgen.c"
+C = xdp.constants(SOURCE)
 GEN_PORT = 40123                     # UDP source port of every generated request
 ANCHOR = "kvgen0"                    # idle veth in the sender's namespace holding gen_frame
 MC_PORT = C["KV_GEN_MC_PORT"]
-UDP_OFF = 14 + 20 + 8                # Ethernet + IPv4 (no options) + UDP
+UDP_OFF = HDR_OFF                    # UDP payload: Ethernet + IPv4 (no options) + UDP
 SWEEPS = {"sequential": C["KV_GEN_SWEEP_SEQ"], "uniform": C["KV_GEN_SWEEP_UNIFORM"],
           "zipf": C["KV_GEN_SWEEP_ZIPF"]}
 COUNTERS = {n[len("KV_CNT_"):].lower(): v for n, v in C.items()
@@ -88,8 +91,8 @@ def kv_get(src: Endpoint, dst: Endpoint, ns: int, key: bytes, room: int) -> Temp
     frame = bytes(Ether(src=src.mac, dst=dst.mac) / IP(src=src.ip, dst=dst.ip) /
                   UDP(sport=GEN_PORT, dport=PORT, chksum=0) /
                   KV(op=Op.GET, ns=ns, key=key) / Raw(bytes(room)))
-    return Template(frame, UDP_OFF + HEADER_LEN, UDP_OFF + 32, C["KV_GEN_FMT_BE32"],
-                    UDP_OFF + 12, 4)
+    return Template(frame, UDP_OFF + HEADER_LEN, UDP_OFF + OFFSET["chunk"],
+                    C["KV_GEN_FMT_BE32"], UDP_OFF + OFFSET["req_id"], 4)
 
 
 def memcached_get(src: Endpoint, dst: Endpoint) -> Template:
@@ -134,11 +137,9 @@ class Generator:
     tied to a namespace until attached)."""
 
     def __init__(self):
-        bcc = self.bcc = _import_bcc()
-        self.bpf = bcc.BPF(src_file=str(SOURCE).encode(), cflags=[f"-I{XDP_DIR}"])
+        self.bpf, fns = load_xdp(SOURCE, ("gen_frame", "count_replies", "reflect"))
         self.gen_fn, self.count_fn, self.reflect_fn = (
-            self.bpf.load_func(n, bcc.BPF.XDP) for n in (b"gen_frame", b"count_replies",
-                                                         b"reflect"))
+            fns[n] for n in ("gen_frame", "count_replies", "reflect"))
         (self.cfg, self.state, self.zipf, self.rx_cfg, self.rx_count, self.rx_sample) = (
             self.bpf.get_table(n) for n in (b"gen_cfg", b"gen_state", b"gen_zipf", b"rx_cfg",
                                              b"rx_count", b"rx_sample"))
@@ -181,7 +182,7 @@ class Generator:
         """The reply counter on the requester's veth end instead of its XDP_PASS program,
         which is put back afterwards."""
         with netns.inside(requester):
-            self.bcc.BPF.attach_xdp(ifname.encode(), self.count_fn, XDP_FLAGS["native"])
+            attach_xdp(ifname, self.count_fn)
         try:
             yield self
         finally:
@@ -192,7 +193,7 @@ class Generator:
     def reflecting(self, switch_ns: str, port: str):
         """The bare XDP_TX reflector on a switch port (nothing else may be attached there)."""
         with netns.inside(switch_ns):
-            self.bcc.BPF.attach_xdp(port.encode(), self.reflect_fn, XDP_FLAGS["native"])
+            attach_xdp(port, self.reflect_fn)
         try:
             yield
         finally:
@@ -233,7 +234,7 @@ class Generator:
         ip("link", "add", ANCHOR, "type", "veth", "peer", "name", ANCHOR + "p", ns=sender)
         try:
             with netns.inside(sender):
-                self.bcc.BPF.attach_xdp(ANCHOR.encode(), self.gen_fn, XDP_FLAGS["native"])
+                attach_xdp(ANCHOR, self.gen_fn)
             yield
         finally:
             ip("link", "del", ANCHOR, ns=sender, check=False)

@@ -2,14 +2,12 @@
 fuzzing, the traffic generator's templates) and for reading captures."""
 from __future__ import annotations
 
-import zlib
-
 from scapy.fields import (ByteEnumField, ByteField, FlagsField, IntField, ShortEnumField,
                           ShortField, XIntField, XShortField, XStrFixedLenField)
 from scapy.layers.inet import UDP
 from scapy.packet import Packet, bind_layers
 
-from hostagent.protocol import MAGIC, PORT, VERSION, Flag, Op, Status
+from .wire import MAGIC, OFFSET, PORT, VERSION, Flag, Op, Status, checksum
 
 
 class KV(Packet):
@@ -32,10 +30,12 @@ class KV(Packet):
 
     def post_build(self, pkt: bytes, pay: bytes) -> bytes:
         if self.len is None:
-            pkt = pkt[:40] + len(pay).to_bytes(2, "big") + pkt[42:]
+            at = OFFSET["len"]
+            pkt = pkt[:at] + len(pay).to_bytes(2, "big") + pkt[at + 2:]
         if self.csum is None:
-            crc = 0 if self.op == Op.GET else zlib.crc32(pay) & 0xFFFFFFFF
-            pkt = pkt[:44] + crc.to_bytes(4, "big")
+            crc = 0 if self.op == Op.GET else checksum(pay)
+            at = OFFSET["csum"]
+            pkt = pkt[:at] + crc.to_bytes(4, "big") + pkt[at + 4:]
         return pkt + pay
 
 

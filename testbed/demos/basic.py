@@ -16,7 +16,7 @@ from rich.table import Table
 
 from hostagent.hashing import block_hashes
 
-from .lab import Lab
+from ..lab import Lab
 
 NS = 1
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .lab import Lab
-from .results import write_json
+from ..lab import Lab
+from ..lab import write_json
 
 NS = 7
 

@@ -1,6 +1,7 @@
 """A running testbed: the topology plus a pool server on every pool node and switchd on the switch,
-with helpers to drive the host agents and switchd as a user would (their CLIs, in namespaces).
-Used by the demo, the end-to-end tests and the benchmarks; always tears down what it started."""
+with helpers to drive the host agents and switchd as a user would (their CLIs, in namespaces)
+and to run Python tasks in the nodes (testbed.lab.tasks). Used by the demos, the end-to-end tests
+and the benchmarks; always tears down what it started."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import subprocess
 import tempfile
 import time
 
+from .tasks import Task, run_task, start_task
 from .topology import Topology, TestbedError, python_argv
 
 
@@ -117,6 +119,13 @@ class Lab:
         return int(r.stdout)
 
     # ---- driving it ----------------------------------------------------------------------
+    def task(self, node: str, target: str, *args, timeout: float | None = 3600):
+        """``target`` ("module:function") called with ``args`` inside ``node``; its result."""
+        return run_task(self.topo, node, target, *args, timeout=timeout)
+
+    def start_task(self, node: str, target: str, *args) -> Task:
+        return start_task(self.topo, node, target, *args)
+
     def switchd(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         r = subprocess.run(self.switchd_argv(*args), capture_output=True, text=True, timeout=120)
         if check and r.returncode:

@@ -10,23 +10,19 @@ one asked for), stepping every ``interval`` seconds, decides what it holds; the 
 or evicted at the next step), so the policy's own capacity is the evaluator's. One inference
 node fetches each request's blocks in chain order; a block is a hit when the switch answered it.
 
-The orchestrator runs here; the client part (`python -m testbed.replay drive`) runs inside the
-inference node's namespace.
+The orchestrator runs here; the client part (``drive``) runs as a task inside the inference
+node's namespace.
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
-import sys
 import time
 from pathlib import Path
 
-from .lab import Lab
-from .results import write_json
-from .policy_eval import capacity_blocks, evaluate
-from .topology import python_argv
+from ..lab import Lab, write_json
+from .evaluate import capacity_blocks, evaluate
 from .trace import load_trace
 
 NS = 11
@@ -52,8 +48,10 @@ async def put_blocks(client, hash_ids, block_bytes: int, parallel: int = 32) -> 
     await asyncio.gather(*(put(h) for h in hash_ids))
 
 
-async def _drive(trace_path: str, pool: str, limit: int | None, speedup: float,
-                 block_bytes: int) -> dict:
+async def drive(trace_path: str, pool: str, limit: int | None, speedup: float,
+                block_bytes: int) -> dict:
+    """In the inference node: put the trace's blocks, then fetch every request's blocks at the
+    trace's pace; count the switch's answers."""
     from hostagent.client import KVClient
     trace = load_trace(trace_path)
     n = min(trace.n_requests, limit or trace.n_requests)
@@ -100,10 +98,8 @@ def run_replay(trace_path: str, capacity: float, limit: int | None = None,
              cache_entries=cap + headroom,
              switchd_args=("--interval", str(interval), "--fill-headroom", str(headroom),
                            "--policy", name)) as lab:
-        argv = python_argv("testbed.replay", "drive", str(Path(trace_path).resolve()),
-                           lab.pool_addrs[0], str(n), str(speedup), str(block_bytes))
-        r = lab.topo.run("h1", argv, timeout=3600)
-        live = json.loads(r.stdout.strip().splitlines()[-1])
+        live = lab.task("h1", f"{__name__}:drive", str(Path(trace_path).resolve()),
+                        lab.pool_addrs[0], n, speedup, block_bytes)
         counters = lab.stats()
     live_ratio = live["switch_hits"] / live["block_requests"]
     out = {"trace": trace_path, "capacity_blocks": cap, "fill_headroom_blocks": headroom,
@@ -119,7 +115,3 @@ def run_replay(trace_path: str, capacity: float, limit: int | None = None,
     write_json(json_path, out)
     return out
 
-
-if __name__ == "__main__" and sys.argv[1:2] == ["drive"]:
-    path, pool, limit, speedup, size = sys.argv[2:7]
-    print(json.dumps(asyncio.run(_drive(path, pool, int(limit), float(speedup), int(size)))))

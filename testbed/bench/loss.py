@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import statistics
 
-from .lab import Lab
-from .results import write_json
-from .topology import attach_loss
+from ..lab import Lab
+from ..lab import write_json
+from ..lab import attach_loss
 
 NS = 9
 

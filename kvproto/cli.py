@@ -1,0 +1,45 @@
+"""Command-line conventions every kvswitch CLI (switchd, hostagent, testbed) shares: sizes such as
+64KiB or 1GiB, and errors a user can fix printed as one line with a non-zero exit."""
+from __future__ import annotations
+
+import re
+import sys
+
+import click
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]i?B?|B)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str | int) -> int:
+    """'4096', '64KiB', '256MiB', '1G' -> bytes (binary units)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size like 4096, 64KiB or 1GiB")
+    return int(m.group(1)) * _UNITS[(m.group(2) or "").lower()[:1]]
+
+
+class SizeType(click.ParamType):
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        try:
+            return parse_size(value)
+        except click.BadParameter as exc:
+            self.fail(exc.message, param, ctx)
+
+
+def one_line_errors(prog: str, *errors: type[Exception]) -> type[click.Group]:
+    """A click Group class that prints ``errors`` as ``<prog>: error: <message>`` and exits 1."""
+
+    class Group(click.Group):
+        def invoke(self, ctx):
+            try:
+                return super().invoke(ctx)
+            except errors as exc:
+                click.echo(f"{prog}: error: {exc}", err=True)
+                sys.exit(1)
+
+    return Group

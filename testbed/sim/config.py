@@ -1,0 +1,104 @@
+"""What the cluster model is told: the model presets (KV bytes per token, prefill speed, GPUs per
+node) and SimConfig, one cluster configuration with its cost model (docs/sim.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvproto.frames import PAYLOAD_OFF
+from switchd.policy import POLICIES
+
+from .trace import BLOCK_TOKENS
+
+GIB = 1 << 30
+FRAME_OVERHEAD = PAYLOAD_OFF               # Ethernet + IPv4 + UDP + KV header per chunk frame
+ROUTINGS = ("random", "least-loaded", "affinity")
+DEMOTES = ("none", "all", "value")
+HBM, DRAM, SWITCH, POOL, REPLICA, RECOMPUTE, UNSAMPLED = range(7)
+TIERS = ("hbm", "dram", "switch", "pool", "switch_replica", "recompute")
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    kv_bytes_per_token: int      # K and V of every layer, bf16
+    prefill_tokens_per_s: float  # one inference node, long prompts
+    gpus_per_node: int
+
+
+MODELS = {
+    # 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes; one H100 per node
+    "llama3-8b": Model("Llama-3-8B", 32 * 8 * 128 * 2 * 2, 10_000, 1),
+    # 80 layers x 8 KV heads x 128 x 2 x 2; one 8-GPU node (TP8)
+    "llama3-70b": Model("Llama-3-70B", 80 * 8 * 128 * 2 * 2, 8_000, 8),
+    # MLA: 61 layers x (512 latent + 64 rope) x 2 bytes; one 8-GPU node
+    "deepseek-v3": Model("DeepSeek-V3", 61 * (512 + 64) * 2, 6_000, 8),
+}
+
+
+@dataclass
+class SimConfig:
+    nodes: int = 4
+    pools: int | None = None          # pool nodes; default max(1, nodes // 8)
+    model: str = "llama3-8b"
+    kv_bytes_per_token: int | None = None   # overrides the model's
+    block_tokens: int = 512           # allocation/transfer granularity (divides 512)
+    hbm_gib: float = 40.0             # per node, for KV
+    dram_gib: float = 256.0           # per node
+    switch_gib: float = 64.0          # the switch pool
+    pool_gib: float | None = None     # per pool node; None: unlimited
+    node_gbps: float = 100.0          # inference node <-> switch
+    pool_gbps: float = 100.0          # pool node <-> switch
+    pcie_gbps: float = 200.0          # node DRAM -> HBM
+    chunk_bytes: int = 3072           # payload per KV frame
+    hop_us: float = 5.0               # extra latency of a fetch through the switch pool
+    routing: str = "affinity"
+    demote: str = "value"
+    switch_policy: str = "prefix"
+    interval: float = 1.0             # switchd policy step, seconds (of the policy clock)
+    headroom: float | None = None     # speculative-fill share of the switch; None: 1/16
+    coalesce: bool = True
+    load: float = 0.7                 # per-node prefill utilisation without any cache
+    rate_per_node: float | None = None  # requests/s per node; default from load
+    preload: bool = False             # pool nodes hold every block from the start
+    write_through: bool = True        # computed blocks are put to the pool nodes
+    switch_budget: int = 1_000_000    # switch-bound accesses simulated exactly; more: sampled
+    clock_scale: float = 1.0          # policy clock = trace time / clock_scale (testbed speedup)
+    xdp_ns_per_frame: float = 310.0   # data-plane CPU per KV frame (bench throughput)
+    seed: int = 1
+    # cost model (break-even), see docs/sim.md
+    gpu_hour_usd: float = 2.0
+    switch_gib_hour_usd: float = 0.004
+    core_hour_usd: float = 0.04
+    switchd_cores: float = 1.0
+
+    def __post_init__(self):
+        if self.nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {self.nodes}")
+        if self.pools is None:
+            self.pools = max(1, self.nodes // 8)
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r} (choose from {', '.join(MODELS)})")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {self.routing!r} (choose from {', '.join(ROUTINGS)})")
+        if self.demote not in DEMOTES:
+            raise ValueError(f"unknown demotion {self.demote!r} (choose from {', '.join(DEMOTES)})")
+        if self.switch_policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.switch_policy!r} "
+                             f"(choose from {', '.join(POLICIES)})")
+        if not (1 <= self.block_tokens <= BLOCK_TOKENS and BLOCK_TOKENS % self.block_tokens == 0):
+            raise ValueError(f"block tokens must divide {BLOCK_TOKENS}, got {self.block_tokens}")
+        for name in ("hbm_gib", "dram_gib", "switch_gib"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("node_gbps", "pool_gbps", "pcie_gbps", "interval", "load"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+
+    @property
+    def kv_per_token(self) -> int:
+        return self.kv_bytes_per_token or MODELS[self.model].kv_bytes_per_token
+
+    @property
+    def block_bytes(self) -> int:
+        return BLOCK_TOKENS * self.kv_per_token
+

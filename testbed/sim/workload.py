@@ -1,0 +1,121 @@
+"""The requests a modelled cluster serves (the trace itself, or a resampled trace with a chosen
+share of shared content) and the inference node each one is routed to."""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import MODELS, SimConfig
+from .trace import BLOCK_TOKENS, Trace
+
+
+def mix(x: np.ndarray, salt: int = 0) -> np.ndarray:
+    """A 64-bit mixing hash of integer ids (splitmix64), vectorised."""
+    z = (np.asarray(x).astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15 * (salt + 1) & (2**64 - 1)))
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@dataclass
+class Workload:
+    """Requests (time-sorted, times in seconds) as flat block arrays, like Trace."""
+    time: np.ndarray
+    input_length: np.ndarray
+    offsets: np.ndarray
+    hash_ids: np.ndarray
+    resampled: bool = False
+
+    @property
+    def n(self) -> int:
+        return len(self.time)
+
+
+def _partial_tail_fresh(offsets, ids, input_length, start_id):
+    """Give the partial last block of every prompt an id of its own (its text is the request's)."""
+    lens = np.diff(offsets)
+    partial = (input_length % BLOCK_TOKENS != 0) & (lens > input_length // BLOCK_TOKENS) & (lens > 0)
+    last = offsets[1:][partial] - 1
+    ids = ids.copy()
+    ids[last] = start_id + np.arange(len(last))
+    return ids
+
+
+def workload(trace: Trace, cfg: SimConfig, requests: int | None = None,
+             sharing: float = 0.0) -> Workload:
+    """The requests the cluster serves. With ``requests`` unset and no sharing, the trace itself,
+    its timestamps scaled to the cluster's arrival rate. Otherwise a resampled trace: prefix trees
+    (requests sharing a first block, i.e. a session or a shared document) are drawn uniformly with
+    replacement; each drawn copy keeps the tree's requests and their offsets from its first request
+    and starts at a uniform time in the run, and gets fresh block ids (a new session), except that
+    with probability ``sharing`` it keeps the tree's original ids (the same content asked again,
+    e.g. a popular document). Partial last blocks always get fresh ids. The run lasts
+    requests / (nodes x rate) seconds."""
+    rate = cfg.rate_per_node or cfg.load * MODELS[cfg.model].prefill_tokens_per_s / max(
+        1.0, float(trace.input_length.mean()))
+    total_rate = rate * cfg.nodes
+    max_id = int(trace.hash_ids.max()) + 1 if trace.n_block_requests else 1
+    if requests is None and sharing == 0:
+        t = (trace.timestamp - trace.timestamp[0]) / 1000.0
+        span = max(1e-9, float(t[-1]))
+        scale = trace.n_requests / total_rate / span
+        return Workload(t * scale, trace.input_length.copy(), trace.offsets.copy(),
+                        trace.hash_ids.copy())
+    n = int(requests or trace.n_requests)
+    rng = np.random.default_rng(cfg.seed)
+    heads = trace.hash_ids[trace.offsets[:-1]]
+    _, group = np.unique(heads, return_inverse=True)
+    order = np.argsort(group, kind="stable")                  # requests by tree, in time order
+    g_sizes = np.bincount(group)
+    g_start = np.zeros(len(g_sizes) + 1, np.int64)
+    np.cumsum(g_sizes, out=g_start[1:])
+    t_ms = trace.timestamp.astype(np.float64)
+    first_t = t_ms[order[g_start[:-1]]]
+    draws = rng.integers(0, len(g_sizes), int(1.2 * n / g_sizes.mean()) + 16)
+    while g_sizes[draws].sum() < n:
+        draws = np.concatenate([draws, rng.integers(0, len(g_sizes), len(draws))])
+    keep = np.searchsorted(np.cumsum(g_sizes[draws]), n) + 1
+    draws = draws[:keep]
+    span = n / total_rate
+    copy_of = np.repeat(np.arange(len(draws)), g_sizes[draws])
+    within = np.arange(len(copy_of)) - np.repeat(np.cumsum(g_sizes[draws]) - g_sizes[draws],
+                                                 g_sizes[draws])
+    req = order[g_start[draws][copy_of] + within]              # original request index
+    shared = rng.random(len(draws)) < sharing
+    id_off = np.where(shared, 0, (np.arange(len(draws)) + 1) * max_id)[copy_of]
+    starts = rng.uniform(0, span, len(draws))[copy_of]
+    when = starts + (t_ms[req] - first_t[draws][copy_of]) / 1000.0
+    srt = np.argsort(when, kind="stable")[:n]
+    srt = srt[np.argsort(when[srt], kind="stable")]
+    req, id_off, when = req[srt], id_off[srt], when[srt]
+    lens = np.diff(trace.offsets)[req]
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    src = np.repeat(trace.offsets[:-1][req] - offsets[:-1], lens) + np.arange(offsets[-1])
+    ids = trace.hash_ids[src] + np.repeat(id_off, lens)
+    il = trace.input_length[req]
+    ids = _partial_tail_fresh(offsets, ids, il, (len(draws) + 2) * max_id)
+    return Workload(when - when[0], il, offsets, ids, resampled=True)
+
+
+# ---- routing -----------------------------------------------------------------------------------
+def route(wl: Workload, cfg: SimConfig) -> np.ndarray:
+    """The inference node of every request."""
+    n = cfg.nodes
+    if cfg.routing == "random":
+        return np.random.default_rng(cfg.seed + 7).integers(0, n, wl.n)
+    if cfg.routing == "affinity":       # prefix/session affinity: the first block picks the node
+        return (mix(wl.hash_ids[wl.offsets[:-1]], 3) % np.uint64(n)).astype(np.int64)
+    # least-loaded: the node whose queue of prefill work empties first
+    work = wl.input_length / MODELS[cfg.model].prefill_tokens_per_s
+    busy = [(0.0, i) for i in range(n)]
+    out = np.empty(wl.n, np.int64)
+    for r, (t, w) in enumerate(zip(wl.time.tolist(), work.tolist())):
+        free, node = busy[0]
+        out[r] = node
+        heapq.heapreplace(busy, (max(free, t) + w, node))
+    return out
+

@@ -1,0 +1,139 @@
+"""Single-frame cases for the switch's ingress program, as data (in the manner of katran's
+KatranTestFixtures.h): what the maps hold before, the frame and the port it arrives on, the
+verdict, the frame the program must leave (None: unchanged), counter deltas, and whether the
+cache must stay as it was. tests/test_xdp.py runs every case with one parametrized test;
+sequences of frames (learning, coalescing) are tests of their own there."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scapy.layers.inet import IP, TCP, UDP
+from scapy.layers.inet6 import IPv6
+from scapy.layers.l2 import ARP, Dot1Q, Ether
+from scapy.packet import Raw
+
+from kvproto import OFFSET, PORT, Flag, Op, checksum
+from kvproto.frames import HDR_OFF, IPV4_LEN, XDP
+from kvproto.frames import ETH_LEN as ETH
+from kvproto.scapy_layer import KV
+
+HOST_MAC, POOL_MAC = "02:00:00:00:00:01", "02:00:00:00:00:65"
+HOST_IP, POOL_IP = "198.18.0.1", "198.18.0.101"
+KEY = bytes.fromhex("00112233445566778899aabbccddeeff")
+PAYLOAD = bytes((i * 7) & 0xFF for i in range(700))
+CACHED = ((5, KEY, 3, PAYLOAD, 9),)          # (ns, key, chunk, payload, nchunks) preloaded
+
+
+def get_frame(key=KEY, chunk=3, room=1024, ns=5, kvflags=0, req_id=0xABCD, src=HOST_IP,
+              sport=40000, **ip):
+    return (Ether(src=HOST_MAC, dst=POOL_MAC) /
+            IP(src=src, dst=POOL_IP, id=77, **ip) /
+            UDP(sport=sport, dport=PORT) /
+            KV(op=Op.GET, ns=ns, req_id=req_id, key=key, chunk=chunk, flags=kvflags) /
+            Raw(bytes(room)))
+
+
+def reply_frame(payload=PAYLOAD, key=KEY, chunk=3, ns=5, flags=0, nchunks=9):
+    return (Ether(src=POOL_MAC, dst=HOST_MAC) / IP(src=POOL_IP, dst=HOST_IP) /
+            UDP(sport=PORT, dport=40000) /
+            KV(op=Op.GET_REPLY, ns=ns, key=key, chunk=chunk, nchunks=nchunks, flags=flags) /
+            Raw(payload))
+
+
+def put_frame(ns=5, payload=PAYLOAD, chunk=3):
+    return (Ether(src=HOST_MAC, dst=POOL_MAC) / IP(src=HOST_IP, dst=POOL_IP) /
+            UDP(sport=40000, dport=PORT) /
+            KV(op=Op.PUT, ns=ns, key=KEY, chunk=chunk, nchunks=9, csum=checksum(payload)) /
+            Raw(payload))
+
+
+def switch_reply(payload=PAYLOAD, ns=5, chunk=3, nchunks=9, req_id=0xABCD) -> bytes:
+    """The reply the switch must make of get_frame() for a cached chunk, byte for byte."""
+    return bytes(Ether(src=POOL_MAC, dst=HOST_MAC) /
+                 IP(src=POOL_IP, dst=HOST_IP, id=77, ttl=64) /
+                 UDP(sport=PORT, dport=40000, chksum=0) /
+                 KV(op=Op.GET_REPLY, ns=ns, req_id=req_id, key=KEY, chunk=chunk,
+                    nchunks=nchunks, flags=Flag.FROM_SWITCH, csum=checksum(payload)) /
+                 Raw(payload))
+
+
+@dataclass
+class Case:
+    name: str
+    frame: bytes
+    verdict: int
+    out: bytes | None = None          # None: the frame leaves unchanged
+    port: str = "host"                # "host", "host2" or "pool"
+    cached: tuple = CACHED
+    admitted: tuple = ()              # (ns, key) of blocks in the admit set
+    port_ns: dict = field(default_factory=dict)   # port -> namespaces it is limited to
+    counters: dict = field(default_factory=dict)  # counter -> expected increase
+    cache_unchanged: bool = True
+
+
+def _malformed() -> list[tuple[str, bytes]]:
+    good = get_frame()
+    raw = bytes(good)
+
+    def patch(offset, value):
+        return raw[:offset] + value + raw[offset + len(value):]
+
+    kv_len = HDR_OFF + OFFSET["len"]
+    return [
+        ("truncated in kv header", raw[:HDR_OFF + 20]),
+        ("truncated in udp header", raw[:ETH + IPV4_LEN + 4]),
+        ("truncated in ip header", raw[:ETH + 10]),
+        ("truncated room", raw[:-100]),
+        ("bad magic", patch(HDR_OFF + OFFSET["magic"], b"\x4b\x57")),
+        ("bad version", patch(HDR_OFF + OFFSET["version"], b"\x02")),
+        ("reserved set", patch(HDR_OFF + OFFSET["reserved"], b"\x00\x01")),
+        ("kv len too long", patch(kv_len, (1025).to_bytes(2, "big"))),
+        ("kv len too short", patch(kv_len, (1023).to_bytes(2, "big"))),
+        ("ip len beyond frame", bytes(get_frame(len=20 + 8 + 48 + 1024 + 10))),
+        ("udp len lies", patch(ETH + IPV4_LEN + 4, (100).to_bytes(2, "big"))),
+        ("bad ip checksum", patch(ETH + 10, b"\x00\x00")),
+        ("wrong port", patch(ETH + IPV4_LEN + 2, (PORT + 1).to_bytes(2, "big"))),
+        ("ip options", bytes(Ether(src=HOST_MAC, dst=POOL_MAC) /
+                             IP(src=HOST_IP, dst=POOL_IP, options=b"\x01\x01\x01\x01") /
+                             good[UDP])),
+        ("fragment (more fragments)", bytes(get_frame(flags="MF"))),
+        ("fragment (offset)", bytes(get_frame(frag=8))),
+        ("vlan tagged", bytes(Ether(src=HOST_MAC, dst=POOL_MAC) / Dot1Q(vlan=7) / good[IP])),
+        ("ipv6", bytes(Ether(src=HOST_MAC, dst=POOL_MAC) /
+                       IPv6(src="2001:db8::1", dst="2001:db8::2") / good[UDP])),
+        ("tcp to kv port", bytes(Ether() / IP(src=HOST_IP, dst=POOL_IP) / TCP(dport=PORT) /
+                                 Raw(raw[HDR_OFF:]))),
+    ]
+
+
+CASES = [
+    Case("hit becomes the exact reply", bytes(get_frame()), XDP.TX, switch_reply(),
+         counters={"get_hit": 1, "hit_bytes": len(PAYLOAD), "xdp_tx": 1},
+         cache_unchanged=False),            # the entry's hit counter moves
+    Case("hit with exactly enough room", bytes(get_frame(room=len(PAYLOAD))), XDP.TX,
+         switch_reply(), cache_unchanged=False),
+    Case("miss passes unchanged", bytes(get_frame()), XDP.PASS, cached=(),
+         counters={"get_miss": 1}),
+    Case("other namespace is a miss", bytes(get_frame(ns=6)), XDP.PASS),
+    Case("other chunk is a miss", bytes(get_frame(chunk=4)), XDP.PASS),
+    Case("other key is a miss", bytes(get_frame(key=KEY[:-1] + b"\x00")), XDP.PASS),
+    Case("too little room is forwarded", bytes(get_frame(room=len(PAYLOAD) - 1)), XDP.PASS,
+         counters={"no_room": 1}),
+    Case("NO_CACHE is forwarded", bytes(get_frame(kvflags=Flag.NO_CACHE)), XDP.PASS),
+    *[Case(f"malformed or foreign: {name}", frame, XDP.PASS) for name, frame in _malformed()],
+    Case("arp is untouched", bytes(Ether() / ARP(pdst=POOL_IP)), XDP.PASS,
+         counters={"non_kv": 1}),
+    Case("tcp is untouched", bytes(Ether() / IP(src=HOST_IP, dst=POOL_IP) / TCP(dport=5201) /
+                                   Raw(b"x" * 99)), XDP.PASS, counters={"non_kv": 1}),
+    Case("other udp is untouched", bytes(Ether() / IP() / UDP(dport=53) / Raw(b"q")), XDP.PASS,
+         counters={"non_kv": 1}),
+    Case("a limited port gets nothing of another tenant", bytes(get_frame(ns=5)), XDP.DROP,
+         port_ns={"host": [6]}, counters={"denied": 1}),
+    Case("a limited port gets its own tenant's chunks", bytes(get_frame(ns=6)), XDP.TX,
+         switch_reply(b"other tenant", ns=6), cached=CACHED + ((6, KEY, 3, b"other tenant", 9),),
+         port_ns={"host": [6]}, cache_unchanged=False),
+    Case("a limited port cannot write into another tenant", bytes(put_frame(ns=5)), XDP.DROP,
+         port_ns={"host": [6]}, counters={"denied": 1}),
+    Case("a limited port may write into its own tenant", bytes(put_frame(ns=6)), XDP.PASS,
+         port_ns={"host": [6]}, counters={"other_kv": 1}),
+]

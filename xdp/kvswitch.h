@@ -1,0 +1,187 @@
+/* kvswitch.h - the switch's private BPF map layouts and constants (its data plane and switchd
+ * share them; no endpoint needs them). The wire format is in kvproto.h. Constants are plain
+ * `#define KV_<NAME> <integer>` lines, read by switchd through the xdp package. */
+#ifndef KVSWITCH_H
+#define KVSWITCH_H
+
+#include "kvproto.h"
+
+/* ---- cache entries -------------------------------------------------------------------- */
+/* Chunk payload a cache entry holds: the deployment's chunk size, set at compile time. */
+#ifndef KV_CHUNK_MAX
+#define KV_CHUNK_MAX 1024
+#endif
+#ifndef KV_CACHE_ENTRIES
+#define KV_CACHE_ENTRIES 65536
+#endif
+#define KV_ADMIT_ENTRIES 65536
+#define KV_PORT_ENTRIES 256
+
+struct kv_block_key {              /* a block: key of the admit set */
+    __u32 ns;                      /* host order */
+    __u8  key[16];                 /* as on the wire */
+};
+
+struct kv_cache_key {              /* a chunk: key of the cache */
+    __u32 ns;                      /* host order */
+    __u32 chunk;                   /* host order */
+    __u8  key[16];                 /* as on the wire */
+};
+
+struct kv_cache_val {
+    __u16 len;                     /* payload bytes held, 1..KV_CHUNK_MAX */
+    __u16 flags;                   /* KV_CF_* */
+    __u32 csum;                    /* CRC-32 of data[0..len), as carried on the wire */
+    __u32 nchunks;                 /* chunks in the block */
+    __u32 reserved;
+    __u64 hits;                    /* GETs answered from this entry (data plane adds) */
+    __u64 filled_ns;               /* bpf_ktime_get_ns() when it was learned (0: put) */
+    /* The chunk this value was written for, checked by the hit path before and after it copies
+     * the payload. A hash map reuses a deleted element at once, even while another CPU still
+     * reads it: without this, an eviction followed by a fill could send one chunk's bytes,
+     * with their valid CRC, as the reply for another. */
+    struct kv_cache_key owner;
+    __u8  data[KV_CHUNK_MAX];
+};
+#define KV_CACHE_VAL_HEADER 56     /* bytes of kv_cache_val before data[] */
+#define KV_CF_FILLED 1             /* learned from a passing pool reply (else put by switchd) */
+#define KV_CF_SPECULATIVE 2        /* filled for a block not (yet) admitted: switchd decides */
+
+struct kv_admit_val {              /* admit set: replies for these blocks are cached as they pass */
+    __u64 expires_ns;              /* 0: until removed */
+    __u32 flags;
+    __u32 reserved;
+};
+
+#define KV_ROLE_HOST 0             /* inference node port: its replies are never learned */
+#define KV_ROLE_POOL 1             /* pool (storage) node port: its replies may fill the cache */
+struct kv_port_cfg {
+    __u32 role;                    /* KV_ROLE_* */
+    __u32 flags;                   /* KV_PF_* */
+};
+#define KV_PF_NS_LIMITED 1         /* only namespaces in kv_port_ns may be asked for here */
+
+struct kv_port_ns_key {            /* per-port namespace allow-list */
+    __u32 ifindex;
+    __u32 ns;
+};
+
+/* ---- miss coalescing (incast relief) ---- */
+#define KV_PENDING_ENTRIES 65536
+#define KV_WAITER_ENTRIES 262144
+#define KV_DEVMAP_SLOTS 64         /* switch ports a reply can be replicated to */
+
+struct kv_pending {                /* a chunk whose GET went upstream and whose reply is awaited */
+    __u64 gen;                     /* bpf_ktime_get_ns() when the upstream GET passed */
+    __u32 waiters;                 /* ports waiting (the first asker included) */
+    __u32 first_ifindex;           /* port of the first asker */
+};
+
+struct kv_waiter_key {
+    struct kv_cache_key chunk;
+    __u32 ifindex;                 /* switch port the GET came in on */
+};
+
+struct kv_waiter {                 /* where a replica for this port goes */
+    __u64 gen;                     /* kv_pending.gen of the round it joined */
+    __u8  mac[6];
+    __be16 port;                   /* UDP source port of the GET */
+    __be32 ip;                     /* IPv4 source of the GET */
+    __be32 req_id;                 /* the asker's latest request id */
+    __u32 coalesced;               /* 1: held here (its reply is a KV_F_REPLICA copy) */
+    __u32 reserved;
+};
+
+struct kv_meta {                   /* XDP metadata a replicated reply carries to the egress */
+    __u64 gen;
+};
+
+struct kv_devport {                /* devmap value: BCC's layout for an egress program */
+    __u32 ifindex;
+    int prog_fd;
+};
+
+/* ---- popularity (read and reset by switchd every interval) ---- */
+/* A count-min sketch of GET misses per block (counted on chunk 0, which every fetch asks for):
+ * KV_SKETCH_DEPTH rows of KV_SKETCH_WIDTH u32 counters, per CPU. Row r's column for block
+ * (ns, key) is ((A_r * x + B_r) mod 2^64) >> (64 - KV_SKETCH_BITS) where
+ * x = lo64(key) ^ (hi64(key) * KV_SKETCH_HI_MUL) ^ (ns * KV_SKETCH_NS_MUL) mod 2^64, the key's
+ * halves read little-endian. */
+#define KV_SKETCH_DEPTH 4
+#define KV_SKETCH_BITS 12
+#define KV_SKETCH_WIDTH 4096
+#define KV_SKETCH_HI_MUL 0xC2B2AE3D27D4EB4F
+#define KV_SKETCH_NS_MUL 0x9E3779B97F4A7C15
+#define KV_SKETCH_A0 0xD6E8FEB86659FD93
+#define KV_SKETCH_A1 0xA0761D6478BD642F
+#define KV_SKETCH_A2 0xE7037ED1A0B428DB
+#define KV_SKETCH_A3 0x8EBC6AF09C88C6E3
+#define KV_SKETCH_B0 0x589965CC75374CC3
+#define KV_SKETCH_B1 0x1D8E4E27C47D124F
+#define KV_SKETCH_B2 0x2545F4914F6CDD1D
+#define KV_SKETCH_B3 0x9FB21C651E98DF25
+struct kv_sketch_row {
+    __u32 c[KV_SKETCH_WIDTH];
+};
+/* blocks recently missed: the candidates switchd asks the sketch about */
+#define KV_RECENT_ENTRIES 65536
+struct kv_recent {
+    __u64 last_ns;                 /* last miss */
+    __u32 nchunks;                 /* block size, from the first pool reply seen (0: unknown) */
+    __u32 reserved;
+};
+
+/* per-namespace counters (per CPU): namespaces below KV_NS_LOW in an array (no hashing on the
+ * hit path), the others in a hash of KV_NS_ENTRIES */
+#define KV_NS_LOW 256
+#define KV_NS_ENTRIES 1024
+struct kv_ns_stats {
+    __u64 hits;
+    __u64 misses;
+    __u64 hit_bytes;
+};
+
+/* admit-set flags */
+#define KV_AF_PINNED 1             /* pinned by an operator: switchd never evicts it before expiry */
+
+/* settings (u64 array, written by switchd) */
+#define KV_SET_COALESCE 0          /* 1: hold concurrent misses and replicate the reply */
+#define KV_SET_PENDING_NS 1        /* a pending round older than this is retried upstream */
+#define KV_SET_NS_LIMITS 3         /* 1: some port is limited to some namespaces (KV_PF_NS_LIMITED) */
+#define KV_SET_SPEC_FILL 2         /* chunks of blocks not admitted that may still be learned
+                                      (s64, decremented per fill; switchd refills it each step) */
+#define KV_SET_MAX 4
+
+/* per-CPU counters, indexes into kv_stats */
+#define KV_STAT_PACKETS 0          /* frames seen */
+#define KV_STAT_NON_KV 1           /* not KV protocol: passed untouched */
+#define KV_STAT_MALFORMED 2        /* KV port but invalid: passed untouched, never answered */
+#define KV_STAT_GET_HIT 3          /* GET answered by the switch */
+#define KV_STAT_GET_MISS 4         /* GET forwarded to the pool node */
+#define KV_STAT_HIT_BYTES 5        /* payload bytes served by the switch */
+#define KV_STAT_FILL 6             /* chunks learned from passing replies */
+#define KV_STAT_FILL_FAIL 7        /* admitted reply that could not be stored (cache full) */
+#define KV_STAT_NO_ROOM 8          /* hit whose request carried too little room: forwarded */
+#define KV_STAT_OTHER_KV 9         /* other KV messages (PUT, ACK, ...) forwarded */
+#define KV_STAT_FORGED 10          /* reply for an admitted block from a non-pool port: not learned */
+#define KV_STAT_XDP_ABORTED 11     /* verdict counters: KV_STAT_XDP_ABORTED + XDP_* verdict */
+#define KV_STAT_XDP_DROP 12
+#define KV_STAT_XDP_PASS 13
+#define KV_STAT_XDP_TX 14
+#define KV_STAT_XDP_REDIRECT 15
+#define KV_STAT_COALESCED 16       /* GETs held because the same chunk was already asked for */
+#define KV_STAT_REPLICATED 17      /* replies broadcast to several waiting ports */
+#define KV_STAT_REPLICAS 18        /* copies delivered by the egress program */
+#define KV_STAT_REPLICA_SKIP 19    /* broadcast copies dropped at ports with no waiter */
+#define KV_STAT_EXPIRED 20         /* pending rounds found stale and retried upstream */
+#define KV_STAT_UNCOALESCED 21     /* GETs not held: a second asker on a port already waiting */
+#define KV_STAT_FILL_CORRUPT 22    /* admitted reply whose payload fails its CRC: not learned */
+#define KV_STAT_DENIED 23          /* request for a namespace its port may not use: dropped */
+#define KV_STAT_UNSOLICITED 24     /* pool reply matching no outstanding request: never learned */
+#define KV_STAT_SPEC_FILL 25       /* of KV_STAT_FILL: chunks learned speculatively */
+#define KV_STAT_REUSED 26          /* a looked-up entry turned out rewritten for another chunk:
+                                      the GET was handled as a miss, or, if that happened while
+                                      its payload was copied, the half-made reply dropped */
+#define KV_STAT_MAX 32
+
+#endif /* KVSWITCH_H */
