@@ -66,6 +66,8 @@ bench:
 	  --capacity 0.02 --json bench/results/policy-0.02.json
 	$(VENV)/bin/testbed policy-eval --trace $(TRACE) \
 	  --capacity 0.10 --json bench/results/policy-0.10.json
+	$(VENV)/bin/testbed policy-eval --trace $(TRACE) --sweep 0.01,0.02,0.05,0.1,0.2 \
+	  --json bench/results/policy-sweep.json --plot bench/results/policy-sweep.png
 
 # the cluster model: 1M requests on 1,024 nodes, the break-even sweep, validation on the testbed
 bench-sim:

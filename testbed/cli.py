@@ -59,15 +59,14 @@ def _capacity(ctx, param, value):
 
 
 def _policy_list(ctx, param, value):
-    from .sim.evaluate import OFFLINE
+    from .sim.evaluate import policy_name
     if value is None:
         return None
-    names, known = [v.strip() for v in value.split(",") if v.strip()], [*POLICIES, *OFFLINE]
-    bad = [n for n in names if n not in known]
-    if bad or not names:
-        raise click.BadParameter(f"unknown policy {', '.join(bad) or '(none given)'}; "
-                                 f"choose from {', '.join(known)}")
-    return names
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    try:
+        return [policy_name(n) for n in names] or policy_name("(none given)")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _options(*opts):
@@ -278,21 +277,38 @@ def soak(minutes, json_path):
 @trace_opt
 @click.option("--capacity", type=float, default=0.02, show_default=True, callback=_capacity,
               help="Cache size: a fraction of the trace's distinct blocks if < 1, else blocks.")
+@click.option("--sweep", callback=lambda c, p, v: v and [_capacity(c, p, x) for x in
+                                                         _numbers(v, float, 0)],
+              help="Comma list of capacities instead of --capacity: hit ratio vs capacity.")
+@click.option("--plot", "plot_path", help="With --sweep: PNG path (default: JSON path .png).")
 @json_opt()
 @click.option("--policies", callback=_policy_list,
-              help=f"Comma list (default: all of {', '.join(POLICIES)}); belady and static "
-                   "always run.")
-def policy_eval(trace_path, capacity, json_path, policies):
-    """Replay a trace against the cache policies, Belady's optimum and the best fixed set."""
+              help=f"Comma list (default: all of switchd's, {', '.join(POLICIES)}, and "
+                   "libCacheSim's, e.g. ARC or lcs:ARC); belady and static always run.")
+def policy_eval(trace_path, capacity, sweep, plot_path, json_path, policies):
+    """Replay a trace against switchd's policies, libCacheSim's, Belady and the best fixed set."""
     from .lab import write_json
-    from .sim.evaluate import evaluate, render
-    from .sim.trace import TraceError
+    from .sim.baselines import LibCacheSimMissing
+    from .sim.evaluate import evaluate, plot_sweep, render, sweep as run_sweep
+    from .sim.trace import TraceError, load_trace
     try:
-        result = evaluate(trace_path, capacity, policies)
+        trace = load_trace(trace_path)
+        if not sweep:
+            result = evaluate(trace, capacity, policies)
+            render(result)
+            return write_json(json_path, result)
+        result = run_sweep(trace, sweep, policies, log=click.echo)
     except TraceError as exc:
         raise click.BadParameter(str(exc), param_hint="'--trace'") from None
-    render(result)
+    except LibCacheSimMissing as exc:
+        raise click.ClickException(str(exc)) from None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    click.echo(f"plotted: {', '.join(result['plotted'])}")
     write_json(json_path, result)
+    plot_path = plot_path or (json_path and str(Path(json_path).with_suffix(".png")))
+    if plot_path:
+        plot_sweep(result, plot_path)
 
 
 @main.command()

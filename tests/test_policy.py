@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from switchd.policy import DEFAULT_POLICY, LFU, LRU, POLICIES, PrefixAware, TinyLFU, make_policy
 from switchd.sketch import U32_MAX, CountMinSketch, key64
 from testbed.cli import main
+from testbed.sim.baselines import VERSION, runnable
 from testbed.sim.evaluate import evaluate
 from testbed.sim.hindsight import belady_hits, next_use, static_hits
 from testbed.sim.trace import TraceError, generate_sessions, load_trace, resample
@@ -341,16 +342,67 @@ def test_cli_writes_the_json_document(tmp_path):
     assert doc["trace"] == str(trace) and doc["default_policy"] == DEFAULT_POLICY
     tr = load_trace(trace)
     assert doc["capacity_blocks"] == round(0.05 * tr.distinct_blocks)
-    assert set(doc["hit_ratio"]) == {*POLICIES, "belady", "static"}
+    lcs = {"lcs:" + n for n in runnable(doc["capacity_blocks"])}
+    assert set(doc["hit_ratio"]) == {*POLICIES, "belady", "static", *lcs}
     assert all(0 <= v <= doc["hit_ratio"]["belady"] for v in doc["hit_ratio"].values())
     assert doc["hit_ratio"]["belady"] > 0
     assert set(doc["seconds"]) == set(doc["hit_ratio"])
+    # the best of libCacheSim's algorithms that do not read the future
+    assert doc["groups"]["hindsight"] == ["belady", "static", "lcs:Belady"]
+    others = {k: v for k, v in doc["hit_ratio"].items() if k in lcs and k != "lcs:Belady"}
+    assert doc["best_other"]["hit_ratio"] == max(others.values())
+    assert others[doc["best_other"]["name"]] == max(others.values())
+    assert doc["libcachesim"]["version"] == VERSION
+    assert doc["libcachesim"]["belady_in_our_model_equal"] is True
+
+
+def test_evaluate_takes_libcachesim_names_and_reports_the_best_other():
+    trace = generate_sessions(200, seed=3)
+    r = evaluate(trace, 0.1, ["prefix", "ARC", "lcs:LRU", "lru", "Belady"])
+    assert list(r["hit_ratio"]) == ["prefix", "lcs:ARC", "lcs:LRU", "lru", "belady", "static",
+                                    "lcs:Belady"]
+    assert r["hit_ratio"]["lcs:LRU"] == r["hit_ratio"]["lru"]          # the same LRU
+    assert r["groups"] == {"switchd": ["prefix", "lru"], "libcachesim": ["lcs:ARC", "lcs:LRU"],
+                           "hindsight": ["belady", "static", "lcs:Belady"]}
+    best = max(("lcs:ARC", "lcs:LRU"), key=r["hit_ratio"].get)
+    assert r["best_other"] == {"name": best, "hit_ratio": r["hit_ratio"][best]}
+    assert r["hit_ratio"]["lcs:Belady"] <= r["hit_ratio"]["belady"]   # it may not bypass
+    assert evaluate(trace, 0.1, ["lru"])["best_other"] is None
+    with pytest.raises(ValueError, match="too small for S3FIFO"):
+        evaluate(trace, 3, ["S3FIFO"])
+
+
+def test_cli_sweep_writes_json_and_plot(tmp_path):
+    trace = tmp_path / "s.jsonl"
+    generate_sessions(300, seed=4).save(trace)
+    out = tmp_path / "sweep.json"
+    res = CliRunner().invoke(main, ["policy-eval", "--trace", str(trace), "--sweep", "0.2,0.05",
+                                    "--policies", "prefix,ARC,lcs:LIRS,TwoQ,LRU",
+                                    "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["capacities"] == [0.05, 0.2] and len(doc["results"]) == 2
+    assert len(doc["plotted"]) == 3 and set(doc["plotted"]) <= {"lcs:ARC", "lcs:LIRS",
+                                                                 "lcs:TwoQ", "lcs:LRU"}
+    assert doc["results"][0]["capacity_blocks"] < doc["results"][1]["capacity_blocks"]
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_says_how_to_install_a_missing_libcachesim(tmp_path, monkeypatch):
+    from testbed.sim import baselines
+    monkeypatch.setattr(baselines, "_lcs", None)
+    trace = write_lines(tmp_path / "t.jsonl", GOOD)
+    res = CliRunner().invoke(main, ["policy-eval", "--trace", str(trace)])
+    assert res.exit_code == 1 and f"pip install libcachesim=={VERSION}" in res.output
 
 
 @pytest.mark.parametrize("args, message", [
     (["--capacity", "0"], "must be > 0"),
     (["--capacity", "-3"], "must be > 0"),
     (["--policies", "lru,fifo"], "unknown policy fifo"),
+    (["--policies", "ARC,lcs:NoSuch"], "unknown policy lcs:NoSuch"),
+    (["--capacity", "3", "--policies", "S3FIFO"], "too small for S3FIFO"),
+    (["--sweep", "0.1,0"], "must be > 0"),
 ])
 def test_cli_bad_arguments(tmp_path, args, message):
     trace = write_lines(tmp_path / "t.jsonl", GOOD)
