@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -17,7 +18,7 @@ import click
 from . import client as kvclient
 from .hashing import DEFAULT_BLOCK_TOKENS, block_hashes
 from kvproto import MAX_PAYLOAD, PORT
-from kvproto.cli import SizeType
+from kvproto.cli import SizeType, one_line_errors
 from .server import serve as serve_forever
 
 def _key(text: str) -> bytes:
@@ -30,7 +31,7 @@ def _key(text: str) -> bytes:
     return key
 
 
-def _pools(values) -> list[tuple[str, int]]:
+def _pools(ctx, param, values) -> list[tuple[str, int]]:
     try:
         return [kvclient.parse_addr(v) for v in values]
     except ValueError as exc:
@@ -38,6 +39,7 @@ def _pools(values) -> list[tuple[str, int]]:
 
 
 pool_opt = click.option("--pool", "pools", multiple=True, required=True, metavar="IP[:PORT]",
+                        callback=_pools,
                         help="Pool node address (repeatable; blocks are spread by key).")
 ns_opt = click.option("--ns", type=click.IntRange(0, 0xFFFFFFFF), default=1, show_default=True,
                       help="Namespace id.")
@@ -58,7 +60,8 @@ def _run(coro):
         sys.exit(1)
 
 
-@click.group()
+@click.group(cls=one_line_errors("hostagent", kvclient.BlockNotFound, kvclient.TransferTimeout,
+                                  kvclient.Refused))
 @click.option("-v", "--verbose", is_flag=True)
 def main(verbose):
     """KV block protocol endpoints: pool node server and inference node client."""
@@ -77,12 +80,19 @@ def serve(bind, port, capacity, stats_file):
     """Run a pool (storage) node until interrupted."""
     if capacity <= 0:
         raise click.BadParameter("capacity must be positive", param_hint="--capacity")
+    if stats_file:
+        where = os.path.dirname(os.path.abspath(stats_file))
+        if not os.path.isdir(where) or not os.access(where, os.W_OK):
+            raise click.BadParameter(f"cannot write into {where}", param_hint="--stats-file")
 
     async def go():
         ready, stop = asyncio.Event(), asyncio.Event()
         server = {}
         task = asyncio.create_task(serve_forever(bind, port, capacity, ready, stop, server))
-        await ready.wait()
+        await asyncio.wait([task, asyncio.create_task(ready.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()                  # start-up failed: raise why
         loop = asyncio.get_running_loop()
 
         def dump():
@@ -121,7 +131,7 @@ def put(pools, ns, key, path, chunk_size, window, deadline):
         raise click.BadParameter("the block is empty", param_hint="--file")
 
     async def go():
-        async with kvclient.KVClient(_pools(pools), chunk_size, window, deadline) as c:
+        async with kvclient.KVClient(pools, chunk_size, window, deadline) as c:
             return await c.put_block(ns, _key(key), data)
 
     stats = _run(go())
@@ -142,7 +152,7 @@ def put(pools, ns, key, path, chunk_size, window, deadline):
 def get(pools, ns, key, out, no_cache, start_at, chunk_size, window, deadline):
     """Fetch a whole block, byte-exact; prints where its chunks came from."""
     async def go():
-        async with kvclient.KVClient(_pools(pools), chunk_size, window, deadline) as c:
+        async with kvclient.KVClient(pools, chunk_size, window, deadline) as c:
             if start_at:
                 await asyncio.sleep(max(0.0, start_at - time.time()))
             return await c.get_block(ns, _key(key), no_cache=no_cache)

@@ -5,7 +5,7 @@ pipelined (a window of them in flight per block, halved when a timeout fires and
 per window's worth of answers, as TCP does), lost ones are sent again after an adaptive
 retransmission timeout (RFC 6298 estimator, Karn's rule, exponential backoff), and the whole
 operation fails with TransferTimeout after ``deadline`` seconds. Every reply is checked against
-what was asked (namespace, key, chunk) and its payload against its CRC-32; a chunk whose bytes
+what was asked (sender, namespace, key, chunk) and its payload against its CRC-32; a chunk whose bytes
 are wrong is counted and fetched again with KV_F_NO_CACHE so the switch's copy is bypassed.
 Which pool node owns a block is decided by rendezvous hashing over the configured pools.
 """
@@ -61,13 +61,19 @@ class TransferStats:
 
 
 def parse_addr(text: str, default_port: int = PORT) -> tuple[str, int]:
-    """'10.0.0.1' or '10.0.0.1:19286' -> (host, port)."""
+    """'10.0.0.1', 'pool-3' or '10.0.0.1:19286' -> (IPv4 address, port); a name is resolved
+    now, so replies can be matched to the address asked."""
     host, sep, port = text.rpartition(":")
     if not sep:
-        return text, default_port
+        host, port = text, str(default_port)
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"bad port in address {text!r}")
-    return host, int(port)
+    try:
+        addr = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+    except (socket.gaierror, UnicodeError):
+        raise ValueError(f"pool address {host!r} is not an IPv4 address or a name that "
+                         "resolves to one") from None
+    return addr, int(port)
 
 
 def pool_for(pools: Sequence[tuple[str, int]], ns: int, key: bytes) -> tuple[str, int]:
@@ -164,7 +170,9 @@ class _Transfer:
             self._send(item, tries + 1)
         self._arm()
 
-    def on_message(self, msg: Message) -> None:
+    def on_message(self, msg: Message, sender) -> None:
+        if sender != self.addr:
+            return                 # only the pool node asked (or the switch in its name) answers
         item = self.rid_item.get(msg.req_id)
         if item is None or item not in self.outstanding or self.future.done():
             return
@@ -199,7 +207,8 @@ class KVClient:
             raise ValueError(f"chunk size must be 1..{MAX_PAYLOAD} bytes")
         if window < 1:
             raise ValueError("window must be at least 1")
-        self.pools = [parse_addr(p) if isinstance(p, str) else tuple(p) for p in pools]
+        self.pools = [parse_addr(p) if isinstance(p, str) else parse_addr(f"{p[0]}:{p[1]}")
+                      for p in pools]
         if not self.pools:
             raise ValueError("no pool nodes configured")
         self.chunk_size, self.window, self.deadline, self.bind = chunk_size, window, deadline, bind
@@ -238,7 +247,7 @@ class KVClient:
         """Handle every datagram waiting on the socket (up to ``budget``, then yield)."""
         for _ in range(budget):
             try:
-                data = self._sock.recv(65536)
+                data, sender = self._sock.recvfrom(65536)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:  # an ICMP error queued on the socket (port unreachable ...)
@@ -250,7 +259,7 @@ class KVClient:
                 continue
             waiter = self._waiters.get(msg.req_id)
             if waiter is not None:
-                waiter.on_message(msg)
+                waiter.on_message(msg, sender)
 
     def _next_rid(self) -> int:
         return next(self._rids) & 0xFFFFFFFF

@@ -32,7 +32,8 @@ class SizeType(click.ParamType):
 
 
 def one_line_errors(prog: str, *errors: type[Exception]) -> type[click.Group]:
-    """A click Group class that prints ``errors`` as ``<prog>: error: <message>`` and exits 1."""
+    """A click Group class that prints ``errors`` (exit 1) and click's own usage errors (exit 2)
+    as one line, ``<prog>: error: <message>``."""
 
     class Group(click.Group):
         def invoke(self, ctx):
@@ -41,5 +42,19 @@ def one_line_errors(prog: str, *errors: type[Exception]) -> type[click.Group]:
             except errors as exc:
                 click.echo(f"{prog}: error: {exc}", err=True)
                 sys.exit(1)
+
+        def main(self, *args, **kwargs):
+            kwargs["standalone_mode"] = False
+            try:
+                super().main(*args, **kwargs)
+            except click.exceptions.Exit as exc:
+                sys.exit(exc.exit_code)
+            except click.ClickException as exc:
+                click.echo(f"{prog}: error: {exc.format_message()}", err=True)
+                sys.exit(exc.exit_code)
+            except click.exceptions.Abort:
+                click.echo(f"{prog}: aborted", err=True)
+                sys.exit(1)
+            sys.exit(0)
 
     return Group

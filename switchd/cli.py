@@ -5,6 +5,7 @@ are pinned). Errors the user can fix print one line and exit non-zero.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import time
 import tomllib
@@ -17,8 +18,8 @@ from kvproto.cli import one_line_errors, parse_size
 from . import netns
 from .cache import Cache, parse_key
 from .policy import DEFAULT_POLICY, POLICIES
-from .dataplane import (DEFAULT_PIN_DIR, DataPlane, Deployment, SwitchError, detach_port,
-                        pinned_deployment, preflight)
+from .dataplane import (DEFAULT_PIN_DIR, MODES, DataPlane, Deployment, SwitchError,
+                        detach_port, pinned_deployment, preflight)
 
 
 class Context:
@@ -60,23 +61,56 @@ def _load_config(path: str | None) -> dict:
         raise SwitchError(f"cannot read config {path}: {exc}") from None
 
 
+# config-file keys that are not spelled like their option, and how a table becomes option values
+CONFIG_KEYS = {"quotas": "quotas", "port_namespaces": "port_ns", "port_bindings": "port_bind",
+               "pending_timeout_ms": "pending_timeout_ms"}
+TABLE_KEYS = {"quotas", "port_namespaces", "port_bindings"}
+
+
+def _with_config(ctx: click.Context, path: str | None) -> dict:
+    """The command's values: the command line's, else the config file's (converted and checked
+    by the very types the options have), else the options' defaults."""
+    cfg, values = _load_config(path), dict(ctx.params)
+    params = {p.name: p for p in ctx.command.params if p.name != "config"}
+    for key, raw in cfg.items():
+        name = CONFIG_KEYS.get(key, key)
+        if name not in params:
+            raise SwitchError(f"config {path}: unknown key {key!r}")
+        if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            continue
+        if key in TABLE_KEYS:
+            if not isinstance(raw, dict):
+                raise SwitchError(f"config {path}: {key} must be a table")
+            raw = [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
+                   for k, v in raw.items()]
+        elif params[name].multiple and not isinstance(raw, list):
+            raise SwitchError(f"config {path}: {key} must be a list")
+        try:
+            values[name] = params[name].type_cast_value(ctx, raw)
+        except click.BadParameter as exc:
+            raise SwitchError(f"config {path}: {key}: {exc.message}") from None
+    return values
+
+
 @main.command()
 @click.option("--port", "ports", multiple=True, metavar="IF", help="Switch port (repeatable).")
 @click.option("--pool-port", "pool_ports", multiple=True, metavar="IF",
               help="Port facing a pool node; only its replies are learned (repeatable).")
 @click.option("--config", type=click.Path(dir_okay=False), help="TOML file with the same keys.")
-@click.option("--chunk-size", type=int, help="Chunk payload bytes (default 1024).")
-@click.option("--cache-entries", type=int, help="Chunks the cache holds (default 65536).")
-@click.option("--mode", type=click.Choice(["native", "generic"]), default="native",
-              show_default=True, help="XDP attach mode.")
-@click.option("--coalesce/--no-coalesce", default=None,
-              help="Hold concurrent misses for a chunk and replicate its reply (default on).")
-@click.option("--pending-timeout-ms", type=click.FloatRange(min=0, min_open=True),
-              help="A held round older than this is retried upstream (default 50).")
-@click.option("--policy", type=click.Choice([*POLICIES, "off"]), default=None,
-              help=f"Admission/eviction policy (default {DEFAULT_POLICY}; off: admit by hand).")
-@click.option("--interval", type=click.FloatRange(min=0.05), default=None,
-              help="Seconds between policy steps (default 1).")
+@click.option("--chunk-size", type=int, default=1024, show_default=True,
+              help="Chunk payload bytes.")
+@click.option("--cache-entries", type=int, default=65536, show_default=True,
+              help="Chunks the cache holds.")
+@click.option("--mode", type=click.Choice(MODES), default="native", show_default=True,
+              help="XDP attach mode.")
+@click.option("--coalesce/--no-coalesce", default=True, show_default=True,
+              help="Hold concurrent misses for a chunk and replicate its reply.")
+@click.option("--pending-timeout-ms", type=click.FloatRange(min=0, min_open=True), default=50,
+              show_default=True, help="A held round older than this is retried upstream.")
+@click.option("--policy", type=click.Choice([*POLICIES, "off"]), default=DEFAULT_POLICY,
+              show_default=True, help="Admission/eviction policy (off: admit by hand).")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
+              help="Seconds between policy steps.")
 @click.option("--fill-headroom", type=click.IntRange(min=0), default=None,
               help="Chunks kept free for speculative fills, blocks cached on their first miss "
                    "before the policy decides (default 1/16 of the cache; 0: off).")
@@ -85,55 +119,75 @@ def _load_config(path: str | None) -> dict:
 @click.option("--metrics-port", type=click.IntRange(1, 65535),
               help="Serve Prometheus metrics on this port.")
 @click.option("--port-ns", "port_ns", multiple=True, metavar="IF=NS[,NS...]",
-              help="Limit a port to these namespaces (repeatable); others are dropped.")
+              help="Limit a port to these namespaces (repeatable); requests for others, and "
+                   "frames the data plane cannot check, are dropped.")
+@click.option("--port-security", is_flag=True, default=False,
+              help="Bind every port to the source (MAC, IPv4) of its first frame; frames with "
+                   "another source are dropped.")
+@click.option("--port-bind", "port_bind", multiple=True, metavar="IF=MAC,IP",
+              help="Bind a port to this source (repeatable).")
+@click.option("--force", is_flag=True, default=False,
+              help="Take ports that run another XDP program (or another switch's).")
 @pass_ctx
-def run(obj: Context, ports, pool_ports, config, chunk_size, cache_entries, mode, coalesce,
-        pending_timeout_ms, policy, interval, fill_headroom, quotas, metrics_port, port_ns):
+def run(obj: Context, config, **_):
     """Load the data plane, attach it to the ports, and run until SIGINT/SIGTERM."""
-    from .daemon import Daemon
-    cfg = _load_config(config)
-    ports = list(ports) or list(cfg.get("ports", []))
-    pool_ports = list(pool_ports) or list(cfg.get("pool_ports", []))
-    for p in pool_ports:
-        if p not in ports:
-            ports.append(p)
+    from .daemon import Daemon, Settings
+    v = _with_config(click.get_current_context(), config)
+    ports = list(v["ports"])
+    ports += [p for p in v["pool_ports"] if p not in ports]
     if not ports:
         raise SwitchError("no ports: give --port IF (repeatable) or a --config with 'ports'")
-    dep = Deployment(chunk_size or cfg.get("chunk_size", 1024),
-                     cache_entries or cfg.get("cache_entries", 65536), obj.pin_dir)
-    coalesce = cfg.get("coalesce", True) if coalesce is None else coalesce
-    timeout_ms = pending_timeout_ms or cfg.get("pending_timeout_ms", 50)
-    policy = policy or cfg.get("policy", DEFAULT_POLICY)
-    quota_map = _parse_quotas(list(quotas) or [f"{k}={v}" for k, v in
-                                               cfg.get("quotas", {}).items()])
-    limits = _parse_port_ns(list(port_ns) or [f"{k}={','.join(map(str, v))}" for k, v in
-                                              cfg.get("port_namespaces", {}).items()], ports)
+    dep = Deployment(v["chunk_size"], v["cache_entries"], obj.pin_dir)
+    settings = Settings(
+        ports, list(v["pool_ports"]), v["mode"], v["coalesce"], v["pending_timeout_ms"] / 1000,
+        None if v["policy"] == "off" else v["policy"], v["interval"], _parse_quotas(v["quotas"]),
+        v["metrics_port"], _parse_port_ns(v["port_ns"], ports), v["fill_headroom"],
+        v["port_security"], _parse_bindings(v["port_bind"], ports), v["force"])
     obj.enter()
-    Daemon(dep, ports, pool_ports, mode, coalesce, timeout_ms / 1000,
-           None if policy == "off" else policy, interval or cfg.get("interval", 1.0),
-           quota_map, metrics_port or cfg.get("metrics_port"), limits,
-           fill_headroom if fill_headroom is not None else cfg.get("fill_headroom")).run()
+    Daemon(dep, settings).run()
 
 
-def _parse_port_ns(items: list[str], ports: list[str]) -> dict[str, list[int]]:
-    limits = {}
+def _port_items(items, ports: list[str], what: str, form: str):
     for item in items:
         port, sep, spec = item.partition("=")
+        if not sep or port not in ports:
+            raise SwitchError(f"{what} {item!r} is not {form} for one of the ports")
+        yield port, spec
+
+
+def _parse_port_ns(items, ports: list[str]) -> dict[str, list[int]]:
+    limits = {}
+    for port, spec in _port_items(items, ports, "--port-ns", "PORT=NS[,NS...]"):
         try:
             namespaces = [int(n) for n in spec.split(",") if n.strip()]
         except ValueError:
             namespaces = []
-        if not sep or not namespaces or port not in ports:
-            raise SwitchError(f"--port-ns {item!r} is not PORT=NS[,NS...] for one of the ports")
+        if not namespaces or not all(0 <= n <= 0xFFFFFFFF for n in namespaces):
+            raise SwitchError(f"--port-ns {port}={spec}: give namespaces 0..4294967295")
         limits[port] = namespaces
     return limits
 
 
-def _parse_quotas(items: list[str]) -> dict[int, int]:
+def _parse_bindings(items, ports: list[str]) -> dict[str, tuple[str, str]]:
+    out = {}
+    for port, spec in _port_items(items, ports, "--port-bind", "PORT=MAC,IP"):
+        mac, _, addr = spec.partition(",")
+        try:
+            if len(bytes.fromhex(mac.replace(":", ""))) != 6:
+                raise ValueError
+            ipaddress.IPv4Address(addr)
+        except ValueError:
+            raise SwitchError(f"--port-bind {port}={spec}: give a MAC and an IPv4 address, "
+                              "e.g. 02:00:00:00:00:01,198.18.0.1") from None
+        out[port] = (mac.lower(), addr)
+    return out
+
+
+def _parse_quotas(items) -> dict[int, int]:
     quotas = {}
     for item in items:
         ns, sep, size = item.partition("=")
-        if not sep or not ns.strip().isdigit():
+        if not sep or not ns.strip().isdigit() or int(ns) > 0xFFFFFFFF:
             raise SwitchError(f"quota {item!r} is not NS=SIZE (e.g. 3=64MiB)")
         try:
             quotas[int(ns)] = parse_size(size)

@@ -1,66 +1,139 @@
-"""The switch daemon's lifetime: attach the data plane to the ports, mark pool-node ports, run the
-admission/eviction policy every interval (and the metrics endpoint), stay up until
-SIGINT/SIGTERM, then detach cleanly. The maps stay pinned, so a restarted daemon (even
-after SIGKILL, when nothing is detached) carries on with the same cache and counters."""
+"""The switch daemon's lifetime: take the pin directory's lock, attach the data plane to the ports,
+set their roles and checks, run the admission/eviction policy every interval (and the metrics
+endpoint), stay up until SIGINT/SIGTERM, then detach cleanly. The maps stay pinned, so a
+restarted daemon (even after SIGKILL, when nothing is detached) carries on with the same cache
+and counters; a daemon that fails to start removes the maps it made and detaches what it
+attached."""
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import signal
 import threading
+from dataclasses import dataclass, field
 
-
-
-from .dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment
+from .dataplane import (MAP_NAMES, ROLE_HOST, ROLE_POOL, DataPlane, Deployment, SwitchError,
+                        ifindex)
 from .manager import CacheManager
 from .metrics import serve_metrics
 
 log = logging.getLogger("switchd")
+LOCK_DIR = "/run/kvswitch"
+
+
+@dataclass
+class Settings:
+    """Everything `switchd run` is told (options or config file)."""
+    ports: list[str]
+    pool_ports: list[str] = field(default_factory=list)
+    mode: str = "native"
+    coalesce: bool = True
+    pending_timeout: float = 0.05                 # seconds
+    policy: str | None = "prefix"                 # None: admit by hand only
+    interval: float = 1.0
+    quotas: dict[int, int] = field(default_factory=dict)          # ns -> bytes
+    metrics_port: int | None = None
+    port_namespaces: dict[str, list[int]] = field(default_factory=dict)
+    fill_headroom: int | None = None
+    port_security: bool = False                   # every port bound to its first source
+    port_bindings: dict[str, tuple[str, str]] = field(default_factory=dict)  # port -> MAC, IP
+    force: bool = False                           # take ports that run another program
+
+
+class PinLock:
+    """One daemon per pin directory: an flock on a file named after it under /run/kvswitch
+    (bpffs holds no regular files), held for the daemon's life."""
+
+    def __init__(self, pin_dir: str):
+        os.makedirs(LOCK_DIR, exist_ok=True)
+        self.path = os.path.join(LOCK_DIR, pin_dir.strip("/").replace("/", "-") + ".lock")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise SwitchError(f"another switchd (pid {owner}) runs with the maps in {pin_dir}: "
+                              "stop it first") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+
+    def release(self) -> None:
+        os.close(self.fd)
 
 
 class Daemon:
-    def __init__(self, deployment: Deployment, ports: list[str], pool_ports: list[str],
-                 mode: str = "native", coalesce: bool = True, pending_timeout: float = 0.05,
-                 policy: str | None = "prefix", interval: float = 1.0,
-                 quotas: dict[int, int] | None = None, metrics_port: int | None = None,
-                 port_namespaces: dict[str, list[int]] | None = None,
-                 fill_headroom: int | None = None):
-        self.deployment, self.ports, self.pool_ports, self.mode = (
-            deployment, ports, pool_ports, mode)
-        self.coalesce, self.pending_timeout = coalesce, pending_timeout
-        self.policy, self.interval, self.quotas = policy, interval, quotas or {}
-        self.metrics_port = metrics_port
-        self.port_namespaces = port_namespaces or {}
-        self.fill_headroom = fill_headroom
+    def __init__(self, deployment: Deployment, settings: Settings):
+        self.deployment, self.s = deployment, settings
         self.stop = threading.Event()
 
     def run(self) -> None:
-        dp = DataPlane(self.deployment)
-        for port in self.ports:
-            role = ROLE_POOL if port in self.pool_ports else ROLE_HOST
-            dp.set_port_role(port, role, self.port_namespaces.get(port))
-        dp.set_replication_ports(self.ports)
-        dp.set("coalesce", int(self.coalesce))
-        dp.set("pending_ns", int(self.pending_timeout * 1e9))
-        dp.set("spec_fill", 0)           # until the policy says how much room it leaves
-        manager = (CacheManager(dp, self.policy, self.quotas, self.fill_headroom)
-                   if self.policy else None)
-        if self.metrics_port:
-            serve_metrics(self.metrics_port, dp, manager)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: self.stop.set())
+        for port in self.s.ports:
+            ifindex(port)                      # the plainest mistake is reported first
+        pin_dir = self.deployment.pin_dir
+        lock = PinLock(pin_dir) if pin_dir else None
+        fresh = bool(pin_dir) and not os.path.exists(os.path.join(pin_dir, "kv_cache"))
+        dp = None
         try:
-            for port in self.ports:
-                dp.attach(port, self.mode)
-            print(f"switchd: serving on {','.join(self.ports)} ({self.mode} XDP), pool ports "
-                  f"{','.join(self.pool_ports) or 'none'}, coalescing "
-                  f"{'on' if self.coalesce else 'off'}, policy {self.policy or 'off'}, "
-                  f"maps in {self.deployment.pin_dir}", flush=True)
-            while not self.stop.wait(self.interval):
-                if manager:
+            dp = DataPlane(self.deployment)
+            manager = self._start(dp)
+        except BaseException:
+            if dp:
+                dp.detach_all()
+            if fresh:                          # leave no maps behind that this run made
+                for name in MAP_NAMES:
                     try:
-                        manager.step()
-                    except Exception:  # the data plane keeps serving; say so and go on
-                        log.exception("policy step failed")
+                        os.unlink(os.path.join(pin_dir, name))
+                    except FileNotFoundError:
+                        pass
+            if lock:
+                lock.release()
+            raise
+        try:
+            self._serve(dp, manager)
         finally:
             dp.detach_all()
+            if lock:
+                lock.release()
             print("switchd: detached", flush=True)
+
+    def _start(self, dp: DataPlane) -> CacheManager | None:
+        s = self.s
+        for port in s.ports:
+            dp.set_port_role(port, ROLE_POOL if port in s.pool_ports else ROLE_HOST,
+                             s.port_namespaces.get(port), s.port_security,
+                             s.port_bindings.get(port))
+        dp.set_replication_ports(s.ports)
+        dp.set("coalesce", int(s.coalesce))
+        dp.set("pending_ns", int(s.pending_timeout * 1e9))
+        dp.set("spec_fill", 0)           # until the policy says how much room it leaves
+        manager = (CacheManager(dp, s.policy, s.quotas, s.fill_headroom) if s.policy else None)
+        if s.metrics_port:
+            serve_metrics(s.metrics_port, dp, manager)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self.stop.set())
+        for port in s.ports:
+            dp.attach(port, s.mode, s.force)
+        return manager
+
+    def _serve(self, dp: DataPlane, manager: CacheManager | None) -> None:
+        s = self.s
+        secured = "all ports" if s.port_security else ",".join(s.port_bindings) or "off"
+        print(f"switchd: serving on {','.join(s.ports)} ({s.mode} XDP), pool ports "
+              f"{','.join(s.pool_ports) or 'none'}, coalescing {'on' if s.coalesce else 'off'}, "
+              f"policy {s.policy or 'off'}, port security {secured}, "
+              f"maps in {self.deployment.pin_dir}", flush=True)
+        bound = dp.port_sources()
+        while not self.stop.wait(s.interval):
+            if manager:
+                try:
+                    manager.step()
+                except Exception:  # the data plane keeps serving; say so and go on
+                    log.exception("policy step failed")
+            if s.port_security:
+                now = dp.port_sources()
+                for port, (mac, ip) in now.items():
+                    if bound.get(port) != (mac, ip):
+                        print(f"switchd: port {port} bound to {mac} {ip}", flush=True)
+                bound = now

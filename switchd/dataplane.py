@@ -29,7 +29,8 @@ MAX_CHUNK = 3424
 STAT_NAMES = {v: n[len("KV_STAT_"):].lower() for n, v in CONSTANTS.items()
               if n.startswith("KV_STAT_") and n != "KV_STAT_MAX"}
 MAP_NAMES = ("kv_cache", "kv_admit", "kv_ports", "kv_stats", "kv_settings", "kv_pending",
-             "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats", "kv_port_ns", "kv_ns_low")
+             "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats", "kv_port_ns", "kv_ns_low",
+             "kv_port_src")
 SETTINGS = {n[len("KV_SET_"):].lower(): v for n, v in CONSTANTS.items()
             if n.startswith("KV_SET_") and n != "KV_SET_MAX"}
 
@@ -144,14 +145,23 @@ def ifindex(name: str) -> int:
         raise SwitchError(f"no interface named {name!r} in this network namespace") from None
 
 
-def attached_program(ifname: str) -> str | None:
-    """Name of the XDP program attached to ``ifname`` (in this namespace), if any."""
+def attached_program(ifname: str) -> tuple[str | None, int | None]:
+    """Name and id of the XDP program attached to ``ifname`` (in this namespace), if any."""
     r = subprocess.run(["ip", "-j", "-d", "link", "show", "dev", ifname], capture_output=True,
                        text=True)
     if r.returncode:
-        return None
+        return None, None
     prog = (json.loads(r.stdout or "[{}]")[0].get("xdp") or {}).get("prog") or {}
-    return prog.get("name") or (f"id {prog['id']}" if "id" in prog else None)
+    if "id" not in prog:
+        return None, None
+    return prog.get("name") or f"id {prog['id']}", int(prog["id"])
+
+
+def program_map_ids(prog_id: int) -> set[int]:
+    """Kernel ids of the maps a loaded program uses (bpftool)."""
+    r = subprocess.run(["bpftool", "-j", "prog", "show", "id", str(prog_id)],
+                       capture_output=True, text=True)
+    return set(json.loads(r.stdout).get("map_ids", [])) if r.returncode == 0 else set()
 
 
 def detach_port(ifname: str, mode: str = "native") -> None:
@@ -184,8 +194,8 @@ class DataPlane:
             except Exception as exc:
                 raise SwitchError(f"compiling kvmaps.h failed: {exc}") from None
         (self.cache, self.admit, self.ports, self.stats, self.settings, self.pending,
-         self.waiters, self.sketch, self.recent, self.ns_stats, self.port_ns, self.ns_low) = (
-            self.bpf.get_table(n.encode()) for n in MAP_NAMES)
+         self.waiters, self.sketch, self.recent, self.ns_stats, self.port_ns, self.ns_low,
+         self.port_src) = (self.bpf.get_table(n.encode()) for n in MAP_NAMES)
         self.attached: dict[str, int] = {}
 
     @staticmethod
@@ -198,12 +208,20 @@ class DataPlane:
                     f"{pinned.chunk_size} bytes; start with those settings or remove the pins "
                     f"('switchd reset')")
 
-    def attach(self, ifname: str, mode: str = "native") -> None:
+    def attach(self, ifname: str, mode: str = "native", force: bool = False) -> None:
+        """Attach the ingress program. A port running a program that is not ours, or ours on
+        another switch's maps, is refused unless ``force``; ours on these maps (left by a
+        crashed daemon) is simply replaced."""
         ifindex(ifname)
-        other = attached_program(ifname)
-        if other and other != "kv_ingress":  # ours (a crashed daemon's) is simply replaced
-            raise SwitchError(f"{ifname} already runs XDP program {other!r}: remove it first "
-                              f"('switchd detach --port {ifname}')")
+        other, prog_id = attached_program(ifname)
+        if other and not force:
+            if other != "kv_ingress":
+                raise SwitchError(f"{ifname} already runs XDP program {other!r}: remove it "
+                                  f"first ('switchd detach --port {ifname}') or start with "
+                                  "--force")
+            if self.map_id("kv_cache") not in program_map_ids(prog_id):
+                raise SwitchError(f"{ifname} is served by another switch (with maps of its "
+                                  "own): stop it first or start with --force")
         try:
             attach_xdp(ifname, self.ingress, mode)
         except Exception as exc:
@@ -232,17 +250,45 @@ class DataPlane:
     def get(self, name: str) -> int:
         return int(self.settings[self.settings.Key(SETTINGS[name])].value)
 
-    def set_port_role(self, ifname: str, role: int, namespaces: list[int] | None = None) -> None:
-        """A port's role; ``namespaces``, if given, are the only ones it may ask for."""
+    def map_id(self, name: str) -> int:
+        """The kernel's id of one of the switch's maps."""
+        return libbpf.map_info_by_fd(self.bpf.get_table(name.encode()).get_fd()).id
+
+    def set_port_role(self, ifname: str, role: int, namespaces: list[int] | None = None,
+                      secured: bool = False, source: tuple[str, str] | None = None) -> None:
+        """A port's role and checks. ``namespaces``: the only ones it may ask for (and only
+        frames the data plane can check pass). ``secured``: its frames must carry one source,
+        ``source`` (MAC, IPv4) if given, else the first one it sends (sticky; a binding
+        learned before is kept)."""
         index = ifindex(ifname)
         for k in [k for k in self.port_ns.keys() if k.ifindex == index]:
             del self.port_ns[k]
         for ns in namespaces or []:
             self.port_ns[self.port_ns.Key(index, ns)] = self.port_ns.Leaf(1)
-        limited = CONSTANTS["KV_PF_NS_LIMITED"]
-        self.ports[self.ports.Key(index)] = self.ports.Leaf(role=role,
-                                                            flags=limited if namespaces else 0)
-        self.set("ns_limits", int(any(v.flags & limited for v in self.ports.values())))
+        key = self.port_src.Key(index)
+        if source:
+            v = self.port_src.Leaf()
+            ctypes.memmove(v.mac, bytes.fromhex(source[0].replace(":", "")), 6)
+            v.ip = int.from_bytes(socket.inet_aton(source[1]), "little")
+            self.port_src[key] = v
+        elif not secured and key in self.port_src:
+            del self.port_src[key]
+        flags = ((CONSTANTS["KV_PF_NS_LIMITED"] if namespaces else 0) |
+                 (CONSTANTS["KV_PF_SECURED"] if secured or source else 0))
+        self.ports[self.ports.Key(index)] = self.ports.Leaf(role=role, flags=flags)
+        self.set("port_checks", int(any(v.flags for v in self.ports.values())))
+
+    def port_sources(self) -> dict[str, tuple[str, str]]:
+        """The bound (MAC, IPv4) source of each secured port, by interface name."""
+        out = {}
+        for k, v in self.port_src.items():
+            try:
+                name = socket.if_indextoname(k.value)
+            except OSError:
+                continue
+            out[name] = (":".join(f"{b:02x}" for b in bytes(v.mac)),
+                         socket.inet_ntoa(int(v.ip).to_bytes(4, "little")))
+        return out
 
     def counters(self) -> dict[str, int]:
         """Per-CPU counters summed, by name."""

@@ -65,15 +65,20 @@ def _check(ret: int, what: str) -> int:
     return ret
 
 
+def map_info_by_fd(fd: int, what: str = "a map") -> MapInfo:
+    """Id, type, key/value size and capacity of an open map."""
+    info = MapInfo()
+    size = ctypes.c_uint32(ctypes.sizeof(info))
+    _check(_lib.bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size)),
+           f"reading info of {what}")
+    return info
+
+
 def map_info(path: str) -> MapInfo:
-    """Type, key/value size and capacity of the map pinned at ``path``."""
+    """Id, type, key/value size and capacity of the map pinned at ``path``."""
     fd = _check(_lib.bpf_obj_get(path.encode()), f"opening pinned map {path}")
     try:
-        info = MapInfo()
-        size = ctypes.c_uint32(ctypes.sizeof(info))
-        _check(_lib.bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size)),
-               f"reading info of {path}")
-        return info
+        return map_info_by_fd(fd, path)
     finally:
         os.close(fd)
 

@@ -1,10 +1,13 @@
 """`testbed fuzz`: random and mutated frames through the switch's XDP program (BPF_PROG_TEST_RUN,
 populated cache, coalescing on), checked against a reference written independently in Python:
 
-  * XDP_TX only for a valid GET of a cached chunk with room for it, and then exactly the
-    reply the reference builds;
+  * XDP_TX only for a valid GET of a cached chunk with room for it (and a right UDP checksum,
+    if it has one), and then exactly the reply the reference builds;
   * a frame the reference calls invalid passes untouched and changes no map (cache, admit set,
-    pending rounds, waiters, recent misses, per-namespace counters).
+    pending rounds, waiters, recent misses, per-namespace counters);
+  * on a tenant port (limited to namespace 1 and bound to the host's source) every frame with
+    another source, every frame the data plane cannot check and every request for another
+    namespace is dropped, and changes no map.
 
 Frames start from valid templates (GET hit, GET miss, pool reply for an admitted block, PUT,
 other UDP, TCP, ARP) and are mutated in every header field, in length (truncated, extended,
@@ -35,6 +38,7 @@ from .lab import ip, write_json
 
 CHUNK = 512
 MACS = (bytes.fromhex("020000000001"), bytes.fromhex("020000000065"))
+TENANT_NS = (1,)
 HOST_IP, POOL_IP = socket.inet_aton("198.18.0.1"), socket.inet_aton("198.18.0.101")
 STATE_MAPS = ("cache", "admit", "pending", "waiters", "recent", "ns_stats")
 
@@ -72,8 +76,64 @@ def reference_parse(frame: bytes):
             f["len"] != tot - want or f["len"] > MAX_PAYLOAD or f["magic"] != MAGIC or
             f["version"] != VERSION or f["reserved"] != 0):
         return "bad"
-    f.update(sport=sport, dport=dport)
+    f.update(sport=sport, dport=dport, udp_ok=reference_udp_ok(frame))
     return f
+
+
+def reference_udp_ok(frame: bytes) -> bool:
+    """A GET's UDP checksum is absent, right with its room taken as the zeros it must be, or the
+    partial one a stack leaves for checksum offload (the pseudo-header's sum)."""
+    udp = frame[ETH + IPH:KV_OFF]
+    if udp[6:8] == b"\0\0":
+        return True
+    pseudo = frame[ETH + 12:ETH + 20] + b"\0\x11" + udp[4:6]
+    if struct.unpack("!H", udp[6:8])[0] == ~ip_checksum(pseudo) & 0xFFFF:
+        return True
+    return ip_checksum(pseudo + udp + frame[KV_OFF:KV_OFF + HEADER_LEN]) == 0
+
+
+def reference_source_ok(frame: bytes, mac: bytes, addr: bytes) -> bool:
+    """A secured port's frame carries its bound source: Ethernet source; IPv4 source, or ARP
+    sender (0.0.0.0 for a probe) whose hardware address is the frame's; no VLAN tag."""
+    proto, sip = frame[12:14], None
+    if proto == b"\x08\x00":
+        if len(frame) < ETH + IPH:
+            return False
+        sip = frame[ETH + 12:ETH + 16]
+    elif proto == b"\x08\x06":
+        if len(frame) < ETH + 18 or frame[18] != 6 or frame[19] != 4 or frame[22:28] != frame[6:12]:
+            return False
+        sip = frame[28:32]
+    elif proto in (b"\x81\x00", b"\x88\xa8"):
+        return False
+    if frame[6:12] != mac:
+        return False
+    return sip is None or sip == addr or (proto == b"\x08\x06" and sip == bytes(4))
+
+
+def reference_limited_may_pass(frame: bytes) -> bool:
+    """What a limited port may send besides valid KV: ARP, IPv4 without options unfragmented,
+    IPv6 with TCP, ICMPv6 or UDP not to the KV port next."""
+    proto = frame[12:14]
+    if proto == b"\x08\x06":
+        return True
+    if proto == b"\x08\x00":
+        return (len(frame) >= ETH + IPH and frame[ETH] & 0xF == 5 and
+                not struct.unpack("!H", frame[ETH + 6:ETH + 8])[0] & 0x3FFF)
+    if proto != b"\x86\xdd" or len(frame) < ETH + 40:
+        return False
+    nexthdr = frame[ETH + 6]
+    return nexthdr in (6, 58) or (nexthdr == 17 and len(frame) >= ETH + 48 and
+                                  struct.unpack("!H", frame[ETH + 42:ETH + 44])[0] != PORT)
+
+
+def reference_port_drops(frame: bytes, ref) -> bool:
+    """Whether the tenant port's checks must drop ``frame`` (``ref``: reference_parse's)."""
+    if not reference_source_ok(frame, MACS[0], HOST_IP):
+        return True
+    if not isinstance(ref, dict):
+        return not (ref is None and reference_limited_may_pass(frame))
+    return ref["dport"] == PORT and ref["ns"] not in TENANT_NS
 
 
 def reference_reply(frame: bytes, f: dict, payload: bytes, nchunks: int) -> bytes:
@@ -106,16 +166,18 @@ class Corpus:
         host = (MACS[0], MACS[1], HOST_IP, POOL_IP, rng.randrange(32768, 61000), PORT)
         if r < 0.45:
             get = kv(Op.GET, 1, key, chunk, room=CHUNK, req_id=rng.getrandbits(32))
-            return build(*host, get), "host"
+            return build(*host, get), rng.choice(("host", "tenant"))
         if r < 0.7:
             payload = self.payloads.get((key, chunk), rng.randbytes(100))
             pool = (MACS[1], MACS[0], POOL_IP, HOST_IP, PORT, rng.randrange(32768, 61000))
             return build(*pool, kv(Op.GET_REPLY, 1, key, chunk, self.nchunks,
                                    payload=payload)), rng.choice(("pool", "host"))
         if r < 0.8:
-            return build(*host, kv(Op.PUT, 1, key, 0, 1, payload=b"x" * 40)), "host"
+            return build(*host, kv(Op.PUT, 1, key, 0, 1, payload=b"x" * 40)), \
+                rng.choice(("host", "tenant"))
         if r < 0.9:
-            return build(*host[:4], 53, 53, rng.randbytes(rng.randrange(0, 200))), "host"
+            return build(*host[:4], 53, 53, rng.randbytes(rng.randrange(0, 200))), \
+                rng.choice(("host", "tenant"))
         return build(*host[:4], 5201, PORT, rng.randbytes(60), proto=6), "host"
 
     def mutate(self, frame: bytes) -> bytes:
@@ -143,8 +205,9 @@ def _ports():
     ip("netns", "add", name)
     try:
         ip("link", "add", "host", "type", "veth", "peer", "name", "pool", ns=name)
+        ip("link", "add", "tenant", "type", "veth", "peer", "name", "spare", ns=name)
         with netns.inside(name):
-            yield {p: socket.if_nametoindex(p) for p in ("host", "pool")}
+            yield {p: socket.if_nametoindex(p) for p in ("host", "pool", "tenant")}
     finally:
         ip("netns", "del", name, check=False)
 
@@ -158,11 +221,13 @@ def _state(dp) -> tuple:
 def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print) -> dict:
     rng = random.Random(seed)
     corpus = Corpus(rng)
-    violations, kinds = [], {"valid": 0, "invalid": 0, "not_kv": 0, "tx": 0}
+    violations, kinds = [], {"valid": 0, "invalid": 0, "not_kv": 0, "tx": 0, "port_drops": 0}
     start = time.monotonic()
     with _ports() as ports:
         dp = DataPlane(Deployment(chunk_size=CHUNK, cache_entries=256, pin_dir=None))
         dp.ports[dp.ports.Key(ports["pool"])] = dp.ports.Leaf(role=ROLE_POOL)
+        dp.set_port_role("tenant", ROLE_HOST, namespaces=list(TENANT_NS),   # we are in its netns
+                         source=(MACS[0].hex(":"), socket.inet_ntoa(HOST_IP)))
         dp.set("coalesce", 1)
         dp.set("pending_ns", 10 ** 8)
         cache = Cache(dp)
@@ -177,18 +242,23 @@ def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print
                 frame, port = corpus.template()
                 if rng.random() < 0.8:
                     frame = corpus.mutate(frame)
-                batch.append((frame, port, reference_parse(frame)))
-            # frames the reference rejects first, with the state compared around them
-            invalid = [x for x in batch if x[2] is None or x[2] == "bad"]
+                ref = reference_parse(frame)
+                drop = port == "tenant" and reference_port_drops(frame, ref)
+                batch.append((frame, port, "drop" if drop else ref))
+            # frames the reference rejects or the port must drop first, with the state compared
+            # around them
+            invalid = [x for x in batch if not isinstance(x[2], dict)]
             before = _state(dp)
             for frame, port, ref in invalid:
-                kinds["not_kv" if ref is None else "invalid"] += 1
+                kinds["port_drops" if ref == "drop" else "not_kv" if ref is None
+                      else "invalid"] += 1
+                want = XDP.DROP if ref == "drop" else XDP.PASS
                 verdict, out = xdp_test_run(dp.ingress.fd, frame, ifindex=ports[port])
-                if verdict != XDP.PASS or out != frame:
-                    violations.append({"what": "invalid frame answered or altered",
-                                       "verdict": verdict, "frame": frame.hex()})
+                if verdict != want or out != frame:
+                    violations.append({"what": f"frame not left untouched with {want.name}",
+                                       "port": port, "verdict": verdict, "frame": frame.hex()})
             if _state(dp) != before:
-                violations.append({"what": "invalid frames changed map state",
+                violations.append({"what": "invalid or dropped frames changed map state",
                                    "frames": [f.hex() for f, _, _ in invalid][:8]})
             for frame, port, ref in (x for x in batch if isinstance(x[2], dict)):
                 kinds["valid"] += 1
@@ -198,6 +268,7 @@ def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print
                     kinds["tx"] += 1
                     ok = (ref["op"] == Op.GET and ref["dport"] == PORT and got is not None and
                           not ref["flags"] & Flag.NO_CACHE and got[0].len <= ref["len"] and
+                          ref["udp_ok"] and
                           out == reference_reply(frame, ref, got[1], got[0].nchunks))
                     if not ok:
                         violations.append({"what": "XDP_TX that is not the exact reply",
@@ -209,7 +280,7 @@ def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print
               "examples": violations[:5], **kinds,
               "seconds": round(time.monotonic() - start, 2), "counters": dp.counters()}
     log(f"fuzz: {frames} frames ({kinds['valid']} valid KV, {kinds['invalid']} invalid KV, "
-        f"{kinds['not_kv']} not KV, {kinds['tx']} answered), {len(violations)} violation(s), "
-        f"{result['seconds']}s")
+        f"{kinds['not_kv']} not KV, {kinds['port_drops']} dropped by the tenant port's checks, "
+        f"{kinds['tx']} answered), {len(violations)} violation(s), {result['seconds']}s")
     write_json(json_path, result)
     return result

@@ -20,7 +20,7 @@ NS = 1
 @pytest.fixture(scope="module")
 def lab():
     with leaves_no_namespaces(f"t{os.getpid() % 100000}") as prefix, \
-            Lab(prefix, hosts=2, pools=1) as running:
+            Lab(prefix, hosts=2, pools=1, switchd_args=("--port-security",)) as running:
         yield running
 
 
@@ -248,10 +248,30 @@ def test_a_port_running_someone_elses_program_is_refused():
         r = subprocess.run(python_argv("switchd", "--netns", topo.node("h1").netns, "--pin-dir",
                                        topo.pin_dir, "run", "--port", "eth0"),
                            capture_output=True, text=True, timeout=120)
+        pins_left = os.path.exists(topo.pin_dir) and os.listdir(topo.pin_dir)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [
         "switchd: error: eth0 already runs XDP program 'xdp_pass': remove it first "
-        "('switchd detach --port eth0')"]
+        "('switchd detach --port eth0') or start with --force"]
+    assert not pins_left, f"a failed start left pinned maps behind: {pins_left}"
+
+
+def test_a_second_daemon_cannot_take_the_first_ones_ports(lab):
+    """Not with the same maps (one daemon per pin directory), not with its own maps (the ports
+    are another switch's) unless told --force; the first one keeps serving either way."""
+    ports = [a for n in lab.topo.nodes for a in ("--port", n.name)]
+    same = lab.switchd("run", *ports, check=False)
+    assert same.returncode == 1 and "another switchd (pid" in same.stderr
+    other_pins = lab.topo.pin_dir + "-other"
+    r = subprocess.run(python_argv("switchd", "--netns", lab.topo.switch_ns, "--pin-dir",
+                                   other_pins, "run", *ports), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "is served by another switch" in r.stderr, r.stderr
+    assert not os.path.exists(other_pins + "/kv_cache"), "a failed start left its maps"
+    assert lab.switch.poll() is None
+    key, block = os.urandom(16), os.urandom(10 * 1024)
+    lab.put("h1", NS, key, block)
+    assert lab.get("h2", NS, key)[1] == block
 
 
 def test_blocks_arrive_byte_exact_over_lossy_links(lab):

@@ -17,8 +17,8 @@ from switchd.cache import Cache
 from switchd.dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment
 from switchd.libbpf import xdp_test_run
 from testbed.lab.topology import ip
-from xdp_fixtures import (CASES, KEY, PAYLOAD, Case, get_frame, put_frame,  # noqa: F401
-                          reply_frame)
+from xdp_fixtures import (CASES, HOST_IP, HOST_MAC, KEY, OTHER_IP, PAYLOAD, Case,  # noqa: F401
+                          get_frame, put_frame, reply_frame)
 
 pytestmark = pytest.mark.bpf
 
@@ -74,16 +74,18 @@ def test_fixture(dp, cache, case: Case):
         cache.put(ns, key, chunk, payload, nchunks)
     for ns, key in case.admitted:
         cache.admit(ns, key)
-    limited = [socket.if_indextoname(PORTS[p]) for p in case.port_ns]
-    for port, namespaces in case.port_ns.items():
-        dp.set_port_role(socket.if_indextoname(PORTS[port]), ROLE_HOST, namespaces=namespaces)
+    checked = [socket.if_indextoname(PORTS[p]) for p in {*case.port_ns, *case.secure}]
+    for name in checked:
+        port = next(p for p in PORTS if socket.if_indextoname(PORTS[p]) == name)
+        dp.set_port_role(name, ROLE_POOL if port == "pool" else ROLE_HOST,
+                         namespaces=case.port_ns.get(port), source=case.secure.get(port))
     try:
         entries, before = cache.entries(), dp.counters()
         verdict, out = run(dp, case.frame, case.port)
         after = dp.counters()
     finally:
-        for name in limited:
-            dp.set_port_role(name, ROLE_HOST)
+        for name in checked:
+            dp.set_port_role(name, ROLE_POOL if name == "poolport" else ROLE_HOST)
     assert verdict == case.verdict
     assert out == (case.frame if case.out is None else case.out), "wrong output frame"
     for counter, delta in case.counters.items():
@@ -274,12 +276,50 @@ def test_stale_round_is_retried_upstream(coalescing):
     assert list(dp.pending.values())[0].first_ifindex == PORTS["host2"]
 
 
+@pytest.mark.parametrize("elsewhere", [dict(dst="198.18.0.250"), dict(dst_mac="02:00:00:00:00:fa"),
+                                       dict(dst="198.18.0.250", dst_mac="02:00:00:00:00:fa")])
+def test_a_round_holds_only_gets_addressed_where_it_went(coalescing, elsewhere):
+    """A round sent where nobody answers (to stall others) must not capture the GETs of the
+    chunk's real pool node; and a round to the pool does not capture GETs sent elsewhere."""
+    dp = coalescing
+    stall = bytes(get_frame(req_id=1, src=HOST2_IP, **elsewhere))
+    assert run(dp, stall, port="host2") == (XDP.PASS, stall)
+    before = dp.counters()
+    real = bytes(get_frame(req_id=2))
+    assert run(dp, real) == (XDP.PASS, real), "the real GET goes on to the pool node"
+    after = dp.counters()
+    assert after["other_dest"] - before["other_dest"] == 1
+    assert after["coalesced"] == before["coalesced"]
+    assert list(dp.pending.values())[0].waiters == 1
+
+
 def test_coalescing_off_forwards_every_miss(dp, cache):
     for port, req in (("host", 1), ("host2", 2)):
         frame = bytes(get_frame(req_id=req))
         assert run(dp, frame, port=port) == (XDP.PASS, frame)
     assert len(dp.pending) == 1, "the request is outstanding (its reply may be learned)"
     assert len(dp.waiters) == 0, "but nobody is held"
+
+
+# ---- port security ---------------------------------------------------------------------------
+def test_a_secured_port_binds_to_its_first_source(dp, cache):
+    host = socket.if_indextoname(PORTS["host"])
+    dp.set_port_role(host, ROLE_HOST, secured=True)
+    try:
+        assert host not in dp.port_sources()
+        before = dp.counters()
+        frame = bytes(get_frame())
+        assert run(dp, frame) == (XDP.PASS, frame)          # a miss; it binds the port
+        assert dp.port_sources()[host] == (HOST_MAC, HOST_IP)
+        assert dp.counters()["src_learned"] - before["src_learned"] == 1
+        assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.DROP
+        dp.set_port_role(host, ROLE_HOST, secured=True)     # a restarted daemon keeps it
+        assert dp.port_sources()[host] == (HOST_MAC, HOST_IP)
+        assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.DROP
+    finally:
+        dp.set_port_role(host, ROLE_HOST)
+    assert host not in dp.port_sources()
+    assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.PASS
 
 
 # ---- puts ----------------------------------------------------------------------------------

@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scapy.layers.inet import IP, TCP, UDP
-from scapy.layers.inet6 import IPv6
+from scapy.layers.inet6 import IPv6, ICMPv6EchoRequest
 from scapy.layers.l2 import ARP, Dot1Q, Ether
 from scapy.packet import Raw
 
 from kvproto import OFFSET, PORT, Flag, Op, checksum
-from kvproto.frames import HDR_OFF, IPV4_LEN, XDP
+from kvproto.frames import HDR_OFF, IPV4_LEN, XDP, ip_checksum
 from kvproto.frames import ETH_LEN as ETH
 from kvproto.scapy_layer import KV
 
@@ -25,9 +25,9 @@ CACHED = ((5, KEY, 3, PAYLOAD, 9),)          # (ns, key, chunk, payload, nchunks
 
 
 def get_frame(key=KEY, chunk=3, room=1024, ns=5, kvflags=0, req_id=0xABCD, src=HOST_IP,
-              sport=40000, **ip):
-    return (Ether(src=HOST_MAC, dst=POOL_MAC) /
-            IP(src=src, dst=POOL_IP, id=77, **ip) /
+              sport=40000, dst=POOL_IP, dst_mac=POOL_MAC, **ip):
+    return (Ether(src=HOST_MAC, dst=dst_mac) /
+            IP(src=src, dst=dst, id=77, **ip) /
             UDP(sport=sport, dport=PORT) /
             KV(op=Op.GET, ns=ns, req_id=req_id, key=key, chunk=chunk, flags=kvflags) /
             Raw(bytes(room)))
@@ -67,8 +67,21 @@ class Case:
     cached: tuple = CACHED
     admitted: tuple = ()              # (ns, key) of blocks in the admit set
     port_ns: dict = field(default_factory=dict)   # port -> namespaces it is limited to
+    secure: dict = field(default_factory=dict)    # port -> (MAC, IP) it is bound to
     counters: dict = field(default_factory=dict)  # counter -> expected increase
     cache_unchanged: bool = True
+
+
+def _with_udp_checksum(value: int | None) -> bytes:
+    """get_frame() with this UDP checksum; None: the partial one a stack leaves for offload
+    (the pseudo-header's folded sum, not complemented)."""
+    frame = bytearray(bytes(get_frame()))
+    at = ETH + IPV4_LEN + 6
+    if value is None:
+        pseudo = bytes(frame[ETH + 12:ETH + 20]) + b"\0\x11" + bytes(frame[at - 2:at])
+        value = ~ip_checksum(pseudo) & 0xFFFF
+    frame[at:at + 2] = value.to_bytes(2, "big")
+    return bytes(frame)
 
 
 def _malformed() -> list[tuple[str, bytes]]:
@@ -106,6 +119,16 @@ def _malformed() -> list[tuple[str, bytes]]:
     ]
 
 
+OTHER_MAC, OTHER_IP = "02:00:00:00:00:02", "198.18.0.2"    # another host's source
+BOUND = {"host": (HOST_MAC, HOST_IP)}
+LIMITED = {"host": [5]}
+
+
+def kv_get_over(l3) -> bytes:
+    """get_frame()'s UDP datagram in other wrappings (IP options, fragments, tags, IPv6)."""
+    return bytes(l3 / get_frame()[UDP])
+
+
 CASES = [
     Case("hit becomes the exact reply", bytes(get_frame()), XDP.TX, switch_reply(),
          counters={"get_hit": 1, "hit_bytes": len(PAYLOAD), "xdp_tx": 1},
@@ -136,4 +159,75 @@ CASES = [
          port_ns={"host": [6]}, counters={"denied": 1}),
     Case("a limited port may write into its own tenant", bytes(put_frame(ns=6)), XDP.PASS,
          port_ns={"host": [6]}, counters={"other_kv": 1}),
+
+    # port security: a secured port's frames carry its bound source
+    Case("secured port: its own source is served", bytes(get_frame()), XDP.TX, switch_reply(),
+         secure=BOUND, cache_unchanged=False),
+    Case("secured port: another source MAC", bytes(Ether(src=OTHER_MAC, dst=POOL_MAC) /
+                                                   get_frame()[IP]), XDP.DROP,
+         secure=BOUND, counters={"spoofed": 1}),
+    Case("secured port: another source IP", bytes(get_frame(src=OTHER_IP)), XDP.DROP,
+         secure=BOUND, counters={"spoofed": 1}),
+    Case("secured port: ARP claiming another address",
+         bytes(Ether(src=HOST_MAC, dst="ff:ff:ff:ff:ff:ff") /
+               ARP(op=2, hwsrc=HOST_MAC, psrc=OTHER_IP, pdst=POOL_IP)), XDP.DROP, secure=BOUND),
+    Case("secured port: ARP with another sender MAC",
+         bytes(Ether(src=HOST_MAC, dst="ff:ff:ff:ff:ff:ff") /
+               ARP(hwsrc=OTHER_MAC, psrc=HOST_IP, pdst=POOL_IP)), XDP.DROP, secure=BOUND),
+    Case("secured port: its own ARP passes", bytes(Ether(src=HOST_MAC, dst="ff:ff:ff:ff:ff:ff") /
+                                                   ARP(hwsrc=HOST_MAC, psrc=HOST_IP,
+                                                       pdst=POOL_IP)), XDP.PASS, secure=BOUND),
+    Case("secured port: an address probe passes",
+         bytes(Ether(src=HOST_MAC, dst="ff:ff:ff:ff:ff:ff") /
+               ARP(hwsrc=HOST_MAC, psrc="0.0.0.0", pdst=HOST_IP)), XDP.PASS, secure=BOUND),
+    Case("secured port: a VLAN tag hides the source", bytes(
+        Ether(src=HOST_MAC, dst=POOL_MAC) / Dot1Q(vlan=0) / get_frame()[IP]), XDP.DROP,
+        secure=BOUND),
+    Case("secured port: IPv6 from its MAC passes", bytes(
+        Ether(src=HOST_MAC, dst=POOL_MAC) / IPv6(src="fe80::1", dst="fe80::2") /
+        ICMPv6EchoRequest()), XDP.PASS, secure=BOUND),
+    # a limited port sends only what the data plane can check
+    Case("limited port: a GET with IP options", kv_get_over(
+        Ether(src=HOST_MAC, dst=POOL_MAC) / IP(src=HOST_IP, dst=POOL_IP, options=b"\x01" * 4)),
+        XDP.DROP, port_ns=LIMITED, counters={"unchecked": 1}),
+    Case("limited port: a GET's first fragment", kv_get_over(
+        Ether(src=HOST_MAC, dst=POOL_MAC) / IP(src=HOST_IP, dst=POOL_IP, flags="MF")),
+        XDP.DROP, port_ns=LIMITED, counters={"unchecked": 1}),
+    Case("limited port: a later fragment", bytes(Ether(src=HOST_MAC, dst=POOL_MAC) /
+                                                 IP(src=HOST_IP, dst=POOL_IP, frag=100, proto=17) /
+                                                 Raw(b"x" * 64)), XDP.DROP, port_ns=LIMITED),
+    Case("limited port: a VLAN-tagged GET", kv_get_over(
+        Ether(src=HOST_MAC, dst=POOL_MAC) / Dot1Q(vlan=0) / IP(src=HOST_IP, dst=POOL_IP)),
+        XDP.DROP, port_ns=LIMITED),
+    Case("limited port: a GET over IPv6", kv_get_over(
+        Ether(src=HOST_MAC, dst=POOL_MAC) / IPv6(src="fe80::1", dst="fe80::2")),
+        XDP.DROP, port_ns=LIMITED),
+    Case("limited port: an invalid KV frame", _malformed()[4][1], XDP.DROP, port_ns=LIMITED),
+    Case("limited port: another protocol", bytes(Ether(src=HOST_MAC, type=0x88CC) /
+                                                 Raw(b"lldp" * 16)), XDP.DROP, port_ns=LIMITED),
+    Case("limited port: IPv6 UDP elsewhere passes", bytes(
+        Ether(src=HOST_MAC, dst=POOL_MAC) / IPv6(src="fe80::1", dst="fe80::2") /
+        UDP(dport=53) / Raw(b"q")), XDP.PASS, port_ns=LIMITED),
+    Case("limited port: IPv6 TCP passes", bytes(
+        Ether(src=HOST_MAC, dst=POOL_MAC) / IPv6(src="fe80::1", dst="fe80::2") / TCP()),
+        XDP.PASS, port_ns=LIMITED),
+    Case("limited port: IPv4 TCP passes", bytes(
+        Ether(src=HOST_MAC, dst=POOL_MAC) / IP(src=HOST_IP, dst=POOL_IP) / TCP(dport=5201)),
+        XDP.PASS, port_ns=LIMITED, counters={"non_kv": 1}),
+    Case("limited port: ARP passes", bytes(Ether(src=HOST_MAC, dst="ff:ff:ff:ff:ff:ff") /
+                                           ARP(pdst=POOL_IP)), XDP.PASS,
+         port_ns=LIMITED),
+    Case("limited port: its own namespace's GET is served", bytes(get_frame()), XDP.TX,
+         switch_reply(), port_ns=LIMITED, cache_unchanged=False),
+    # a GET's UDP checksum, when it has one
+    Case("a GET with a right UDP checksum is answered", bytes(get_frame()), XDP.TX,
+         switch_reply(), cache_unchanged=False),
+    Case("a GET with a wrong UDP checksum is forwarded", _with_udp_checksum(0x1234), XDP.PASS,
+         counters={"bad_udp_csum": 1}),
+    Case("a GET with a right UDP checksum over a room that is not zero", bytes(
+        get_frame(room=0) / Raw(b"\x01" * 1024)), XDP.PASS, counters={"bad_udp_csum": 1}),
+    Case("a GET without UDP checksum is answered", _with_udp_checksum(0), XDP.TX,
+         switch_reply(), cache_unchanged=False),
+    Case("a GET whose checksum was left for offload is answered", _with_udp_checksum(None),
+         XDP.TX, switch_reply(), cache_unchanged=False),
 ]

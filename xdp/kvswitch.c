@@ -10,12 +10,16 @@
  *    has room: switchd then keeps or evicts it at its next step); if several ports wait for it, broadcast
  *    through kv_devmap, where kv_egress rewrites each copy for the waiter on its port and drops
  *    the copies for ports that did not ask.
- *  - a request of any kind (GET, PUT, ...) from a port limited to some namespaces, for another
- *    namespace: dropped.
+ *  - port checks, set by switchd per port: a secured port's frames must carry its bound source
+ *    (Ethernet source, IPv4 source, ARP sender); a port limited to some namespaces may send only
+ *    what the data plane can check (see limited_port_may_pass) and requests of any kind (GET,
+ *    PUT, ...) only for its namespaces. Anything else from such a port is dropped and counted.
  *  - everything else (PUTs, malformed KV frames, non-KV traffic): XDP_PASS, untouched, so the
  *    kernel bridge forwards it. PUTs are never learned: the cache fills only from pool replies.
  */
 #include <linux/bpf.h>
+#include <linux/if_arp.h>
+#include <linux/ipv6.h>
 #include "kvmaps.h"
 #include "parse.h"
 
@@ -242,10 +246,34 @@ static __always_inline void chunk_key(struct kv_cache_key *k, struct kvhdr *kv)
     __builtin_memcpy(k->key, kv->key, sizeof(k->key));
 }
 
-/* Hold this GET in the open round `p`: remember where its replica goes. */
-static __always_inline int join_round(struct kv_pending *p, struct kv_waiter_key *wk,
-                                      struct kv_waiter *w)
+static __always_inline int mac_eq(const __u8 *a, const __u8 *b)
 {
+    return *(const __u32 *)a == *(const __u32 *)b && *(const __u16 *)(a + 4) == *(const __u16 *)(b + 4);
+}
+
+/* A new round for the chunk, going upstream to where this GET is addressed. */
+static __always_inline void open_round(struct kv_pending *p, struct kv_frame *f, __u64 now,
+                                       __u32 ifindex)
+{
+    p->gen = now;
+    p->waiters = 1;
+    p->first_ifindex = ifindex;
+    p->daddr = f->ip->daddr;
+    p->dport = f->udp->dest;
+    __builtin_memcpy(p->dmac, f->eth->h_dest, ETH_ALEN);
+}
+
+/* Hold this GET in the open round `p`: remember where its replica goes. Only a GET addressed
+ * where the round's went may wait in it: a round sent to an address nobody answers (by mistake
+ * or to stall others) must not capture the GETs of the chunk's real pool node. */
+static __always_inline int join_round(struct kv_pending *p, struct kv_frame *f,
+                                      struct kv_waiter_key *wk, struct kv_waiter *w)
+{
+    if (p->daddr != f->ip->daddr || p->dport != f->udp->dest || !mac_eq(p->dmac, f->eth->h_dest)) {
+        count(KV_STAT_OTHER_DEST, 1);
+        count(KV_STAT_GET_MISS, 1);
+        return XDP_PASS;
+    }
     struct kv_waiter *old = kv_waiters.lookup(wk);
     if (old && old->gen == p->gen) {
         if (old->ip != w->ip || old->port != w->port) {
@@ -273,9 +301,7 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
     __u64 now = bpf_ktime_get_ns();
     if (!setting(KV_SET_COALESCE)) {
         struct kv_pending open = {};   /* outstanding, so its reply may be learned; no holding */
-        open.gen = now;
-        open.waiters = 1;
-        open.first_ifindex = ctx->ingress_ifindex;
+        open_round(&open, f, now, ctx->ingress_ifindex);
         kv_pending.update(k, &open);
         count(KV_STAT_GET_MISS, 1);
         return XDP_PASS;
@@ -291,7 +317,7 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
 
     struct kv_pending *p = kv_pending.lookup(k);
     if (p && now - p->gen < setting(KV_SET_PENDING_NS))
-        return join_round(p, &wk, &w);
+        return join_round(p, f, &wk, &w);
     if (!p) {
         /* No round open: maybe one just closed on another CPU, whose reply was learned before
          * the round was deleted. Look again rather than send a needless request upstream. */
@@ -300,9 +326,7 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
             return answer_get(ctx, v, k, f->payload_len);
     }
     struct kv_pending np = {};
-    np.gen = now;
-    np.waiters = 1;
-    np.first_ifindex = wk.ifindex;
+    open_round(&np, f, now, wk.ifindex);
     w.gen = now;
     kv_waiters.update(&wk, &w);
     if (p) {
@@ -312,29 +336,126 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
         /* another CPU opened a round between our lookup and now: wait in it */
         p = kv_pending.lookup(k);
         if (p)
-            return join_round(p, &wk, &w);
+            return join_round(p, f, &wk, &w);
     }
     count(KV_STAT_GET_MISS, 1);
     return XDP_PASS;
 }
 
 /* Tenant isolation: a port limited to some namespaces never gets (or causes) anything else. */
-static __always_inline int ns_allowed(struct xdp_md *ctx, __u32 ns)
+static __always_inline int ns_allowed(struct xdp_md *ctx, struct kv_port_cfg *port, __u32 ns)
 {
-    if (!setting(KV_SET_NS_LIMITS))
-        return 1;                  /* no port is limited: spare the hit path two lookups */
-    __u32 ifindex = ctx->ingress_ifindex;
-    struct kv_port_cfg *port = kv_ports.lookup(&ifindex);
     if (!port || !(port->flags & KV_PF_NS_LIMITED))
         return 1;
     struct kv_port_ns_key pk = {};
-    pk.ifindex = ifindex;
+    pk.ifindex = ctx->ingress_ifindex;
     pk.ns = ns;
     return kv_port_ns.lookup(&pk) != 0;
 }
 
+/* What a limited port may send besides valid KV requests for its namespaces: frames that cannot
+ * be KV requests in disguise. ARP; IPv4 without options, unfragmented, and not UDP to the KV port
+ * (those parse as KV, valid or not); IPv6 whose next header is TCP, ICMPv6, or UDP not to the KV
+ * port. VLAN tags, IP options and fragments, IPv6 extension headers, other protocols and invalid
+ * KV frames are dropped: a pool node's stack would strip or reassemble them and answer. */
+static __always_inline int limited_port_may_pass(void *data, void *data_end, int parsed)
+{
+    struct ethhdr *eth = data;
+    if (parsed != KV_NOT_KV || (void *)(eth + 1) > data_end)
+        return 0;
+    if (eth->h_proto == bpf_htons(ETH_P_ARP))
+        return 1;
+    if (eth->h_proto == bpf_htons(ETH_P_IP)) {
+        struct iphdr *ip = (void *)(eth + 1);
+        return (void *)(ip + 1) <= data_end && ip->ihl == 5 && !(ip->frag_off & bpf_htons(0x3fff));
+    }
+    if (eth->h_proto != bpf_htons(ETH_P_IPV6))
+        return 0;
+    struct ipv6hdr *ip6 = (void *)(eth + 1);
+    if ((void *)(ip6 + 1) > data_end)
+        return 0;
+    if (ip6->nexthdr == IPPROTO_TCP || ip6->nexthdr == IPPROTO_ICMPV6)
+        return 1;
+    struct udphdr *udp = (void *)(ip6 + 1);
+    return ip6->nexthdr == IPPROTO_UDP && (void *)(udp + 1) <= data_end &&
+           udp->dest != bpf_htons(KV_UDP_PORT);
+}
+
+/* Port security: a secured port's frames carry its bound source, or are dropped. A port whose
+ * source switchd left unset binds to the source of its first ARP or IPv4 frame (sticky: the
+ * insert (BPF_NOEXIST) lets exactly one frame win even on several CPUs at once). */
+static __always_inline int source_ok(struct xdp_md *ctx, void *data, void *data_end)
+{
+    struct ethhdr *eth = data;
+    if ((void *)(eth + 1) > data_end)
+        return 0;
+    struct kv_port_src seen = {};
+    int learnable = 0;
+    if (eth->h_proto == bpf_htons(ETH_P_IP)) {
+        struct iphdr *ip = (void *)(eth + 1);
+        if ((void *)(ip + 1) > data_end)
+            return 0;
+        seen.ip = ip->saddr;
+        learnable = 1;
+    } else if (eth->h_proto == bpf_htons(ETH_P_ARP)) {
+        struct arphdr *arp = (void *)(eth + 1);
+        __u8 *sha = (void *)(arp + 1);
+        if ((void *)(sha + ETH_ALEN + 4) > data_end || arp->ar_hln != ETH_ALEN ||
+            arp->ar_pln != 4 || !mac_eq(sha, eth->h_source))
+            return 0;              /* an ARP sender other than the frame's source: a spoof */
+        __builtin_memcpy(&seen.ip, sha + ETH_ALEN, 4);
+        learnable = seen.ip != 0;  /* address probes (sender 0.0.0.0) are checked, not learned */
+    } else if (eth->h_proto == bpf_htons(ETH_P_8021Q) || eth->h_proto == bpf_htons(ETH_P_8021AD)) {
+        return 0;                  /* the inner source cannot be checked here */
+    }
+    __builtin_memcpy(seen.mac, eth->h_source, ETH_ALEN);
+    __u32 ifindex = ctx->ingress_ifindex;
+    struct kv_port_src *bound = kv_port_src.lookup(&ifindex);
+    if (!bound) {
+        if (!learnable || (seen.mac[0] & 1) || !seen.ip)
+            return 1;              /* nothing to bind to yet (IPv6, a probe): let it pass */
+        if (!kv_port_src.insert(&ifindex, &seen))
+            count(KV_STAT_SRC_LEARNED, 1);
+        bound = kv_port_src.lookup(&ifindex);
+        if (!bound)
+            return 0;
+    }
+    if (!mac_eq(seen.mac, bound->mac))
+        return 0;
+    return eth->h_proto != bpf_htons(ETH_P_IP) && eth->h_proto != bpf_htons(ETH_P_ARP) ?
+           1 : (seen.ip == bound->ip || (eth->h_proto == bpf_htons(ETH_P_ARP) && !seen.ip));
+}
+
+/* A GET's UDP checksum, when it has one (0: none, as IPv4 allows), over its pseudo-header, UDP
+ * and KV headers, its room being the zeros the protocol requires: a GET damaged anywhere, or
+ * with anything but zeros in its room, fails it. ~30 additions, not a pass over the room. A
+ * sender's stack that leaves the checksum to the NIC (veth does: CHECKSUM_PARTIAL) puts the
+ * pseudo-header's sum there; no wire was crossed, so that form is accepted as it stands. */
+static __always_inline int get_udp_csum_ok(struct kv_frame *f)
+{
+    if (!f->udp->check)
+        return 1;
+    __u16 *w = (__u16 *)&f->ip->saddr;    /* saddr and daddr: 4 words */
+    __u32 pseudo = bpf_htons(IPPROTO_UDP) + f->udp->len;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        pseudo += w[i];
+    if (f->udp->check == (__u16)~kv_csum_fold(pseudo))
+        return 1;                          /* partial: left for offload */
+    __u32 sum = pseudo;
+    w = (__u16 *)f->udp;                   /* the UDP header, then the KV header */
+#pragma unroll
+    for (int i = 0; i < (KV_UDP_LEN + KV_HDR_LEN) / 2; i++)
+        sum += w[i];
+    return kv_csum_fold(sum) == 0;
+}
+
 static __always_inline int handle_get(struct xdp_md *ctx, struct kv_frame *f)
 {
+    if (!get_udp_csum_ok(f)) {
+        count(KV_STAT_BAD_UDP_CSUM, 1);    /* the pool node's stack checks the whole datagram */
+        return XDP_PASS;
+    }
     if (f->kv->flags & bpf_htons(KV_F_NO_CACHE)) {
         count(KV_STAT_GET_MISS, 1);
         return XDP_PASS;
@@ -470,7 +591,21 @@ int kv_ingress(struct xdp_md *ctx)
     struct kv_frame f = {};
 
     count(KV_STAT_PACKETS, 1);
+    struct kv_port_cfg *port = 0;
+    if (setting(KV_SET_PORT_CHECKS)) {   /* no port has checks: spare the hit path a lookup */
+        __u32 ifindex = ctx->ingress_ifindex;
+        port = kv_ports.lookup(&ifindex);
+        if (port && (port->flags & KV_PF_SECURED) && !source_ok(ctx, data, data_end)) {
+            count(KV_STAT_SPOOFED, 1);
+            return verdict(XDP_DROP);
+        }
+    }
     int r = kv_parse(data, data_end, &f);
+    if (r != KV_OK && port && (port->flags & KV_PF_NS_LIMITED) &&
+        !limited_port_may_pass(data, data_end, r)) {
+        count(KV_STAT_UNCHECKED, 1);
+        return verdict(XDP_DROP);
+    }
     if (r == KV_NOT_KV) {
         count(KV_STAT_NON_KV, 1);
         return verdict(XDP_PASS);
@@ -479,7 +614,7 @@ int kv_ingress(struct xdp_md *ctx)
         count(KV_STAT_MALFORMED, 1);
         return verdict(XDP_PASS);
     }
-    if (f.udp->dest == bpf_htons(KV_UDP_PORT) && !ns_allowed(ctx, bpf_ntohl(f.kv->ns))) {
+    if (f.udp->dest == bpf_htons(KV_UDP_PORT) && !ns_allowed(ctx, port, bpf_ntohl(f.kv->ns))) {
         count(KV_STAT_DENIED, 1);  /* any request (GET, PUT, ...) outside the port's tenants */
         return verdict(XDP_DROP);
     }

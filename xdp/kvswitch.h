@@ -59,7 +59,15 @@ struct kv_port_cfg {
     __u32 role;                    /* KV_ROLE_* */
     __u32 flags;                   /* KV_PF_* */
 };
-#define KV_PF_NS_LIMITED 1         /* only namespaces in kv_port_ns may be asked for here */
+#define KV_PF_NS_LIMITED 1         /* only namespaces in kv_port_ns may be asked for here; and only
+                                      frames the data plane can check pass (see kvswitch.c) */
+#define KV_PF_SECURED 2            /* frames must come from the port's bound source (kv_port_src) */
+
+struct kv_port_src {               /* the one source a secured port's frames may carry */
+    __u8   mac[6];                 /* Ethernet source (and ARP sender hardware address) */
+    __u16  reserved;
+    __be32 ip;                     /* IPv4 source (and ARP sender protocol address) */
+};
 
 struct kv_port_ns_key {            /* per-port namespace allow-list */
     __u32 ifindex;
@@ -75,6 +83,9 @@ struct kv_pending {                /* a chunk whose GET went upstream and whose 
     __u64 gen;                     /* bpf_ktime_get_ns() when the upstream GET passed */
     __u32 waiters;                 /* ports waiting (the first asker included) */
     __u32 first_ifindex;           /* port of the first asker */
+    __be32 daddr;                  /* where the upstream GET went: only GETs to the same pool */
+    __be16 dport;                  /* address (IP, UDP port, MAC) may wait in this round */
+    __u8  dmac[6];
 };
 
 struct kv_waiter_key {
@@ -147,7 +158,7 @@ struct kv_ns_stats {
 /* settings (u64 array, written by switchd) */
 #define KV_SET_COALESCE 0          /* 1: hold concurrent misses and replicate the reply */
 #define KV_SET_PENDING_NS 1        /* a pending round older than this is retried upstream */
-#define KV_SET_NS_LIMITS 3         /* 1: some port is limited to some namespaces (KV_PF_NS_LIMITED) */
+#define KV_SET_PORT_CHECKS 3       /* 1: some port has checks (KV_PF_NS_LIMITED, KV_PF_SECURED) */
 #define KV_SET_SPEC_FILL 2         /* chunks of blocks not admitted that may still be learned
                                       (s64, decremented per fill; switchd refills it each step) */
 #define KV_SET_MAX 4
@@ -182,6 +193,14 @@ struct kv_ns_stats {
 #define KV_STAT_REUSED 26          /* a looked-up entry turned out rewritten for another chunk:
                                       the GET was handled as a miss, or, if that happened while
                                       its payload was copied, the half-made reply dropped */
-#define KV_STAT_MAX 32
+#define KV_STAT_SPOOFED 27         /* frame from a secured port with another source: dropped */
+#define KV_STAT_UNCHECKED 28       /* frame from a limited port the data plane cannot fully check
+                                      (VLAN tag, IP options or fragment, IPv6 extension header,
+                                      invalid KV, other protocol): dropped */
+#define KV_STAT_BAD_UDP_CSUM 29    /* GET whose UDP checksum is wrong: never answered, forwarded */
+#define KV_STAT_OTHER_DEST 30      /* GET for a chunk whose open round went to another address:
+                                      forwarded, not held */
+#define KV_STAT_SRC_LEARNED 31     /* a secured port learned its source from its first frame */
+#define KV_STAT_MAX 40
 
 #endif /* KVSWITCH_H */

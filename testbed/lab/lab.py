@@ -113,6 +113,10 @@ class Lab:
         with open(path) as f:
             return json.load(f)
 
+    def mac(self, node: str) -> str:
+        """The MAC address of a node's interface."""
+        return self.topo.run(node, ["cat", "/sys/class/net/eth0/address"]).stdout.strip()
+
     def link_bytes(self, node: str, direction: str = "tx") -> int:
         """Bytes the node's interface has sent (tx) or received (rx), from the kernel."""
         r = self.topo.run(node, ["cat", f"/sys/class/net/eth0/statistics/{direction}_bytes"])

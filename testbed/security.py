@@ -1,0 +1,127 @@
+"""What a tenant can try from its own port, crafted frame by frame with scapy inside a testbed node
+(these functions run as tasks, testbed.lab.tasks): KV requests for another tenant's namespace in
+wrappings a parser may decline (IP options, IP fragments, an 802.1Q priority tag), frames with
+another host's source (to move the bridge's forwarding entry and capture its replies), and GETs
+that open rounds toward an address nobody answers (to stall another host's fetch). Each returns
+what came back, so a test can require that nothing did."""
+from __future__ import annotations
+
+import socket
+import time
+
+from kvproto import PORT, Message, Op, ProtocolError
+
+WRAPPINGS = ("plain", "ip-options", "fragments", "vlan")
+
+
+def _frames(kind: str, mac: str, dst_mac: str, src: str, dst: str, sport: int,
+            payload: bytes) -> list:
+    from scapy.layers.inet import IP, UDP, fragment
+    from scapy.layers.l2 import Dot1Q, Ether
+    ip = IP(src=src, dst=dst, options=b"\x01\x01\x01\x01" if kind == "ip-options" else [])
+    datagram = ip / UDP(sport=sport, dport=PORT) / payload
+    if kind == "fragments":
+        return [Ether(src=mac, dst=dst_mac) / f for f in fragment(datagram, fragsize=256)]
+    if kind == "vlan":
+        return [Ether(src=mac, dst=dst_mac) / Dot1Q(vlan=0) / datagram]
+    return [Ether(src=mac, dst=dst_mac) / datagram]
+
+
+def _answers(sock: socket.socket, seconds: float, ns: int) -> list[Message]:
+    """The KV messages for namespace ``ns`` that reach ``sock`` within ``seconds``."""
+    out, end = [], time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            data = sock.recv(65536)
+        except socket.timeout:
+            break
+        try:
+            msg = Message.decode(data)
+        except ProtocolError:
+            continue
+        if msg.ns == ns:
+            out.append(msg)
+    return out
+
+
+def _node() -> tuple[str, str]:
+    """This node's eth0 MAC and IPv4 address."""
+    import json
+    import subprocess
+    link = json.loads(subprocess.run(["ip", "-j", "addr", "show", "eth0"], capture_output=True,
+                                     text=True, check=True).stdout)[0]
+    return link["address"], next(a["local"] for a in link["addr_info"] if a["family"] == "inet")
+
+
+def foreign_requests(kind: str, op: str, pool_ip: str, pool_mac: str, ns: int, key_hex: str,
+                     chunks: int, room: int, wait: float = 1.0,
+                     source: tuple[str, str] | None = None) -> dict:
+    """Task: GETs (or PUTs) for chunks 0..chunks-1 of a block of namespace ``ns`` in one of the
+    WRAPPINGS, from this node's source or from ``source`` (another host's MAC and IP); how many
+    answers (GET_REPLY with payload, PUT_ACK) came back here."""
+    from scapy.sendrecv import sendp
+    mac, me = _node()
+    key = bytes.fromhex(key_hex)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((me, 0))
+    sport = sock.getsockname()[1]
+    frames = []
+    src_mac, src_ip = source or (mac, me)
+    for chunk in range(chunks):
+        msg = (Message(Op.GET, ns, key, chunk, req_id=chunk, room=room) if op == "get" else
+               Message(Op.PUT, ns, key, chunk, chunks, req_id=chunk, payload=b"planted" * 8))
+        frames += _frames(kind, src_mac, pool_mac, src_ip, pool_ip, sport, msg.encode())
+    sendp(frames, iface="eth0", verbose=False)
+    answers = _answers(sock, wait, ns)
+    sock.close()
+    return {"sent": len(frames),
+            "replies": sum(m.op == Op.GET_REPLY and len(m.payload) > 0 for m in answers),
+            "acks": sum(m.op == Op.PUT_ACK for m in answers)}
+
+
+def impersonate(victim_mac: str, victim_ip: str, seconds: float, period: float = 0.005) -> dict:
+    """Task: keep sending frames with the victim's source (ARP replies and UDP) so that a bridge
+    learns the victim's MAC on this port; count the frames for the victim that arrive here."""
+    from scapy.layers.inet import IP, UDP
+    from scapy.layers.l2 import ARP, Ether
+    from scapy.sendrecv import AsyncSniffer, sendp
+    bait = [Ether(src=victim_mac, dst="ff:ff:ff:ff:ff:ff") /
+            ARP(op=2, hwsrc=victim_mac, psrc=victim_ip, pdst=victim_ip),
+            Ether(src=victim_mac, dst="ff:ff:ff:ff:ff:ff") /
+            IP(src=victim_ip, dst="255.255.255.255") / UDP(sport=PORT, dport=9) / b"x"]
+    sniffer = AsyncSniffer(iface="eth0", store=True,
+                           lfilter=lambda p: p.haslayer("Ether") and p["Ether"].dst == victim_mac)
+    sniffer.start()
+    end = time.monotonic() + seconds
+    sent = 0
+    while time.monotonic() < end:
+        sendp(bait, iface="eth0", verbose=False)
+        sent += len(bait)
+        time.sleep(period)
+    time.sleep(0.3)
+    captured = sniffer.stop() or []
+    kv = sum(1 for p in captured if p.haslayer("UDP") and p["UDP"].sport == PORT)
+    return {"sent": sent, "captured": len(captured), "captured_kv": kv}
+
+
+def stall_rounds(ip: str, mac: str, ns: int, key_hex: str, chunks: int, room: int,
+                 seconds: float, period: float = 0.01) -> dict:
+    """Task: every ``period`` seconds, GETs for every chunk of a block addressed to ``ip`` /
+    ``mac`` (where nobody answers), keeping rounds open for all of them."""
+    my_mac, me = _node()
+    key = bytes.fromhex(key_hex)
+    frames = [f for chunk in range(chunks) for f in _frames(
+        "plain", my_mac, mac, me, ip, 40404,
+        Message(Op.GET, ns, key, chunk, req_id=chunk, room=room).encode())]
+    raw = [bytes(f) for f in frames]
+    sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    sock.bind(("eth0", 0))
+    end, rounds = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        for frame in raw:
+            sock.send(frame)
+        rounds += 1
+        time.sleep(period)
+    sock.close()
+    return {"rounds": rounds, "frames": rounds * len(raw)}
