@@ -22,6 +22,7 @@ CONSTANTS = xdp.constants("kvswitch.h")   # the wire format's and the switch's o
 DEFAULT_PIN_DIR = "/sys/fs/bpf/kvswitch"
 MODES = ("native", "generic")             # XDP attach modes: driver (veth, NICs) or SKB
 ROLE_HOST, ROLE_POOL = CONSTANTS["KV_ROLE_HOST"], CONSTANTS["KV_ROLE_POOL"]   # port roles
+PF = {n[len("KV_PF_"):]: v for n, v in CONSTANTS.items() if n.startswith("KV_PF_")}
 CACHE_VAL_HEADER = CONSTANTS["KV_CACHE_VAL_HEADER"]  # bytes of kv_cache_val before data[]
 # This kernel refuses native XDP on a veth whose MTU exceeds 3506 bytes (no multi-buffer), so the
 # largest chunk a deployment can use is 3506 - 76 rounded down to a multiple of 8.
@@ -29,8 +30,7 @@ MAX_CHUNK = 3424
 STAT_NAMES = {v: n[len("KV_STAT_"):].lower() for n, v in CONSTANTS.items()
               if n.startswith("KV_STAT_") and n != "KV_STAT_MAX"}
 MAP_NAMES = ("kv_cache", "kv_admit", "kv_ports", "kv_stats", "kv_settings", "kv_pending",
-             "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats", "kv_port_ns", "kv_ns_low",
-             "kv_port_src")
+             "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats", "kv_port_ns", "kv_ns_low")
 SETTINGS = {n[len("KV_SET_"):].lower(): v for n, v in CONSTANTS.items()
             if n.startswith("KV_SET_") and n != "KV_SET_MAX"}
 
@@ -194,8 +194,8 @@ class DataPlane:
             except Exception as exc:
                 raise SwitchError(f"compiling kvmaps.h failed: {exc}") from None
         (self.cache, self.admit, self.ports, self.stats, self.settings, self.pending,
-         self.waiters, self.sketch, self.recent, self.ns_stats, self.port_ns, self.ns_low,
-         self.port_src) = (self.bpf.get_table(n.encode()) for n in MAP_NAMES)
+         self.waiters, self.sketch, self.recent, self.ns_stats, self.port_ns, self.ns_low) = (
+            self.bpf.get_table(n.encode()) for n in MAP_NAMES)
         self.attached: dict[str, int] = {}
 
     @staticmethod
@@ -265,23 +265,31 @@ class DataPlane:
             del self.port_ns[k]
         for ns in namespaces or []:
             self.port_ns[self.port_ns.Key(index, ns)] = self.port_ns.Leaf(1)
-        key = self.port_src.Key(index)
+        key = self.ports.Key(index)
+        try:
+            cfg = self.ports[key]
+        except KeyError:
+            cfg = self.ports.Leaf()
+        bound = cfg.flags & PF["BOUND"] if secured and not source else 0
         if source:
-            v = self.port_src.Leaf()
-            ctypes.memmove(v.mac, bytes.fromhex(source[0].replace(":", "")), 6)
-            v.ip = int.from_bytes(socket.inet_aton(source[1]), "little")
-            self.port_src[key] = v
-        elif not secured and key in self.port_src:
-            del self.port_src[key]
-        flags = ((CONSTANTS["KV_PF_NS_LIMITED"] if namespaces else 0) |
-                 (CONSTANTS["KV_PF_SECURED"] if secured or source else 0))
-        self.ports[self.ports.Key(index)] = self.ports.Leaf(role=role, flags=flags)
+            ctypes.memmove(cfg.mac, bytes.fromhex(source[0].replace(":", "")), 6)
+            cfg.ip = int.from_bytes(socket.inet_aton(source[1]), "little")
+            bound = PF["BOUND"]
+        elif not bound:
+            ctypes.memset(ctypes.addressof(cfg.mac), 0, 6)
+            cfg.ip = 0
+        cfg.role = role
+        cfg.flags = ((PF["NS_LIMITED"] if namespaces else 0) |
+                     (PF["SECURED"] if secured or source else 0) | bound)
+        self.ports[key] = cfg
         self.set("port_checks", int(any(v.flags for v in self.ports.values())))
 
     def port_sources(self) -> dict[str, tuple[str, str]]:
         """The bound (MAC, IPv4) source of each secured port, by interface name."""
         out = {}
-        for k, v in self.port_src.items():
+        for k, v in self.ports.items():
+            if not v.flags & PF["BOUND"]:
+                continue
             try:
                 name = socket.if_indextoname(k.value)
             except OSError:

@@ -20,9 +20,6 @@ KV_MAP("hash", struct kv_block_key, struct kv_admit_val, kv_admit, KV_ADMIT_ENTR
 KV_MAP("hash", __u32, struct kv_port_cfg, kv_ports, KV_PORT_ENTRIES);
 /* namespaces a limited port may ask for (KV_PF_NS_LIMITED) */
 KV_MAP("hash", struct kv_port_ns_key, __u32, kv_port_ns, KV_PORT_ENTRIES * 16);
-/* the bound source of secured ports (KV_PF_SECURED): set by switchd, or by the data plane from a
- * port's first frame when switchd left it unset (sticky learning) */
-KV_MAP("hash", __u32, struct kv_port_src, kv_port_src, KV_PORT_ENTRIES);
 /* miss coalescing: rounds in flight and who waits on each port (LRU: stale entries age out) */
 KV_MAP("lru_hash", struct kv_cache_key, struct kv_pending, kv_pending, KV_PENDING_ENTRIES);
 KV_MAP("lru_hash", struct kv_waiter_key, struct kv_waiter, kv_waiters, KV_WAITER_ENTRIES);

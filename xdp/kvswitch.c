@@ -382,20 +382,20 @@ static __always_inline int limited_port_may_pass(void *data, void *data_end, int
 }
 
 /* Port security: a secured port's frames carry its bound source, or are dropped. A port whose
- * source switchd left unset binds to the source of its first ARP or IPv4 frame (sticky: the
- * insert (BPF_NOEXIST) lets exactly one frame win even on several CPUs at once). */
-static __always_inline int source_ok(struct xdp_md *ctx, void *data, void *data_end)
+ * source switchd left unset binds to the source of its first ARP or IPv4 frame (sticky): the
+ * CPU that sets KV_PF_BINDING first writes it, the others drop their frames until it is done. */
+static __always_inline int source_ok(struct kv_port_cfg *port, void *data, void *data_end)
 {
     struct ethhdr *eth = data;
     if ((void *)(eth + 1) > data_end)
         return 0;
-    struct kv_port_src seen = {};
+    __be32 ip = 0;
     int learnable = 0;
     if (eth->h_proto == bpf_htons(ETH_P_IP)) {
-        struct iphdr *ip = (void *)(eth + 1);
-        if ((void *)(ip + 1) > data_end)
+        struct iphdr *iph = (void *)(eth + 1);
+        if ((void *)(iph + 1) > data_end)
             return 0;
-        seen.ip = ip->saddr;
+        ip = iph->saddr;
         learnable = 1;
     } else if (eth->h_proto == bpf_htons(ETH_P_ARP)) {
         struct arphdr *arp = (void *)(eth + 1);
@@ -403,27 +403,29 @@ static __always_inline int source_ok(struct xdp_md *ctx, void *data, void *data_
         if ((void *)(sha + ETH_ALEN + 4) > data_end || arp->ar_hln != ETH_ALEN ||
             arp->ar_pln != 4 || !mac_eq(sha, eth->h_source))
             return 0;              /* an ARP sender other than the frame's source: a spoof */
-        __builtin_memcpy(&seen.ip, sha + ETH_ALEN, 4);
-        learnable = seen.ip != 0;  /* address probes (sender 0.0.0.0) are checked, not learned */
+        __builtin_memcpy(&ip, sha + ETH_ALEN, 4);
+        learnable = ip != 0;       /* address probes (sender 0.0.0.0) are checked, not learned */
     } else if (eth->h_proto == bpf_htons(ETH_P_8021Q) || eth->h_proto == bpf_htons(ETH_P_8021AD)) {
         return 0;                  /* the inner source cannot be checked here */
     }
-    __builtin_memcpy(seen.mac, eth->h_source, ETH_ALEN);
-    __u32 ifindex = ctx->ingress_ifindex;
-    struct kv_port_src *bound = kv_port_src.lookup(&ifindex);
-    if (!bound) {
-        if (!learnable || (seen.mac[0] & 1) || !seen.ip)
+    if (!(port->flags & KV_PF_BOUND)) {
+        if (port->flags & KV_PF_BINDING)
+            return 0;              /* another CPU is binding the port right now */
+        if (!learnable || (eth->h_source[0] & 1) || !ip)
             return 1;              /* nothing to bind to yet (IPv6, a probe): let it pass */
-        if (!kv_port_src.insert(&ifindex, &seen))
-            count(KV_STAT_SRC_LEARNED, 1);
-        bound = kv_port_src.lookup(&ifindex);
-        if (!bound)
+        if (__sync_fetch_and_or(&port->flags, KV_PF_BINDING) & KV_PF_BINDING)
             return 0;
+        __builtin_memcpy(port->mac, eth->h_source, ETH_ALEN);
+        port->ip = ip;
+        __sync_fetch_and_or(&port->flags, KV_PF_BOUND);
+        count(KV_STAT_SRC_LEARNED, 1);
+        return 1;
     }
-    if (!mac_eq(seen.mac, bound->mac))
+    if (!mac_eq(eth->h_source, port->mac))
         return 0;
-    return eth->h_proto != bpf_htons(ETH_P_IP) && eth->h_proto != bpf_htons(ETH_P_ARP) ?
-           1 : (seen.ip == bound->ip || (eth->h_proto == bpf_htons(ETH_P_ARP) && !seen.ip));
+    if (eth->h_proto == bpf_htons(ETH_P_IP))
+        return ip == port->ip;
+    return eth->h_proto != bpf_htons(ETH_P_ARP) || ip == port->ip || !ip;
 }
 
 /* A GET's UDP checksum, when it has one (0: none, as IPv4 allows), over its pseudo-header, UDP
@@ -595,7 +597,7 @@ int kv_ingress(struct xdp_md *ctx)
     if (setting(KV_SET_PORT_CHECKS)) {   /* no port has checks: spare the hit path a lookup */
         __u32 ifindex = ctx->ingress_ifindex;
         port = kv_ports.lookup(&ifindex);
-        if (port && (port->flags & KV_PF_SECURED) && !source_ok(ctx, data, data_end)) {
+        if (port && (port->flags & KV_PF_SECURED) && !source_ok(port, data, data_end)) {
             count(KV_STAT_SPOOFED, 1);
             return verdict(XDP_DROP);
         }

@@ -56,18 +56,19 @@ struct kv_admit_val {              /* admit set: replies for these blocks are ca
 #define KV_ROLE_HOST 0             /* inference node port: its replies are never learned */
 #define KV_ROLE_POOL 1             /* pool (storage) node port: its replies may fill the cache */
 struct kv_port_cfg {
-    __u32 role;                    /* KV_ROLE_* */
-    __u32 flags;                   /* KV_PF_* */
+    __u32  role;                   /* KV_ROLE_* */
+    __u32  reserved0;
+    __u64  flags;                  /* KV_PF_* (64 bits: the data plane binds atomically) */
+    __u8   mac[6];                 /* KV_PF_SECURED: the one source the port's frames may carry, */
+    __u16  reserved;               /* Ethernet source and ARP sender hardware address ... */
+    __be32 ip;                     /* ... IPv4 source and ARP sender address (once KV_PF_BOUND) */
 };
 #define KV_PF_NS_LIMITED 1         /* only namespaces in kv_port_ns may be asked for here; and only
                                       frames the data plane can check pass (see kvswitch.c) */
-#define KV_PF_SECURED 2            /* frames must come from the port's bound source (kv_port_src) */
-
-struct kv_port_src {               /* the one source a secured port's frames may carry */
-    __u8   mac[6];                 /* Ethernet source (and ARP sender hardware address) */
-    __u16  reserved;
-    __be32 ip;                     /* IPv4 source (and ARP sender protocol address) */
-};
+#define KV_PF_SECURED 2            /* frames must come from the port's bound source */
+#define KV_PF_BOUND 4              /* mac and ip are set: by switchd, or by the data plane from the
+                                      port's first ARP or IPv4 frame (sticky) */
+#define KV_PF_BINDING 8            /* the data plane is binding it on some CPU (transient) */
 
 struct kv_port_ns_key {            /* per-port namespace allow-list */
     __u32 ifindex;
