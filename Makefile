@@ -5,7 +5,8 @@ SHELL := /bin/bash
 VENV  ?= .venv
 PY    := $(VENV)/bin/python
 DEBS  := python3-bpfcc python3-venv linux-headers-amd64 linux-libc-dev libbpf1 bpftool \
-         iproute2 iperf3 tcpdump ethtool iputils-ping memcached procps
+         iproute2 iperf3 tcpdump ethtool iputils-ping memcached procps \
+         libibverbs1 libnuma1 libcurl4
 KREL  := $(shell uname -r)
 TRACE ?= ../shared/traces/mooncake_synthetic_trace.jsonl
 
@@ -38,7 +39,8 @@ bpffs:
 venv:
 	@[ -x $(PY) ] || /usr/bin/python3 -m venv --system-site-packages $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
-	@$(PY) -m pip install -q -e '.[test,inference]'
+	@$(PY) -m pip install -q -e '.[test,inference,vllm,mooncake]'
+	@$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
 test:
 	$(PY) -m pytest -q tests
