@@ -20,7 +20,6 @@ import socket
 import struct
 import time
 import zlib
-from contextlib import contextmanager
 
 from kvproto import (FIELDS, HEADER, HEADER_LEN, MAGIC, MAX_PAYLOAD, OFFSET, PORT, VERSION, Flag,
                      Op)
@@ -29,12 +28,12 @@ from kvproto.frames import HDR_OFF as KV_OFF
 from kvproto.frames import IPV4_LEN as IPH
 from kvproto.frames import UDP_LEN as UDPH
 from kvproto.frames import XDP, ip_checksum, ipv4_frame
-from switchd import netns
 from switchd.cache import Cache
 from switchd.dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment
 from switchd.libbpf import xdp_test_run
 
-from .lab import ip, write_json
+from .lab import write_json
+from .lab.topology import scratch_ports
 
 CHUNK = 512
 MACS = (bytes.fromhex("020000000001"), bytes.fromhex("020000000065"))
@@ -199,19 +198,6 @@ class Corpus:
 
 
 # ---- the run -----------------------------------------------------------------------------------
-@contextmanager
-def _ports():
-    name = f"kvfz{random.randrange(1 << 20)}"
-    ip("netns", "add", name)
-    try:
-        ip("link", "add", "host", "type", "veth", "peer", "name", "pool", ns=name)
-        ip("link", "add", "tenant", "type", "veth", "peer", "name", "spare", ns=name)
-        with netns.inside(name):
-            yield {p: socket.if_nametoindex(p) for p in ("host", "pool", "tenant")}
-    finally:
-        ip("netns", "del", name, check=False)
-
-
 def _state(dp) -> tuple:
     """Every key and value (per-CPU values whole) of the maps a frame may change."""
     return tuple(sorted((bytes(k), bytes(v)) for k, v in getattr(dp, name).items())
@@ -223,7 +209,7 @@ def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print
     corpus = Corpus(rng)
     violations, kinds = [], {"valid": 0, "invalid": 0, "not_kv": 0, "tx": 0, "port_drops": 0}
     start = time.monotonic()
-    with _ports() as ports:
+    with scratch_ports(("host", "pool"), ("tenant", "spare"), prefix="kvfz") as ports:
         dp = DataPlane(Deployment(chunk_size=CHUNK, cache_entries=256, pin_dir=None))
         dp.ports[dp.ports.Key(ports["pool"])] = dp.ports.Leaf(role=ROLE_POOL)
         dp.set_port_role("tenant", ROLE_HOST, namespaces=list(TENANT_NS),   # we are in its netns

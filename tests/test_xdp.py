@@ -2,7 +2,6 @@
 untouched frames for everything else, learning only what it should. No interface needed. The
 single-frame cases are a table (xdp_fixtures.CASES) run by one test; sequences follow it."""
 import ctypes
-import os
 import socket
 
 import pytest
@@ -12,11 +11,10 @@ from scapy.packet import Raw
 from kvproto import Flag, checksum
 from kvproto.scapy_layer import KV
 from kvproto.frames import XDP
-from switchd import netns
 from switchd.cache import Cache
 from switchd.dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment
 from switchd.libbpf import xdp_test_run
-from testbed.lab.topology import ip
+from testbed.lab.topology import scratch_ports
 from xdp_fixtures import (CASES, HOST_IP, HOST_MAC, KEY, OTHER_IP, PAYLOAD, Case,  # noqa: F401
                           get_frame, put_frame, reply_frame)
 
@@ -27,18 +25,10 @@ PORTS = {}  # "host", "host2", "pool" -> ifindex of a veth end in the test's own
 
 @pytest.fixture(scope="module", autouse=True)
 def ports_namespace():
-    """Frames are run as if received on real ports: a veth pair in a namespace of our own."""
-    name = f"kvbpf{os.getpid()}"
-    ip("netns", "add", name)
-    try:
-        ip("link", "add", "hostport", "type", "veth", "peer", "name", "poolport", ns=name)
-        ip("link", "add", "host2port", "type", "veth", "peer", "name", "spare", ns=name)
-        with netns.inside(name):
-            PORTS.update({p: socket.if_nametoindex(f"{p}port")
-                          for p in ("host", "host2", "pool")})
-            yield
-    finally:
-        ip("netns", "del", name, check=False)
+    """Frames are run as if received on real ports: veth pairs in a namespace of our own."""
+    with scratch_ports(("hostport", "poolport"), ("host2port", "spare"), prefix="kvbpf") as ends:
+        PORTS.update({p: ends[f"{p}port"] for p in ("host", "host2", "pool")})
+        yield
 
 
 def dataplane(cache_entries: int) -> DataPlane:

@@ -8,8 +8,10 @@ Addresses come from 198.18.0.0/24, the range RFC 2544 sets aside for benchmark n
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import signal
 import subprocess
 import sys
@@ -175,6 +177,22 @@ def attach_loss(namespaces: list[str], loss: float, ifname: str = "eth0") -> Non
     for ns in namespaces:
         with netns.inside(ns):
             attach_xdp(ifname, fns["xdp_lossy"])
+
+
+@contextlib.contextmanager
+def scratch_ports(*pairs: tuple[str, str], prefix: str = "kvports"):
+    """A namespace of its own holding these veth pairs, entered for the block: ports to run XDP
+    programs on with BPF_PROG_TEST_RUN as if frames arrived on them. Yields {name: ifindex}
+    of every end; the namespace is removed afterwards."""
+    name = f"{prefix}{os.getpid()}"
+    ip("netns", "add", name)
+    try:
+        for a, b in pairs:
+            ip("link", "add", a, "type", "veth", "peer", "name", b, ns=name)
+        with netns.inside(name):
+            yield {end: socket.if_nametoindex(end) for pair in pairs for end in pair}
+    finally:
+        ip("netns", "del", name, check=False)
 
 
 def namespaces_of(prefix: str) -> list[str]:
