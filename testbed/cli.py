@@ -338,56 +338,87 @@ def sim():
     """Cluster-scale model: tiers, switch pool on/off, break-even, testbed validation."""
 
 
+def _cluster_options(f):
+    """SimConfig fields ``sim run`` and ``sim sweep`` share, with SimConfig's defaults (the same
+    flags give the same point)."""
+    from .sim.config import THROUGHPUT_JSON, SimConfig
+    d, pos = SimConfig(), click.FloatRange(0, min_open=True)
+    return _options(
+        click.option("--pools", type=click.IntRange(1), default=d.pools, show_default=True,
+                     help="Pool nodes (the storage tier), fixed while inference nodes grow."),
+        click.option("--model", type=click.Choice(sorted(MODELS)), default=d.model,
+                     show_default=True),
+        click.option("--kv-bytes-per-token", type=click.IntRange(1)),
+        click.option("--block-tokens", type=click.IntRange(1, 512), default=d.block_tokens,
+                     show_default=True),
+        click.option("--hbm-gib", type=click.FloatRange(0), default=d.hbm_gib, show_default=True),
+        click.option("--dram-gib", type=click.FloatRange(0), default=d.dram_gib,
+                     show_default=True),
+        click.option("--pool-gib", type=pos, help="Per pool node (default unlimited)."),
+        click.option("--node-gbps", type=pos, default=d.node_gbps, show_default=True),
+        click.option("--pool-gbps", type=pos, default=d.pool_gbps, show_default=True),
+        click.option("--routing", type=click.Choice(ROUTINGS), default=d.routing,
+                     show_default=True),
+        click.option("--demote", type=click.Choice(DEMOTES), default=d.demote, show_default=True),
+        click.option("--policy", "switch_policy", default=d.switch_policy, show_default=True,
+                     type=click.Choice(list(POLICIES))),
+        click.option("--load", type=pos, default=d.load, show_default=True,
+                     help="Per-node prefill utilisation without caching."),
+        click.option("--switch-budget", type=click.IntRange(1), default=d.switch_budget,
+                     show_default=True, help="Switch-bound fetches simulated; more: sampled."),
+        click.option("--xdp-ns-per-frame", type=pos,
+                     help="Data-plane CPU per frame (default: from --throughput-json)."),
+        click.option("--throughput-json", default=THROUGHPUT_JSON, show_default=True,
+                     help="`testbed bench throughput` result pricing the data plane's CPU."),
+        click.option("--seed", type=int, default=d.seed, show_default=True))(f)
+
+
+def _sim_errors(fn):
+    """Run a model command: its errors are usage errors. numpy's temporaries of a large run
+    (hundreds of MB each) would be mapped and unmapped on every allocation, a third of the run
+    time in page faults at 1,024 nodes, so freed memory stays in this process's heap."""
+    from .sim.config import SimError
+    from .sim.trace import TraceError
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-4, 0)                 # M_MMAP_MAX: no mmap for large blocks
+        libc.mallopt(-1, 2**31 - 1)         # M_TRIM_THRESHOLD: keep freed memory
+    except (OSError, AttributeError):
+        pass
+    try:
+        return fn()
+    except (TraceError, SimError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 @sim.command("run")
-@_options(
-    trace_opt,
-    click.option("--requests", type=click.IntRange(1), help="Resample to this many requests."),
-    click.option("--nodes", type=click.IntRange(1, 1 << 20), default=4, show_default=True),
-    click.option("--pools", type=click.IntRange(1), help="Pool nodes (default nodes/8)."),
-    click.option("--model", type=click.Choice(sorted(MODELS)), default="llama3-8b",
-                 show_default=True),
-    click.option("--kv-bytes-per-token", type=click.IntRange(1)),
-    click.option("--block-tokens", type=click.IntRange(1, 512), default=512, show_default=True),
-    click.option("--hbm-gib", type=click.FloatRange(0), default=40.0, show_default=True),
-    click.option("--dram-gib", type=click.FloatRange(0), default=256.0, show_default=True),
-    click.option("--switch-gib", type=click.FloatRange(0), default=64.0, show_default=True),
-    click.option("--pool-gib", type=click.FloatRange(0, min_open=True),
-                 help="Per pool node (default unlimited)."),
-    click.option("--node-gbps", type=click.FloatRange(0, min_open=True), default=100.0,
-                 show_default=True),
-    click.option("--pool-gbps", type=click.FloatRange(0, min_open=True), default=100.0,
-                 show_default=True),
-    click.option("--routing", type=click.Choice(ROUTINGS), default="affinity",
-                 show_default=True),
-    click.option("--demote", type=click.Choice(DEMOTES), default="value", show_default=True),
-    click.option("--policy", "switch_policy", default="prefix", show_default=True,
-                 type=click.Choice(list(POLICIES))),
-    click.option("--sharing", type=click.FloatRange(0, 1), default=0.0, show_default=True,
-                 help="Share of resampled prefix trees that keep their ids (shared content)."),
-    click.option("--load", type=click.FloatRange(0, min_open=True), default=0.7,
-                 show_default=True, help="Per-node prefill utilisation without caching."),
-    click.option("--seed", type=int, default=1, show_default=True),
-    json_opt())
+@trace_opt
+@click.option("--requests", type=click.IntRange(0),
+              help="Resample to this many requests (default 200 per node, at most 200,000, as "
+                   "the sweep; 0: the trace's own requests).")
+@click.option("--nodes", type=click.IntRange(1, 1 << 20), default=4, show_default=True)
+@click.option("--switch-gib", type=click.FloatRange(0), default=64.0, show_default=True)
+@click.option("--sharing", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="Share of resampled prefix trees that keep their ids (shared content).")
+@_cluster_options
+@json_opt()
 def sim_run(trace_path, requests, sharing, json_path, **kw):
-    """Simulate one cluster configuration, switch pool on and off."""
+    """Simulate one cluster configuration, switch pool on and off (one point of the sweep)."""
     from .lab import write_json
     from .sim.config import SimConfig
-    from .sim.model import run
-    from .sim.trace import TraceError, load_trace
-    try:
-        trace = load_trace(trace_path)
-        cfg = SimConfig(**kw)
-    except (TraceError, ValueError) as exc:
-        raise click.UsageError(str(exc)) from None
-    out = run(trace, cfg, requests, sharing, log=lambda m: click.echo(m, err=True))
+    from .sim.model import point
+    from .sim.trace import load_trace
+    out = _sim_errors(lambda: point(load_trace(trace_path), SimConfig(**kw), requests, sharing,
+                                    log=lambda m: click.echo(m, err=True)))
     write_json(json_path, out)
     for mode in ("pool_off", "pool_on"):
         r = out[mode]
         click.echo(f"{mode}: hits {json.dumps(r['hit_ratio'])} ttft p50/p99 "
                    f"{r['ttft_s']['p50']}/{r['ttft_s']['p99']}s prefill GPU-s saved "
                    f"{r['prefill_gpu_s_saved']} pool egress {r['bytes']['pool_to_switch']}")
-    click.echo(f"switch pool: {json.dumps(out['switch_benefit'])}")
-    click.echo(f"{out['requests']} requests over {cfg.nodes} nodes in {out['wall_seconds']}s")
+    click.echo(f"point: {json.dumps(out['point'])}")
+    click.echo(f"{out['requests']} requests over {kw['nodes']} nodes in {out['wall_seconds']}s")
 
 
 @sim.command("sweep")
@@ -400,19 +431,17 @@ def sim_run(trace_path, requests, sharing, json_path, **kw):
               callback=_float_list(1.0))
 @click.option("--requests-per-node", type=click.IntRange(1), default=200, show_default=True)
 @click.option("--max-requests", type=click.IntRange(1), default=200_000, show_default=True)
-@click.option("--routing", type=click.Choice(ROUTINGS), default="random", show_default=True)
-@click.option("--pools", type=click.IntRange(1), default=4, show_default=True,
-              help="Pool nodes, fixed while the inference nodes grow.")
+@_cluster_options
 @json_opt("bench/results/sim-sweep.json")
 @click.option("--plot", "plot_path", default="bench/results/sim-breakeven.png",
               show_default=True)
-def sim_sweep(trace_path, nodes, switch_gib, sharing, requests_per_node, max_requests, routing,
-              pools, json_path, plot_path):
+def sim_sweep(trace_path, nodes, switch_gib, sharing, requests_per_node, max_requests,
+              json_path, plot_path, **kw):
     """Sweep nodes x switch memory x sharing; find and draw the break-even."""
     from .sim.sweep import run_sweep
-    out = run_sweep(trace_path, nodes, switch_gib, sharing, requests_per_node, max_requests,
-                    routing, json_path, plot_path, log=lambda m: click.echo(m, err=True),
-                    pools=pools)
+    out = _sim_errors(lambda: run_sweep(
+        trace_path, nodes, switch_gib, sharing, requests_per_node, max_requests, json_path,
+        plot_path, log=lambda m: click.echo(m, err=True), **kw))
     click.echo(json.dumps(out["break_even"], indent=2))
     click.echo(f"wrote {json_path} and {plot_path}")
 

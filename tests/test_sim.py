@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from testbed.cli import main
-from testbed.sim.config import GIB, SimConfig
+from testbed.sim.config import GIB, SimConfig, SimError, xdp_frame_cost
 from testbed.sim.model import simulate
 from testbed.sim.tiers import POOL, REPLICA, SWITCH, SwitchModel, che_ttl
 from testbed.sim.workload import Workload, route, workload
@@ -106,6 +106,74 @@ def test_switch_pool_serves_cross_node_sharing():
     assert on["hit_ratio"]["switch"] > 0.9
     assert on["bytes"]["pool_to_switch"] < 0.1 * off["bytes"]["pool_to_switch"]
     assert on["bytes"]["switch_to_nodes"] == off["bytes"]["switch_to_nodes"]
+
+
+def test_sampled_switch_leaves_the_pool_figures_exact():
+    # a switch with no room hits nothing: sampled or not, the pool links carry what they carry
+    # with the pool off (the pool-side figures are the exact ones minus what the switch served)
+    rng = np.random.default_rng(3)
+    chains = [[int(h), int(h) + 1000] for h in rng.integers(0, 40, 400)]
+    wl = _wl(chains, np.sort(rng.uniform(0, 40, 400)))
+    for budget in (10**9, 200):
+        r = simulate(wl, _cfg(nodes=8, pools=2, preload=True, switch_budget=budget,
+                              pool_gbps=2e-4, coalesce=False))
+        on, off = r["pool_on"], r["pool_off"]
+        assert (on["switch"]["sample_rate"] < 0.5) == (budget == 200)
+        assert on["hit_ratio"]["switch"] == 0 and on["hit_ratio"]["pool"] == 1.0
+        assert on["pool_link"] == off["pool_link"] and on["bytes"] == off["bytes"]
+        assert 0.2 < off["pool_link"]["mean_utilisation"] < 1
+        # what is left is the switch's hop on every fetch (5 us)
+        assert on["gpu_s_total"] == pytest.approx(off["gpu_s_total"], abs=800 * 5e-6 + 0.01)
+
+
+def test_data_plane_cpu_is_read_from_the_throughput_result(tmp_path):
+    res = tmp_path / "throughput.json"
+    res.write_text(json.dumps({"results": [{"chunk_bytes": 1024, "switch_hit_pps": 4_000_000},
+                                           {"chunk_bytes": 3072, "switch_hit_pps": 2_500_000}]}))
+    x = xdp_frame_cost(SimConfig(throughput_json=str(res), chunk_bytes=2048))
+    assert x["ns_per_frame"] == 400.0 and x["measured_chunk_bytes"] == 3072   # nearest, ties up
+    x = xdp_frame_cost(SimConfig(throughput_json=str(res), chunk_bytes=1024))
+    assert x["ns_per_frame"] == 250.0 and x["measured_chunk_bytes"] == 1024
+    assert xdp_frame_cost(SimConfig(xdp_ns_per_frame=99.0))["ns_per_frame"] == 99.0
+    with pytest.raises(SimError, match="testbed bench throughput"):
+        xdp_frame_cost(SimConfig(throughput_json=str(tmp_path / "missing.json")))
+    r = CliRunner().invoke(main, ["sim", "run", "--trace", str(TRACE_HEAD), "--throughput-json",
+                                  str(tmp_path / "missing.json")])
+    assert r.exit_code == 2 and "missing.json" in r.output
+    # the cost charged: a hit is one run of the program, a fetch through it two
+    r = simulate(_wl([[1, 2]] * 40, np.arange(40) * 0.5),
+                 _cfg(nodes=4, switch_gib=8 * 1024 / GIB, preload=True, switch_policy="lru",
+                      throughput_json=str(res)))
+    on, b = r["pool_on"], r["switch_benefit"]
+    hits = on["hit_ratio"]["switch"] * 80
+    assert on["switch"]["frames_per_s"] == pytest.approx((hits + 2 * (80 - hits)) / 19.5, abs=0.05)
+    assert b["xdp_cores"] == pytest.approx(on["switch"]["frames_per_s"] * 250e-9, abs=1e-3)
+
+
+def test_run_and_sweep_compute_the_same_point(tmp_path):
+    # a small workload with reuse and a switch with room: with the pool on, the switch serves
+    # part of it; `sim run` and the sweep's point for the same flags give the same figures
+    run_json, sweep_json = tmp_path / "run.json", tmp_path / "sweep.json"
+    flags = ["--trace", str(TRACE_HEAD), "--nodes", "4", "--switch-gib", "64", "--sharing", "0.5"]
+    r = CliRunner().invoke(main, ["sim", "run", *flags, "--json", str(run_json)])
+    assert r.exit_code == 0, r.output
+    run = json.loads(run_json.read_text())
+    on, off = run["pool_on"], run["pool_off"]
+    assert on["hit_ratio"]["switch"] > 0.01
+    assert on["bytes"]["pool_to_switch"] < off["bytes"]["pool_to_switch"]
+    assert on["gpu_s_total"] != off["gpu_s_total"]
+    r = CliRunner().invoke(main, ["sim", "sweep", *flags, "--json", str(sweep_json),
+                                  "--plot", str(tmp_path / "sweep.png")])
+    assert r.exit_code == 0, r.output
+    (pt,) = json.loads(sweep_json.read_text())["points"]
+    b = run["switch_benefit"]
+    assert pt["switch_hit_ratio"] == pytest.approx(
+        on["hit_ratio"]["switch"] + on["hit_ratio"]["switch_replica"], rel=0.01)
+    for k in ("gpu_s_saved_per_hour", "net_usd_per_hour", "cost_usd_per_hour"):
+        assert pt[k] == pytest.approx(b[k], rel=0.01)
+    assert (pt["ttft_p50_on"], pt["ttft_p99_on"]) == (on["ttft_s"]["p50"], on["ttft_s"]["p99"])
+    assert {k: v for k, v in pt.items() if k != "wall_seconds"} == \
+        {k: v for k, v in run["point"].items() if k != "wall_seconds"}
 
 
 def test_routing():

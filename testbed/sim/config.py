@@ -1,8 +1,12 @@
 """What the cluster model is told: the model presets (KV bytes per token, prefill speed, GPUs per
-node) and SimConfig, one cluster configuration with its cost model (docs/sim.md)."""
+node), SimConfig, one cluster configuration with its cost model (docs/sim.md), and the data
+plane's CPU per frame, read from the throughput benchmark's result."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 from kvproto.frames import PAYLOAD_OFF
 from switchd.policy import POLICIES
@@ -13,6 +17,9 @@ GIB = 1 << 30
 FRAME_OVERHEAD = PAYLOAD_OFF               # Ethernet + IPv4 + UDP + KV header per chunk frame
 ROUTINGS = ("random", "least-loaded", "affinity")
 DEMOTES = ("none", "all", "value")
+ROOT = Path(__file__).resolve().parents[2]
+THROUGHPUT_JSON = "bench/results/throughput.json"
+REQUESTS_PER_NODE, MAX_REQUESTS = 200, 200_000    # a point's default request count
 HBM, DRAM, SWITCH, POOL, REPLICA, RECOMPUTE, UNSAMPLED = range(7)
 TIERS = ("hbm", "dram", "switch", "pool", "switch_replica", "recompute")
 
@@ -35,10 +42,16 @@ MODELS = {
 }
 
 
+class SimError(ValueError):
+    """A configuration the model cannot run (the CLI prints it as a usage error)."""
+
+
 @dataclass
 class SimConfig:
+    """One cluster. The defaults are the sweep's point (``testbed sim sweep``): a storage tier of
+    4 pool nodes, fixed while the inference nodes grow, and requests routed at random."""
     nodes: int = 4
-    pools: int | None = None          # pool nodes; default max(1, nodes // 8)
+    pools: int = 4                    # pool nodes (the storage tier)
     model: str = "llama3-8b"
     kv_bytes_per_token: int | None = None   # overrides the model's
     block_tokens: int = 512           # allocation/transfer granularity (divides 512)
@@ -51,7 +64,7 @@ class SimConfig:
     pcie_gbps: float = 200.0          # node DRAM -> HBM
     chunk_bytes: int = 3072           # payload per KV frame
     hop_us: float = 5.0               # extra latency of a fetch through the switch pool
-    routing: str = "affinity"
+    routing: str = "random"
     demote: str = "value"
     switch_policy: str = "prefix"
     interval: float = 1.0             # switchd policy step, seconds (of the policy clock)
@@ -63,7 +76,9 @@ class SimConfig:
     write_through: bool = True        # computed blocks are put to the pool nodes
     switch_budget: int = 1_000_000    # switch-bound accesses simulated exactly; more: sampled
     clock_scale: float = 1.0          # policy clock = trace time / clock_scale (testbed speedup)
-    xdp_ns_per_frame: float = 310.0   # data-plane CPU per KV frame (bench throughput)
+    xdp_ns_per_frame: float | None = None   # data-plane CPU per frame; None: from throughput_json
+    throughput_json: str = THROUGHPUT_JSON  # `testbed bench throughput` result (relative: to cwd
+    #                                         or else the source tree)
     seed: int = 1
     # cost model (break-even), see docs/sim.md
     gpu_hour_usd: float = 2.0
@@ -73,26 +88,26 @@ class SimConfig:
 
     def __post_init__(self):
         if self.nodes < 1:
-            raise ValueError(f"nodes must be >= 1, got {self.nodes}")
-        if self.pools is None:
-            self.pools = max(1, self.nodes // 8)
+            raise SimError(f"nodes must be >= 1, got {self.nodes}")
+        if self.pools < 1:
+            raise SimError(f"pools must be >= 1, got {self.pools}")
         if self.model not in MODELS:
-            raise ValueError(f"unknown model {self.model!r} (choose from {', '.join(MODELS)})")
+            raise SimError(f"unknown model {self.model!r} (choose from {', '.join(MODELS)})")
         if self.routing not in ROUTINGS:
-            raise ValueError(f"unknown routing {self.routing!r} (choose from {', '.join(ROUTINGS)})")
+            raise SimError(f"unknown routing {self.routing!r} (choose from {', '.join(ROUTINGS)})")
         if self.demote not in DEMOTES:
-            raise ValueError(f"unknown demotion {self.demote!r} (choose from {', '.join(DEMOTES)})")
+            raise SimError(f"unknown demotion {self.demote!r} (choose from {', '.join(DEMOTES)})")
         if self.switch_policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.switch_policy!r} "
+            raise SimError(f"unknown policy {self.switch_policy!r} "
                              f"(choose from {', '.join(POLICIES)})")
         if not (1 <= self.block_tokens <= BLOCK_TOKENS and BLOCK_TOKENS % self.block_tokens == 0):
-            raise ValueError(f"block tokens must divide {BLOCK_TOKENS}, got {self.block_tokens}")
+            raise SimError(f"block tokens must divide {BLOCK_TOKENS}, got {self.block_tokens}")
         for name in ("hbm_gib", "dram_gib", "switch_gib"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
+                raise SimError(f"{name} must be >= 0")
         for name in ("node_gbps", "pool_gbps", "pcie_gbps", "interval", "load"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0")
+                raise SimError(f"{name} must be > 0")
 
     @property
     def kv_per_token(self) -> int:
@@ -102,3 +117,42 @@ class SimConfig:
     def block_bytes(self) -> int:
         return BLOCK_TOKENS * self.kv_per_token
 
+
+
+def default_requests(nodes: int) -> int:
+    """Requests of a point when none are given: 200 per inference node, at most 200,000."""
+    return min(MAX_REQUESTS, REQUESTS_PER_NODE * nodes)
+
+
+def xdp_frame_cost(cfg: SimConfig) -> dict:
+    """The data plane's CPU per frame it handles: ``cfg.xdp_ns_per_frame`` if set, else one core's
+    switch-hit rate in the throughput benchmark (1e9 / switch_hit_pps; the generator shares that
+    core, so this errs high) at the chunk size nearest ``cfg.chunk_bytes``."""
+    if cfg.xdp_ns_per_frame is not None:
+        return {"ns_per_frame": float(cfg.xdp_ns_per_frame), "source": "configured"}
+    path = Path(cfg.throughput_json)
+    if not path.is_absolute() and not path.exists() and (ROOT / path).exists():
+        path = ROOT / path
+    path = path.resolve()
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    return {**dict(_measured(str(path), cfg.chunk_bytes)),
+            "source": f"{shown}: 1e9 / switch_hit_pps (one core)"}
+
+
+@lru_cache(maxsize=8)
+def _measured(path: str, chunk_bytes: int) -> tuple:
+    try:
+        rows = [r for r in json.loads(Path(path).read_text())["results"]
+                if r.get("switch_hit_pps")]
+    except FileNotFoundError:
+        raise SimError(f"no throughput result at {path}: run `testbed bench throughput --json "
+                       f"{THROUGHPUT_JSON}` or give the data plane's ns per frame "
+                       f"(--xdp-ns-per-frame)") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SimError(f"{path} is not a throughput result ({exc})") from None
+    if not rows:
+        raise SimError(f"{path} has no switch_hit_pps to price the data plane's CPU with")
+    row = min(rows, key=lambda r: (abs(r["chunk_bytes"] - chunk_bytes), -r["chunk_bytes"]))
+    return (("ns_per_frame", round(1e9 / row["switch_hit_pps"], 1)),
+            ("measured_chunk_bytes", row["chunk_bytes"]),
+            ("switch_hit_pps", row["switch_hit_pps"]))

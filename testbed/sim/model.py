@@ -22,35 +22,37 @@ GPU HBM -> node DRAM (both per node) -> switch pool -> pool-node DRAM -> recompu
   policy, offers missed and speculatively filled blocks, and applies its evictions. It sees only
   what the node tiers missed. At large scale it runs on a spatial sample of prefix trees (SHARDS:
   rate R, capacity scaled by R) when the switch-bound stream exceeds ``switch_budget`` accesses;
-  metrics that depend on it are then estimated from the sample (``switch_sample`` says so).
+  what the switch serves is then estimated from the sample (x 1/R) and what the pool nodes serve
+  is the exact pool-off figure minus that estimate (``pool_on.switch.sample_rate`` says so).
 
-Costs and timing: see docs/sim.md. Result keys: see ``run``.
+Costs and timing: see docs/sim.md. ``point`` computes one point for ``sim run`` and ``sim sweep``
+alike; result keys: see ``run`` and ``summary``.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import numpy as np
 
-from .config import FRAME_OVERHEAD, GIB, MODELS, SimConfig
+from .config import FRAME_OVERHEAD, GIB, MODELS, SimConfig, default_requests, xdp_frame_cost
 from .evaluate import GAMMA
 from .tiers import (DRAM, HBM, POOL, RECOMPUTE, REPLICA, SWITCH, TIERS, UNSAMPLED, SwitchModel,
-                    che_ttl, dram_hits, gaps)
+                    che_ttl, dram_hits, gaps, stable_order)
 from .trace import BLOCK_TOKENS, Trace
 from .workload import Workload, mix, route, workload
+
 
 # ---- one run -----------------------------------------------------------------------------------
 def _first_false(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Per request, the index (depth) of its first False flag, or its length."""
-    lens = np.diff(offsets)
-    pos = np.arange(len(flags)) - np.repeat(offsets[:-1], lens)
-    vals = np.where(flags, np.iinfo(np.int64).max, pos)
-    first = lens.astype(np.int64).copy()
-    ne = lens > 0
-    if ne.any():
-        first[ne] = np.minimum(np.minimum.reduceat(vals, offsets[:-1][ne]), lens[ne])
-    return first
+    false = np.flatnonzero(~flags)
+    starts, lens = offsets[:-1], np.diff(offsets)
+    i = np.searchsorted(false, starts)
+    at = false[np.minimum(i, max(len(false) - 1, 0))] if len(false) else np.zeros(len(starts), int)
+    found = (i < len(false)) & (at < offsets[1:])
+    return np.where(found, at - starts, lens)
 
 
 def _percentiles(x: np.ndarray) -> dict:
@@ -65,7 +67,7 @@ def _incast(keys, times, windows) -> dict:
     block transfer time of the previous one form one incast event of that degree."""
     if not len(keys):
         return {"events": 0, "mean": 0.0, "p99": 0, "max": 0, "fetches_in_incast": 0.0}
-    order = np.argsort(keys, kind="stable")     # fetches are in time order
+    order = stable_order(keys)                  # fetches are in time order
     k, t, w = keys[order], times[order], windows[order]
     new = np.ones(len(k), bool)
     new[1:] = (k[1:] != k[:-1]) | (t[1:] - t[:-1] >= w[1:])
@@ -76,69 +78,116 @@ def _incast(keys, times, windows) -> dict:
             "fetches_in_incast": round(float(deg[deg > 1].sum() / deg.sum()), 4)}
 
 
+def _blocks(wl: Workload, cfg: SimConfig) -> SimpleNamespace:
+    """Everything about every block request that does not depend on the tiers."""
+    model = MODELS[cfg.model]
+    nb, n, offsets = len(wl.hash_ids), wl.n, wl.offsets
+    b = SimpleNamespace(nb=nb, n=n, offsets=offsets, key=wl.hash_ids)
+    lens = np.diff(offsets)
+    b.req = np.repeat(np.arange(n), lens)
+    b.depth = np.arange(nb)
+    b.depth -= np.repeat(offsets[:-1], lens)
+    # every block holds BLOCK_TOKENS tokens but a prompt's partial last one (and any past its
+    # end: one token)
+    full = np.minimum(lens, wl.input_length // BLOCK_TOKENS)
+    m = lens - full
+    part = np.repeat(offsets[:-1] + full - (np.cumsum(m) - m), m) + np.arange(int(m.sum()))
+    tokens = np.clip(wl.input_length[b.req[part]] - b.depth[part] * BLOCK_TOKENS, 1, BLOCK_TOKENS)
+    b.nbytes = np.full(nb, float(cfg.block_bytes))
+    b.nbytes[part] = np.ceil(tokens / cfg.block_tokens) * (cfg.block_tokens * cfg.kv_per_token)
+    b.work = b.depth * GAMMA                               # prefill seconds: tokens x (1 +
+    b.work += 1                                            # GAMMA x depth) / rate
+    b.work *= BLOCK_TOKENS
+    b.work[part] = tokens * (1 + GAMMA * b.depth[part])
+    b.work /= model.prefill_tokens_per_s
+    b.total_work = np.bincount(b.req, weights=b.work, minlength=n)
+    b.t = np.repeat(wl.time, lens)
+    b.span = max(float(wl.time[-1] - wl.time[0]), 1e-3)
+    b.node = np.repeat(route(wl, cfg), lens)
+    b.chunks = np.full(nb, float(np.ceil(cfg.block_bytes / cfg.chunk_bytes)))
+    b.chunks[part] = np.ceil(b.nbytes[part] / cfg.chunk_bytes)
+    b.wire = b.chunks * FRAME_OVERHEAD                     # reply frames
+    b.wire += b.nbytes
+    b.get_per_chunk = cfg.chunk_bytes + FRAME_OVERHEAD     # GETs carry room for the reply
+    b.link_bps = min(cfg.node_gbps, cfg.pool_gbps) * 1e9 / 8   # wire / link_bps: transfer time
+    b.nsec = int(b.t.max()) + 1 if nb else 1
+    cell = mix(b.key, 5)                                   # (pool node, second)
+    cell %= np.uint64(cfg.pools)
+    b.cell = cell.view(np.int64)
+    b.cell *= b.nsec
+    b.cell += b.t.astype(np.int64)
+    return b
+
+
+def _tiers(b, cfg: SimConfig, in_hbm, in_dram, pool_has) -> SimpleNamespace:
+    """Where each block comes from apart from the switch (the same with the pool on and off)."""
+    avail = in_hbm | in_dram | pool_has
+    served = b.depth < np.repeat(_first_false(avail, b.offsets), np.diff(b.offsets))
+    src = np.full(b.nb, RECOMPUTE, np.int8)
+    src[served & in_dram] = DRAM
+    src[served & in_hbm] = HBM
+    remote = served & ~in_hbm & ~in_dram
+    src[remote] = POOL
+    ri = np.flatnonzero(remote)
+    recomputed = np.flatnonzero(~served)
+    return SimpleNamespace(
+        src=src, ri=ri, recomputed=recomputed,
+        saved_work=b.total_work - np.bincount(b.req[recomputed], weights=b.work[recomputed],
+                                              minlength=b.n),
+        pool_load=np.bincount(b.cell[ri], weights=b.wire[ri], minlength=cfg.pools * b.nsec),
+        dram_t=np.where(src == DRAM, b.nbytes / (cfg.pcie_gbps * 1e9 / 8), 0.0))
+
+
 def simulate(wl: Workload, cfg: SimConfig, log=None) -> dict:
     """Run the model on a workload; returns the result dict (pool on and off)."""
     t_start = time.perf_counter()
-    model = MODELS[cfg.model]
-    kvt = cfg.kv_per_token
-    nb = len(wl.hash_ids)
-    lens = np.diff(wl.offsets)
-    req = np.repeat(np.arange(wl.n), lens)
-    depth = np.arange(nb) - wl.offsets[:-1][req]
-    tokens = np.clip(wl.input_length[req] - depth * BLOCK_TOKENS, 1, BLOCK_TOKENS)
-    alloc = np.ceil(tokens / cfg.block_tokens) * cfg.block_tokens
-    nbytes = alloc * kvt                                   # bytes a block occupies and moves
-    size = nbytes / cfg.block_bytes                        # in full blocks (policy unit)
-    work = tokens * (1 + GAMMA * depth) / model.prefill_tokens_per_s   # prefill seconds
-    t = wl.time[req]
-    span = max(float(wl.time[-1] - wl.time[0]), 1e-3)
+    b = _blocks(wl, cfg)
+    key, t, node, nbytes, span = b.key, b.t, b.node, b.nbytes, b.span
     end = float(wl.time[-1]) + 1e-9
-    node_of = route(wl, cfg)
-    node = node_of[req]
-    key = wl.hash_ids
 
-    # node tiers
-    nk = key * cfg.nodes + node
-    prev_n, next_n, ord_n, same_n = gaps(nk, t, end)
+    prev_g, next_g, ord_g, same_g = gaps(key, t, end)
+    # node tiers (blocks numbered densely first, so that block x node packs into few bits)
+    dense = np.empty(b.nb, np.int64)
+    dense[ord_g] = np.concatenate([[0], np.cumsum(~same_g)])
+    dense *= cfg.nodes
+    dense += node
+    prev_n, next_n, ord_n, same_n = gaps(dense, t, end)
+    del dense
     T_hbm = che_ttl(node, next_n, nbytes, cfg.hbm_gib * GIB, cfg.nodes, span)
     in_hbm = prev_n < T_hbm[node]
     # pool nodes (write-through of computed blocks; LRU over the cluster's lookups)
-    prev_g, next_g, ord_g, same_g = gaps(key, t, end)
     orders = (ord_n, same_n, ord_g, same_g)
     if cfg.preload:
-        pool_has = np.ones(nb, bool)
+        pool_has = np.ones(b.nb, bool)
     elif cfg.pool_gib is None:
-        pool_has = prev_g > 0
-        pool_has &= np.isfinite(prev_g)
+        pool_has = (prev_g > 0) & np.isfinite(prev_g)
     else:
-        zero = np.zeros(nb, np.int64)
+        zero = np.zeros(b.nb, np.int64)
         T_pool = che_ttl(zero, next_g, nbytes, cfg.pool_gib * GIB * cfg.pools, 1, span)[0]
         pool_has = (prev_g > 0) & (prev_g < T_pool)
-    pool_of = (mix(key, 5) % np.uint64(cfg.pools)).astype(np.int64)
     in_dram = dram_hits(cfg, key, node, prev_n, next_n, nbytes, T_hbm, span, cfg.demote, orders)
+    dropped = dram_hits(cfg, key, node, prev_n, next_n, nbytes, T_hbm, span, "none", orders)
+    distinct = int(b.nb - same_g.sum())
+    del prev_n, next_n, ord_n, same_n, prev_g, next_g, ord_g, same_g, orders, node, b.node
+    tiers = _tiers(b, cfg, in_hbm, in_dram, pool_has)
 
     # the switch tier runs on a spatial sample of prefix trees when its stream is too long
-    avail = in_hbm | in_dram | pool_has
-    remote_n = int(((depth < _first_false(avail, wl.offsets)[req]) & ~in_hbm & ~in_dram).sum())
-    rate = min(1.0, cfg.switch_budget / max(1, remote_n))
+    rate = min(1.0, cfg.switch_budget / max(1, len(tiers.ri)))
     sampled = np.ones(wl.n, bool)
     if rate < 1:
         sampled = mix(wl.hash_ids[wl.offsets[:-1]], 11) < np.uint64(rate * 2.0**64)
-    res = {"config": asdict(cfg), "model": asdict(model), "requests": int(wl.n),
-           "block_requests": int(nb), "distinct_blocks": int(nb - same_g.sum()),
+    res = {"config": asdict(cfg), "model": asdict(MODELS[cfg.model]), "requests": int(wl.n),
+           "block_requests": int(b.nb), "distinct_blocks": distinct,
            "seconds_simulated": round(span, 3), "resampled": wl.resampled}
-    base = _serve(cfg, wl, req, depth, key, t, node, nbytes, size, work, pool_of, in_hbm,
-                  in_dram, pool_has, span, sampled, switch=False)
+    base = _serve(cfg, b, tiers, sampled, switch=False)
     if log:
         log(f"node tiers and pool off: {time.perf_counter() - t_start:.1f}s")
-    on = _serve(cfg, wl, req, depth, key, t, node, nbytes, size, work, pool_of, in_hbm,
-                in_dram, pool_has, span, sampled, switch=True)
+    on = _serve(cfg, b, tiers, sampled, switch=True)
     res["pool_off"], res["pool_on"] = base, on
     # value recovery: the same run with HBM evictions dropped
     if cfg.demote != "none":
-        dropped = dram_hits(cfg, key, node, prev_n, next_n, nbytes, T_hbm, span, "none", orders)
-        nodrop = _serve(cfg, wl, req, depth, key, t, node, nbytes, size, work, pool_of, in_hbm,
-                        dropped, pool_has, span, sampled, switch=False, light=True)
+        nodrop = _serve(cfg, b, _tiers(b, cfg, in_hbm, dropped, pool_has), sampled,
+                        switch=False, light=True)
         res["demotion"] = {
             "mode": cfg.demote,
             "dram_hit_ratio": base["hit_ratio"]["dram"],
@@ -152,94 +201,84 @@ def simulate(wl: Workload, cfg: SimConfig, log=None) -> dict:
     return res
 
 
+def _switch(cfg, b, tiers, sampled) -> tuple:
+    """Run the switch tier on the switch-bound fetches (those of sampled trees): their indices,
+    outcomes, the sampling rate and what to report."""
+    ri = tiers.ri
+    keep = sampled[b.req[ri]]
+    rate = 1.0
+    if not keep.all():
+        rate = max(float(keep.mean()), 1e-12)
+        ri = ri[keep]
+    cap = cfg.switch_gib * GIB / cfg.block_bytes
+    headroom = cap / 16 if cfg.headroom is None else cfg.headroom * cap
+    sw = SwitchModel(cfg.switch_policy, cap * rate, headroom * rate, cfg.interval, cfg.coalesce)
+    out = sw.run(b.key[ri], b.t[ri] / cfg.clock_scale, b.nbytes[ri] / cfg.block_bytes,
+                 b.wire[ri] / (b.link_bps * cfg.clock_scale))
+    info = {"sample_rate": round(rate, 6), "switch_bound_fetches": len(tiers.ri),
+            "simulated_fetches": len(ri), "policy_steps": sw.steps,
+            "capacity_blocks": round(cap * rate, 2)}
+    return ri, out, rate, info
 
-def _serve(cfg, wl, req, depth, key, t, node, nbytes, size, work, pool_of, in_hbm, in_dram,
-           pool_has, span, sampled, switch: bool, light: bool = False) -> dict:
-    """Which tier serves every block, and what that costs, with the switch pool on or off."""
+
+def _serve(cfg, b, tiers, sampled, switch: bool, light: bool = False) -> dict:
+    """Which tier serves every block, and what that costs, with the switch pool on or off.
+    With the switch sampled at rate R, a sum over what it serves is the sampled sum / R, and a
+    sum over what the pool nodes serve is the exact sum over all remote blocks minus that."""
     model = MODELS[cfg.model]
-    nb = len(key)
-    avail = in_hbm | in_dram | pool_has
-    prefix = _first_false(avail, wl.offsets)
-    served = depth < prefix[req]
-    src = np.full(nb, RECOMPUTE, np.int8)
-    src[served & in_dram] = DRAM
-    src[served & in_hbm] = HBM
-    remote = served & ~in_hbm & ~in_dram
-    src[remote] = POOL
     node_bps, pool_bps = cfg.node_gbps * 1e9 / 8, cfg.pool_gbps * 1e9 / 8
-    chunks = np.ceil(nbytes / cfg.chunk_bytes)
-    wire = nbytes + chunks * FRAME_OVERHEAD                # reply frames
-    window = wire / min(node_bps, pool_bps)                # a block's transfer time
-    weight = np.ones(nb)
-    sample_rate = 1.0
-    sw = {}
-    if switch and remote.any():
-        ri = np.flatnonzero(remote)
-        cap = cfg.switch_gib * GIB / cfg.block_bytes
-        keep = sampled[req[ri]]
-        if not keep.all():
-            sample_rate = max(float(keep.mean()), 1e-12)
-            src[ri[~keep]] = UNSAMPLED
-            weight[ri[keep]] = 1 / sample_rate
-            weight[ri[~keep]] = 0
-            ri = ri[keep]
-        headroom = cap / 16 if cfg.headroom is None else cfg.headroom * cap
-        model_sw = SwitchModel(cfg.switch_policy, cap * sample_rate, headroom * sample_rate,
-                               cfg.interval, cfg.coalesce)
-        src[ri] = model_sw.run(key[ri], t[ri] / cfg.clock_scale, size[ri],
-                               window[ri] / cfg.clock_scale)
-        sw = {"sample_rate": round(sample_rate, 6), "switch_bound_fetches": int(remote.sum()),
-              "simulated_fetches": int(len(ri)), "policy_steps": model_sw.steps,
-              "capacity_blocks": round(cap * sample_rate, 2)}
-    w = weight
-    counted = w.sum()
-    hit = {name: round(float(w[src == code].sum() / counted), 6)
-           for code, name in enumerate(TIERS)}
-    is_pool = src == POOL
-    is_sw = (src == SWITCH) | (src == REPLICA)
-    is_remote = is_pool | is_sw
-    hdr = chunks * FRAME_OVERHEAD
-    get_frames = chunks * (cfg.chunk_bytes + FRAME_OVERHEAD)   # GETs carry room for the reply
-    computed = (src == RECOMPUTE) & cfg.write_through & (not cfg.preload)
+    ri, src, pool_load = tiers.ri, tiers.src, tiers.pool_load
+    si, hit_w, sw, rate = ri[:0], np.zeros(0), {}, 1.0
+    if switch and len(ri):
+        sri, out, rate, sw = _switch(cfg, b, tiers, sampled)
+        src = src.copy()
+        src[ri] = UNSAMPLED
+        src[sri] = out
+        si = sri[out != POOL]                               # served by the switch
+        hit_w = np.full(len(si), 1 / rate)
+        pool_load = np.maximum(pool_load - np.bincount(b.cell[si], weights=b.wire[si] * hit_w,
+                                                       minlength=len(pool_load)), 0.0)
+    counts = np.bincount(src, minlength=len(TIERS) + 1).astype(float)
+    counts[SWITCH] = hit_w[src[si] == SWITCH].sum()
+    counts[REPLICA] = hit_w[src[si] == REPLICA].sum()
+    counts[POOL] = len(ri) - counts[SWITCH] - counts[REPLICA]
+    hit = {name: round(float(counts[code] / max(1, b.nb)), 6) for code, name in enumerate(TIERS)}
+    comp = tiers.recomputed if cfg.write_through and not cfg.preload else ri[:0]
+    hdr = b.chunks[comp] * FRAME_OVERHEAD
+    remote_wire, remote_get = b.wire[ri].sum(), b.chunks[ri].sum() * b.get_per_chunk
+    sw_wire = (b.wire[si] * hit_w).sum()
+    sw_get = (b.chunks[si] * hit_w).sum() * b.get_per_chunk
     links = {
-        "dram_to_hbm": float((w * nbytes)[src == DRAM].sum()),
-        "switch_to_nodes": float((w * wire)[is_remote].sum() + (hdr * computed).sum()),
-        "nodes_to_switch": float((w * get_frames)[is_remote].sum() + (wire * computed).sum()),
-        "pool_to_switch": float((w * wire)[is_pool].sum() + (hdr * computed).sum()),
-        "switch_to_pool": float((w * get_frames)[is_pool].sum() + (wire * computed).sum()),
+        "dram_to_hbm": float(b.nbytes[src == DRAM].sum()),
+        "switch_to_nodes": remote_wire + hdr.sum(),
+        "nodes_to_switch": remote_get + b.wire[comp].sum(),
+        "pool_to_switch": remote_wire - sw_wire + hdr.sum(),
+        "switch_to_pool": remote_get - sw_get + b.wire[comp].sum(),
     }
-    links = {k: int(v) for k, v in links.items()}
+    links = {k: int(round(v)) for k, v in links.items()}
     # pool-link utilisation per pool node and second -> queueing on pool fetches
-    sec = np.floor(t).astype(np.int64)
-    nsec = int(sec.max()) + 1 if nb else 1
-    pool_load = np.bincount(pool_of[is_pool] * nsec + sec[is_pool],
-                            weights=(w * wire)[is_pool], minlength=cfg.pools * nsec)
     rho = pool_load / pool_bps
-    rho_blk = np.minimum(rho[pool_of * nsec + sec], 0.98)
-    fetch_t = np.zeros(nb)
-    fetch_t[src == DRAM] = nbytes[src == DRAM] / (cfg.pcie_gbps * 1e9 / 8)
-    fetch_t[is_sw] = wire[is_sw] / node_bps + cfg.hop_us * 1e-6
-    fetch_t[is_pool] = wire[is_pool] / (min(node_bps, pool_bps) * (1 - rho_blk[is_pool])) \
-        + (cfg.hop_us * 1e-6 if switch else 0.0)
-    n = wl.n
-    fetch_req = np.bincount(req, weights=fetch_t, minlength=n)
-    saved_work = np.bincount(req, weights=np.where(src == RECOMPUTE, 0.0, work), minlength=n)
-    total_work = np.bincount(req, weights=work, minlength=n)
+    fetch_t = tiers.dram_t.copy()
+    hop = cfg.hop_us * 1e-6 if switch else 0.0
+    fetch_t[ri] = (b.wire[ri] / (min(node_bps, pool_bps) * (1 - np.minimum(rho[b.cell[ri]], 0.98)))
+                   + hop)
+    fetch_t[si] = b.wire[si] / node_bps + cfg.hop_us * 1e-6
+    fetch_req = np.bincount(b.req, weights=fetch_t, minlength=b.n)
+    saved_work = tiers.saved_work
     # a node recomputes its prefix instead when fetching it would take longer
     load_t = np.minimum(fetch_req, saved_work)
-    compute_t = total_work - saved_work + np.where(fetch_req > saved_work, saved_work, 0.0)
+    compute_t = b.total_work - saved_work + np.where(fetch_req > saved_work, saved_work, 0.0)
     ttft = load_t + compute_t
     req_w = sampled
-    gpus = model.gpus_per_node
+    scale = model.gpus_per_node / float(req_w.mean())
     out = {
         "hit_ratio": hit,
         "bytes": links,
-        "remote_bytes": int((w * nbytes)[is_remote].sum()),
+        "remote_bytes": int(round(b.nbytes[ri].sum())),
         "ttft_s": _percentiles(ttft[req_w]),
-        "prefill_gpu_s_saved": round(float((total_work - compute_t)[req_w].sum()
-                                           / req_w.mean()) * gpus, 2),
-        "gpu_s_waiting_for_kv": round(float(load_t[req_w].sum() / req_w.mean()) * gpus, 2),
-        "gpu_s_total": round(float(ttft[req_w].sum() / req_w.mean()) * gpus, 2),
+        "prefill_gpu_s_saved": round(float((b.total_work - compute_t)[req_w].sum()) * scale, 2),
+        "gpu_s_waiting_for_kv": round(float(load_t[req_w].sum()) * scale, 2),
+        "gpu_s_total": round(float(ttft[req_w].sum()) * scale, 2),
     }
     if light:
         return out
@@ -247,45 +286,88 @@ def _serve(cfg, wl, req, depth, key, t, node, nbytes, size, work, pool_of, in_hb
                         "mean_utilisation": round(float(rho.mean()) if len(rho) else 0.0, 4),
                         "overloaded_share": round(float((rho >= 1).mean()) if len(rho) else 0.0,
                                                   4)}
-    fetches = np.flatnonzero(is_pool) if switch else np.flatnonzero(is_remote)
-    out["incast"] = _incast(key[fetches], t[fetches], window[fetches])
-    frames = float((w * chunks)[is_remote | computed].sum()) * 2
-    out["switch"] = {**sw, "frames_per_s": round(frames / span, 1)} if switch else {}
+    fetches = ri[src[ri] == POOL]
+    out["incast"] = _incast(b.key[fetches], b.t[fetches], b.wire[fetches] / b.link_bps)
+    if switch:
+        # data-plane runs: a hit is one (the GET, answered in place); a fetch from a pool node,
+        # a coalesced one and a write-through PUT are two (request in, reply or ack back)
+        hits = si[src[si] == SWITCH]
+        runs = (np.bincount(b.cell[ri] % b.nsec, weights=2 * b.chunks[ri], minlength=b.nsec)
+                + np.bincount(b.cell[comp] % b.nsec, weights=2 * b.chunks[comp], minlength=b.nsec)
+                - np.bincount(b.cell[hits] % b.nsec, weights=b.chunks[hits] / rate,
+                              minlength=b.nsec))
+        out["switch"] = {**sw, "frames_per_s": round(float(runs.sum()) / b.span, 1),
+                         "frames_per_s_p99": round(float(np.percentile(runs, 99)), 1)}
+    else:
+        out["switch"] = {}
     return out
 
 
 def _benefit(cfg: SimConfig, off: dict, on: dict, span: float) -> dict:
-    """What the switch pool saves and costs per hour of this workload, in dollars."""
+    """What the switch pool saves and costs per hour of this workload, in dollars. The data
+    plane's CPU is charged for the frames it handles on average; ``xdp_cores_p99`` is what a
+    switch needs in its busiest 1% of seconds."""
     hours = span / 3600
     gpu_s = off["gpu_s_total"] - on["gpu_s_total"]
     benefit = gpu_s / 3600 * cfg.gpu_hour_usd / hours
-    xdp_cores = on["switch"].get("frames_per_s", 0.0) * cfg.xdp_ns_per_frame * 1e-9
+    xdp = xdp_frame_cost(cfg)
+    per_core = 1e9 / xdp["ns_per_frame"]
+    xdp_cores = on["switch"].get("frames_per_s", 0.0) / per_core
     cost = (cfg.switch_gib * cfg.switch_gib_hour_usd
             + (cfg.switchd_cores + xdp_cores) * cfg.core_hour_usd)
     return {"gpu_s_saved_per_hour": round(gpu_s / hours, 2),
             "benefit_usd_per_hour": round(benefit, 4),
             "cost_usd_per_hour": round(cost, 4),
             "xdp_cores": round(xdp_cores, 3),
+            "xdp_cores_p99": round(on["switch"].get("frames_per_s_p99", 0.0) / per_core, 3),
+            "xdp": xdp,
             "net_usd_per_hour": round(benefit - cost, 4),
             "pays": bool(benefit > cost),
             "pool_egress_saved": round(1 - on["bytes"]["pool_to_switch"]
                                        / max(1, off["bytes"]["pool_to_switch"]), 4)}
 
 
-def run(trace: Trace, cfg: SimConfig, requests: int | None = None, sharing: float = 0.0,
-        log=None) -> dict:
-    """Build the workload and simulate it. Result: config, model, requests, block_requests,
+def summary(res: dict) -> dict:
+    """The figures of one point (a row of the sweep; ``sim run`` prints and writes the same)."""
+    on, off, b = res["pool_on"], res["pool_off"], res["switch_benefit"]
+    c = res["config"]
+    return {"nodes": c["nodes"], "pools": c["pools"], "switch_gib": c["switch_gib"],
+            "sharing": res["sharing"], "requests": res["requests"],
+            "switch_hit_ratio": round(on["hit_ratio"]["switch"]
+                                      + on["hit_ratio"]["switch_replica"], 6),
+            "node_tier_hit_ratio": round(off["hit_ratio"]["hbm"] + off["hit_ratio"]["dram"], 6),
+            "pool_egress_saved": b["pool_egress_saved"],
+            "peak_pool_link_off": off["pool_link"]["peak_utilisation"],
+            "peak_pool_link_on": on["pool_link"]["peak_utilisation"],
+            "incast_max_off": off["incast"]["max"],
+            "ttft_p50_off": off["ttft_s"]["p50"], "ttft_p50_on": on["ttft_s"]["p50"],
+            "ttft_p99_off": off["ttft_s"]["p99"], "ttft_p99_on": on["ttft_s"]["p99"],
+            **{k: b[k] for k in ("gpu_s_saved_per_hour", "benefit_usd_per_hour",
+                                 "cost_usd_per_hour", "net_usd_per_hour", "pays", "xdp_cores",
+                                 "xdp_cores_p99")},
+            "sample_rate": on["switch"].get("sample_rate", 1.0)}
+
+
+def point(trace: Trace, cfg: SimConfig, requests: int | None = None, sharing: float = 0.0,
+          log=None) -> dict:
+    """One point of the model, as ``sim run`` and every point of ``sim sweep`` compute it:
+    ``requests`` resampled from the trace with ``sharing`` (None: ``default_requests``, 200 per
+    node up to 200,000; 0: the trace's own requests, at the cluster's arrival rate), simulated
+    with the switch pool off and on. Result: config, model, requests, block_requests,
     distinct_blocks, seconds_simulated, pool_off / pool_on (hit_ratio per tier, bytes per link,
     remote_bytes, ttft_s p50/p99/mean, prefill_gpu_s_saved, gpu_s_waiting_for_kv, gpu_s_total,
-    pool_link utilisation, incast degree at pool nodes, switch sampling), demotion (what value
-    recovery saves), switch_benefit (break-even terms), wall_seconds (including the workload)."""
+    pool_link utilisation, incast degree at pool nodes, switch sampling and frames), demotion
+    (what value recovery saves), switch_benefit (break-even terms), sharing, point (``summary``),
+    wall_seconds (including the workload)."""
     t0 = time.perf_counter()
-    wl = workload(trace, cfg, requests, sharing)
+    if requests is None:
+        requests = default_requests(cfg.nodes)
+    wl = workload(trace, cfg, requests or None, sharing)
     if log:
         log(f"workload: {wl.n} requests, {len(wl.hash_ids)} block requests "
             f"({time.perf_counter() - t0:.1f}s)")
     res = simulate(wl, cfg, log)
     res["sharing"] = sharing
     res["wall_seconds"] = round(time.perf_counter() - t0, 2)
+    res["point"] = {**summary(res), "wall_seconds": res["wall_seconds"]}
     return res
-

@@ -12,12 +12,16 @@ from .trace import BLOCK_TOKENS, Trace
 
 
 def mix(x: np.ndarray, salt: int = 0) -> np.ndarray:
-    """A 64-bit mixing hash of integer ids (splitmix64), vectorised."""
-    z = (np.asarray(x).astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15 * (salt + 1) & (2**64 - 1)))
+    """A 64-bit mixing hash of integer ids (splitmix64), vectorised (in place on a copy)."""
+    z = np.array(x, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+        z += np.uint64(0x9E3779B97F4A7C15 * (salt + 1) & (2**64 - 1))
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return z
 
 
 @dataclass
