@@ -199,6 +199,13 @@ def test_resampling_keeps_trees_and_sharing():
     assert len(np.unique(shared.hash_ids)) == 4
     assert len(np.unique(private.hash_ids)) > 100
     assert np.all(np.diff(private.time) >= 0)
+    # requests arrive at the cluster's rate from start to end, even when the run is no longer
+    # than a tree (here 2 s): trees are cut at the run's edges, not the run stretched by them
+    busy = workload(trace, _cfg(nodes=400), requests=6000, sharing=0.0)
+    span = 6000 / (400 * 0.7 * 10_000 / trace.input_length.mean())
+    assert busy.time[-1] == pytest.approx(span, rel=0.05)
+    halves = np.histogram(busy.time, bins=2, range=(0, span))[0]
+    assert halves.min() > 0.9 * halves.max()
 
 
 def test_break_even_interpolates():

@@ -54,10 +54,11 @@ def workload(trace: Trace, cfg: SimConfig, requests: int | None = None,
     its timestamps scaled to the cluster's arrival rate. Otherwise a resampled trace: prefix trees
     (requests sharing a first block, i.e. a session or a shared document) are drawn uniformly with
     replacement; each drawn copy keeps the tree's requests and their offsets from its first request
-    and starts at a uniform time in the run, and gets fresh block ids (a new session), except that
-    with probability ``sharing`` it keeps the tree's original ids (the same content asked again,
-    e.g. a popular document). Partial last blocks always get fresh ids. The run lasts
-    requests / (nodes x rate) seconds."""
+    and starts at a uniform time in [-its duration, run length), and gets fresh block ids (a new
+    session), except that with probability ``sharing`` it keeps the tree's original ids (the same
+    content asked again, e.g. a popular document). Partial last blocks always get fresh ids. The
+    run is the first ``requests`` requests inside [0, requests / (nodes x rate)) seconds, so they
+    arrive at the configured rate from start to end."""
     rate = cfg.rate_per_node or cfg.load * MODELS[cfg.model].prefill_tokens_per_s / max(
         1.0, float(trace.input_length.mean()))
     total_rate = rate * cfg.nodes
@@ -78,22 +79,30 @@ def workload(trace: Trace, cfg: SimConfig, requests: int | None = None,
     np.cumsum(g_sizes, out=g_start[1:])
     t_ms = trace.timestamp.astype(np.float64)
     first_t = t_ms[order[g_start[:-1]]]
-    draws = rng.integers(0, len(g_sizes), int(1.2 * n / g_sizes.mean()) + 16)
-    while g_sizes[draws].sum() < n:
-        draws = np.concatenate([draws, rng.integers(0, len(g_sizes), len(draws))])
-    keep = np.searchsorted(np.cumsum(g_sizes[draws]), n) + 1
-    draws = draws[:keep]
+    last_t = t_ms[order[g_start[1:] - 1]]
+    dur = (last_t - first_t) / 1000.0                         # a tree's own duration
     span = n / total_rate
-    copy_of = np.repeat(np.arange(len(draws)), g_sizes[draws])
-    within = np.arange(len(copy_of)) - np.repeat(np.cumsum(g_sizes[draws]) - g_sizes[draws],
-                                                 g_sizes[draws])
-    req = order[g_start[draws][copy_of] + within]              # original request index
-    shared = rng.random(len(draws)) < sharing
-    id_off = np.where(shared, 0, (np.arange(len(draws)) + 1) * max_id)[copy_of]
-    starts = rng.uniform(0, span, len(draws))[copy_of]
-    when = starts + (t_ms[req] - first_t[draws][copy_of]) / 1000.0
+    # trees start uniformly in [-duration, W) and only their requests inside [0, W) count, as
+    # many trees as put requests there at the cluster's rate; W is a little longer than the
+    # run so that its first n requests fill it from start to end (trees starting in [0, span)
+    # and kept whole would spread the run over span + the longest tree, at a lower rate)
+    for margin in (1.25, 1.5, 2.0, 4.0, 16.0):
+        W = margin * span
+        k = int(margin * n / float(np.mean(g_sizes * W / (W + dur)))) + 1
+        draws = rng.integers(0, len(g_sizes), k)
+        size = g_sizes[draws]
+        copy_of = np.repeat(np.arange(k), size)
+        within = np.arange(len(copy_of)) - np.repeat(np.cumsum(size) - size, size)
+        req = order[g_start[draws][copy_of] + within]         # original request index
+        shared = rng.random(k) < sharing
+        id_off = np.where(shared, 0, (np.arange(k) + 1) * max_id)[copy_of]
+        start = W - rng.random(k) * (W + dur[draws])
+        when = start[copy_of] + (t_ms[req] - first_t[draws][copy_of]) / 1000.0
+        inside = (when >= 0) & (when < W)
+        if inside.sum() >= n:
+            break
+    req, id_off, when = req[inside], id_off[inside], when[inside]
     srt = np.argsort(when, kind="stable")[:n]
-    srt = srt[np.argsort(when[srt], kind="stable")]
     req, id_off, when = req[srt], id_off[srt], when[srt]
     lens = np.diff(trace.offsets)[req]
     offsets = np.zeros(n + 1, np.int64)
@@ -101,8 +110,8 @@ def workload(trace: Trace, cfg: SimConfig, requests: int | None = None,
     src = np.repeat(trace.offsets[:-1][req] - offsets[:-1], lens) + np.arange(offsets[-1])
     ids = trace.hash_ids[src] + np.repeat(id_off, lens)
     il = trace.input_length[req]
-    ids = _partial_tail_fresh(offsets, ids, il, (len(draws) + 2) * max_id)
-    return Workload(when - when[0], il, offsets, ids, resampled=True)
+    ids = _partial_tail_fresh(offsets, ids, il, (k + 2) * max_id)
+    return Workload(when, il, offsets, ids, resampled=True)
 
 
 # ---- routing -----------------------------------------------------------------------------------
