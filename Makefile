@@ -10,7 +10,7 @@ DEBS  := python3-bpfcc python3-venv linux-headers-amd64 linux-libc-dev libbpf1 b
 KREL  := $(shell uname -r)
 TRACE ?= ../shared/traces/mooncake_synthetic_trace.jsonl
 
-.PHONY: setup debs kernel-headers bpffs venv test test-python test-bpf test-e2e demo demo-inference bench bench-sim clean
+.PHONY: setup debs kernel-headers bpffs venv test test-python test-bpf test-e2e demo demo-inference demo-vllm bench bench-sim clean
 
 setup: debs kernel-headers bpffs venv
 	@echo "setup: OK ($(VENV) ready; run 'make test')"
@@ -59,6 +59,9 @@ demo:
 
 demo-inference:
 	$(VENV)/bin/testbed demo-inference --json bench/results/inference.json
+
+demo-vllm:
+	$(VENV)/bin/testbed demo-vllm --json bench/results/vllm.json
 
 bench:
 	$(VENV)/bin/testbed bench throughput --json bench/results/throughput.json

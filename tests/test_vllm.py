@@ -1,0 +1,228 @@
+"""The vLLM KV connector: its pure parts without vLLM (settings, keys and layout tag, the
+scheduler's plan, copies between vLLM's CPU paged cache and pool blocks, the I/O backend against
+a loopback pool node), and end to end (e2e tier) two vLLM engines sharing a short prefix through
+the switch on the testbed (``testbed.demos.vllm``, the minimal version of `make demo-vllm`)."""
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+try:
+    import torch
+except ImportError as exc:
+    pytest.fail(f"{exc}: install the inference extra (pip install -e '.[inference]', "
+                "or run 'make setup')", pytrace=False)
+
+from hostagent.client import BlockNotFound
+from hostagent.hashing import block_hashes
+from hostagent.server import serve
+from hostagent.vllm_connector_blocks import (Planner, PoolLayout, Settings, load_targets,
+                                             read_block, write_block)
+from hostagent.vllm_connector_pool import PoolBackend
+
+L, H, D = 2, 2, 8
+
+
+def _layout(block_tokens=8, vllm_block=4, dtype=torch.float32) -> PoolLayout:
+    return PoolLayout(L, H, D, dtype, block_tokens, vllm_block)
+
+
+# ---- settings, keys, layout ------------------------------------------------------------------
+def test_settings_need_pools_and_refuse_unknown_keys():
+    s = Settings.from_extra({"pools": "10.0.0.1,10.0.0.2:7", "chunk_size": 3072})
+    assert s.pools == ("10.0.0.1", "10.0.0.2:7") and s.chunk_size == 3072 and s.namespace == 1
+    with pytest.raises(ValueError, match="pools"):
+        Settings.from_extra({})
+    with pytest.raises(ValueError, match="unknown.*'pool'"):
+        Settings.from_extra({"pools": ["a"], "pool": "b"})
+    with pytest.raises(ValueError, match="concurrency"):
+        Settings.from_extra({"pools": ["a"], "concurrency": 0})
+
+
+def test_layout_tag_and_keys_are_the_hugging_face_connectors():
+    from hostagent.kvconnector import BlockLayout
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = PoolLayout(4, 2, 64, dtype, 128, 128)
+        theirs = BlockLayout(4, 2, 64, dtype, 128)
+        assert ours.tag() == theirs.tag() and ours.block_bytes == theirs.block_bytes
+    layout, tokens = _layout(), list(range(3, 30))
+    keys = layout.keys(tokens, "m@1")
+    assert len(keys) == 3                                       # full 8-token blocks only
+    assert keys == block_hashes(tokens, 8, extra=b"m@1|" + layout.tag())
+    assert layout.keys(tokens, "m@2") != keys                   # the model is in the key
+    assert _layout(dtype=torch.bfloat16).keys(tokens, "m@1") != keys   # and the layout
+    with pytest.raises(ValueError, match="multiple"):
+        PoolLayout(L, H, D, torch.float32, 6, 4)
+
+
+# ---- the plan ------------------------------------------------------------------------------
+def test_load_targets_map_pool_blocks_onto_vllm_blocks():
+    layout = _layout(8, 4)                                       # two vLLM blocks per pool block
+    ids = [10, 11, 12, 13, 14, 15]
+    assert load_targets(layout, 0, 16, ids) == [[(0, 10), (1, 11)], [(0, 12), (1, 13)]]
+    # vLLM holds the first 4 tokens locally: only the second half of pool block 0 is written
+    assert load_targets(layout, 4, 16, ids) == [[(1, 11)], [(0, 12), (1, 13)]]
+    assert load_targets(layout, 8, 24, ids) == [[(0, 12), (1, 13)], [(0, 14), (1, 15)]]
+    with pytest.raises(ValueError):
+        load_targets(layout, 0, 12, ids)                         # not a pool block boundary
+
+
+def test_planner_loads_the_hit_and_saves_each_new_full_block_once():
+    layout = _layout(8, 4)
+    p = Planner(layout, "m")
+    prompt = list(range(3, 3 + 37))                 # 4 full pool blocks + 5 tokens
+    keys = p.keys(prompt)
+    assert p.loadable(len(prompt)) == 4 and p.loadable(32) == 3   # never the last token
+    assert p.matched("r", keys, 2, 0) == 16         # the pool has blocks 0 and 1
+    p.allocated("r", 16)
+    ids = list(range(100, 110))
+    # chunked prefill: 8 of the 21 remaining tokens in this step
+    plan = p.build([("r", prompt, ids, 16, 8)], [])
+    [ld] = plan.loads
+    assert (ld.keys, ld.first, ld.tokens) == (keys[:2], 0, 16)
+    assert ld.targets == [[(0, 100), (1, 101)], [(0, 102), (1, 103)]]
+    [sv] = plan.saves                               # block 2 is now computed
+    assert (sv.keys, sv.first, sv.ids) == ([keys[2]], 2, [[104, 105]])
+    plan = p.build([], [("r", False, [], 24, 13)])  # the rest of the prompt
+    assert not plan.loads and [(s.keys, s.ids) for s in plan.saves] == [([keys[3]], [[106, 107]])]
+    plan = p.build([], [("r", False, [110], 37, 1)])  # decoding: nothing more
+    assert not plan.loads and not plan.saves
+    p.build([], [], finished=["r"])
+    assert not p._tracked
+
+
+def test_planner_with_a_local_hit_a_miss_and_roles():
+    layout = _layout(8, 4)
+    p = Planner(layout, "m")
+    prompt = list(range(3, 3 + 25))
+    keys = p.keys(prompt)
+    assert p.matched("a", keys, 3, 20) == 4         # vLLM holds 20 tokens: load 20..24
+    p.allocated("a", 4)
+    [ld] = p.build([("a", prompt, list(range(7)), 24, 1)], []).loads
+    assert (ld.first, ld.keys, ld.targets, ld.tokens) == (2, [keys[2]], [[(1, 5)]], 4)
+    assert p.matched("b", keys, 0, 0) == 0          # a miss: nothing loaded, all saved
+    p.allocated("b", 0)
+    plan = p.build([("b", prompt, list(range(7)), 0, 25)], [])
+    assert not plan.loads and plan.saves[0].keys == keys
+    consumer = Planner(layout, "m", save=False)
+    consumer.matched("c", keys, 0, 0)
+    assert not consumer.build([("c", prompt, list(range(7)), 0, 25)], []).saves
+    producer = Planner(layout, "m", load=False)
+    assert producer.matched("d", keys, 3, 0) == 0   # found blocks are not saved again
+    plan = producer.build([("d", prompt, list(range(7)), 0, 25)], [])
+    assert not plan.loads and not plan.saves
+
+
+# ---- copies between the paged cache and pool blocks ----------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_blocks_have_the_pool_layout_and_round_trip(dtype):
+    layout = _layout(8, 4, dtype)
+    torch.manual_seed(0)
+    # vLLM's CPU paged cache: per layer [num_blocks, kv_heads, block_size, 2 * head_dim], each
+    # (block, head) holding K [block_size, head_dim] then V
+    caches = [torch.randn(6, H, 4, 2 * D).to(dtype) for _ in range(L)]
+    raw = read_block(caches, layout, [3, 1])
+    assert len(raw) == layout.block_bytes
+    block = torch.frombuffer(bytearray(raw), dtype=dtype).view(layout.shape)  # [L,2,H,bt,D]
+    for li in range(L):
+        kv = caches[li].view(6, H, 2, 4, D)
+        for half, vid in enumerate([3, 1]):
+            for which in (0, 1):                               # K, V
+                assert torch.equal(block[li, which, :, half * 4:(half + 1) * 4],
+                                   kv[vid, :, which])
+    fresh = [torch.zeros_like(c) for c in caches]
+    write_block(raw, fresh, layout, [(0, 5), (1, 0)])
+    for li in range(L):
+        assert torch.equal(fresh[li][5], caches[li][3]) and torch.equal(fresh[li][0], caches[li][1])
+        assert not fresh[li][1:5].any()                        # nothing else written
+    write_block(memoryview(raw), fresh, layout, [(1, 2)])      # any buffer; only part of it
+    assert torch.equal(fresh[0][2], caches[0][1])
+    with pytest.raises(ValueError, match="bytes"):
+        write_block(raw[:-2], fresh, layout, [(0, 0)])
+
+
+# ---- the I/O backend against a loopback pool node ------------------------------------------
+@pytest.fixture
+def pool():
+    """A pool node served on 127.0.0.1 by its own event loop thread: its address."""
+    loop, ready, handle = asyncio.new_event_loop(), threading.Event(), {}
+
+    def run():
+        async def main():
+            started, stop = asyncio.Event(), asyncio.Event()
+            handle["stop"] = stop
+            task = asyncio.create_task(serve("127.0.0.1", 0, 64 << 20, started, stop, handle))
+            await started.wait()
+            ready.set()
+            await task
+        loop.run_until_complete(main())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    host, port = handle["protocol"].sock.getsockname()
+    yield f"{host}:{port}"
+    loop.call_soon_threadsafe(handle["stop"].set)
+    thread.join(10)
+
+
+def test_backend_probes_fetches_and_saves(pool):
+    layout = PoolLayout(L, H, D, torch.float32, 32, 16)
+    s = Settings.from_extra({"pools": [pool], "chunk_size": 256, "namespace": 4})
+    b = PoolBackend(s)
+    keys = layout.keys(list(range(3, 3 + 4 * 32)), "m")
+    blocks = [bytes([i + 1]) * layout.block_bytes for i in range(4)]
+    nchunks = layout.nchunks(256)
+    assert b.probe(4, keys)[0] == 0                                    # an empty pool
+    b.save(4, keys[:3], blocks[:3])
+    assert b.flush(20)
+    found, stats = b.probe(4, keys)
+    assert found == 3 and stats.chunks == 3 and stats.from_pool == 3   # one chunk a block
+    assert b.probe(5, keys)[0] == 0                                    # namespaces apart
+    q = b.fetch(4, keys, nchunks)
+    got = dict((i, (data, st)) for i, data, st in (q.get(timeout=20) for _ in keys))
+    assert all(got[i][0] == blocks[i] and got[i][1].chunks == nchunks for i in range(3))
+    assert got[3][1] is None and isinstance(got[3][0], BlockNotFound)
+    b.save(4, keys[:1], [blocks[1]])                                   # other bits: refused
+    assert b.flush(20) and b.save_refused == 1
+
+    class Seam:                        # the line-rate fetch engine plugs in as ``getter``
+        calls = 0
+
+        async def get_block(self, ns, key, nchunks=None):
+            Seam.calls += 1
+            return await b.client.get_block(ns, key, nchunks=nchunks)
+
+    b.getter = Seam()
+    q = b.fetch(4, keys[:2], nchunks)
+    assert sorted(q.get(timeout=20)[0] for _ in range(2)) == [0, 1] and Seam.calls == 2
+
+
+# ---- end to end ----------------------------------------------------------------------------
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_two_vllm_engines_share_a_prefix_through_the_switch(tmp_path):
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        pytest.fail(f"vLLM is not importable ({exc}): run 'make setup', or "
+                    "pip install -e '.[vllm]' (pip install 'kvswitch[vllm]')", pytrace=False)
+    from conftest import leaves_no_namespaces
+    from testbed.demos.vllm import run_vllm_demo
+    out = tmp_path / "vllm.json"
+    start = time.monotonic()
+    with leaves_no_namespaces("vlt"):
+        ok = run_vllm_demo(shared=400, question=16, new_tokens=8, ttft_reps=1, must_win=False,
+                           prefix="vlt", json_path=str(out))
+    seconds = time.monotonic() - start
+    result = json.loads(out.read_text())
+    checks = result["checks"]
+    assert ok and all(checks.values()), checks
+    b = result["h2"]
+    assert b["second"]["tokens"] == b["recompute"]["tokens"] == result["h3"]["tokens"]
+    assert b["first"]["cached_tokens"] == b["second"]["cached_tokens"] == 384  # 3 whole blocks
+    assert b["first"]["load"]["bytes"] == 3 * 128 * 4096                       # over the wire
+    assert b["second"]["load"]["from_switch"] == b["second"]["load"]["chunks"] > 0
+    print(f"vLLM e2e: {seconds:.0f} s")
