@@ -12,6 +12,8 @@ import os
 import signal
 import sys
 import time
+import tomllib
+from pathlib import Path
 
 import click
 
@@ -20,6 +22,7 @@ from .hashing import DEFAULT_BLOCK_TOKENS, block_hashes
 from kvproto import MAX_PAYLOAD, PORT
 from kvproto.cli import SizeType, one_line_errors
 from .server import serve as serve_forever
+from .store import MemoryStore
 
 def _key(text: str) -> bytes:
     try:
@@ -69,26 +72,113 @@ def main(verbose):
                         format="%(name)s: %(message)s")
 
 
+def _load_config(path: str) -> dict:
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise click.ClickException(f"cannot read config {path}: {exc}") from None
+
+
+def _with_config(ctx: click.Context, path: str | None, renamed: dict[str, str]) -> dict:
+    """The command's values: the command line's, else the config file's (converted and checked
+    by the options' own types), else the defaults. ``renamed``: config key -> parameter."""
+    values = dict(ctx.params)
+    if not path:
+        return values
+    params = {p.name: p for p in ctx.command.params if p.name != "config"}
+    for key, raw in _load_config(path).items():
+        name = renamed.get(key, key)
+        if name not in params:
+            raise click.ClickException(f"config {path}: unknown key {key!r}")
+        if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            continue
+        try:
+            values[name] = params[name].type_cast_value(ctx, raw)
+        except click.BadParameter as exc:
+            raise click.ClickException(f"config {path}: {key}: {exc.message}") from None
+        values.setdefault("_from_config", set()).add(name)
+    return values
+
+
+def _given(ctx: click.Context, values: dict, name: str) -> bool:
+    return (ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE or
+            name in values.get("_from_config", ()))
+
+
+def _make_store(ctx: click.Context, v: dict):
+    """The store ``hostagent serve`` was asked for; one-line errors for what cannot work."""
+    if v["capacity"] <= 0:
+        raise click.BadParameter("capacity must be positive", param_hint="--capacity")
+    common = {"assembly_bytes": v["assembly"], "assembly_timeout": v["assembly_timeout"]}
+    if v["assembly"] <= 0:
+        raise click.BadParameter("must be positive", param_hint="--assembly")
+    if v["store_kind"] == "memory":
+        for name in ("mooncake_master", "mooncake_metadata", "replicas", "segment"):
+            if _given(ctx, v, name):
+                raise click.UsageError(f"--{name.replace('_', '-')} needs --store mooncake")
+        return MemoryStore(v["capacity"], **common)
+    from .mooncake_store import MooncakeMissing, MooncakeStore, load_mooncake, parse_master
+    if not v["mooncake_master"]:
+        raise click.UsageError("--store mooncake needs --mooncake-master HOST[:PORT]")
+    try:
+        parse_master(v["mooncake_master"])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--mooncake-master") from None
+    if v["segment"] < 1 << 20:
+        raise click.BadParameter("a segment is at least 1MiB", param_hint="--segment")
+    try:
+        load_mooncake()
+    except MooncakeMissing as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        return MooncakeStore(v["capacity"], v["mooncake_master"], v["replicas"], v["segment"],
+                             v["mooncake_metadata"], **common)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 @main.command()
+@click.option("--config", type=click.Path(dir_okay=False),
+              help="TOML file with the same keys (store, mooncake_master, capacity, ...); "
+                   "the command line wins.")
 @click.option("--bind", default="0.0.0.0", show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=PORT, show_default=True)
+@click.option("--store", "store_kind", type=click.Choice(["memory", "mooncake"]),
+              default="memory", show_default=True,
+              help="Where blocks live: this process's memory, or a Mooncake Store cluster.")
 @click.option("--capacity", type=SizeType(), default="1GiB", show_default=True,
-              help="Bytes of block payload this node holds.")
+              help="Bytes of blocks held in this process: all of them (memory), the ones "
+                   "staged to serve (mooncake).")
+@click.option("--mooncake-master", metavar="HOST[:PORT]",
+              help="The Mooncake master's RPC address (port 50051 if not given).")
+@click.option("--mooncake-metadata", metavar="URL",
+              help="Metadata server [default: the master's own, http://HOST:8080/metadata].")
+@click.option("--replicas", type=click.IntRange(1, 16), default=1, show_default=True,
+              help="Copies of every block, on distinct pool nodes (mooncake).")
+@click.option("--segment", type=SizeType(), default="512MiB", show_default=True,
+              help="Memory this node lends the Mooncake cluster (mooncake).")
+@click.option("--assembly", type=SizeType(), default="256MiB", show_default=True,
+              help="Bytes of incomplete PUT blocks held at most.")
+@click.option("--assembly-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="Seconds an incomplete block waits for its next chunk.")
 @click.option("--stats-file", type=click.Path(dir_okay=False),
               help="Write the request counters here as JSON on SIGUSR1 and on exit.")
-def serve(bind, port, capacity, stats_file):
+def serve(config, **_):
     """Run a pool (storage) node until interrupted."""
-    if capacity <= 0:
-        raise click.BadParameter("capacity must be positive", param_hint="--capacity")
+    ctx = click.get_current_context()
+    v = _with_config(ctx, config, {"store": "store_kind"})
+    bind, port, stats_file = v["bind"], v["port"], v["stats_file"]
     if stats_file:
         where = os.path.dirname(os.path.abspath(stats_file))
         if not os.path.isdir(where) or not os.access(where, os.W_OK):
             raise click.BadParameter(f"cannot write into {where}", param_hint="--stats-file")
+    store = _make_store(ctx, v)
 
     async def go():
         ready, stop = asyncio.Event(), asyncio.Event()
         server = {}
-        task = asyncio.create_task(serve_forever(bind, port, capacity, ready, stop, server))
+        task = asyncio.create_task(serve_forever(bind, port, v["capacity"], ready, stop, server,
+                                                 store=store))
         await asyncio.wait([task, asyncio.create_task(ready.wait())],
                            return_when=asyncio.FIRST_COMPLETED)
         if task.done():
@@ -98,11 +188,12 @@ def serve(bind, port, capacity, stats_file):
         def dump():
             if stats_file:
                 with open(stats_file, "w") as f:
-                    json.dump(dict(server["protocol"].counters), f)
+                    json.dump(server["protocol"].stats(), f)
 
         loop.add_signal_handler(signal.SIGUSR1, dump)
         loop.add_signal_handler(signal.SIGTERM, stop.set)
-        click.echo(f"hostagent: pool node ready on {bind}:{port}", err=True)
+        click.echo(f"hostagent: pool node ready on {bind}:{port} ({store.describe()})",
+                   err=True)
         await task
         dump()
 

@@ -1,85 +1,233 @@
-"""The pool (storage) node: answers GETs and accepts PUTs of chunked blocks over UDP (asyncio).
+"""The pool (storage) node: answers GETs and accepts PUTs of chunked blocks over UDP (asyncio),
+in front of a store (``hostagent.store``: in memory, or ``hostagent.mooncake_store``).
 
 Each datagram is one request and gets at most one answer. A datagram that is not a v1 message is
 answered with ERROR when its header could be read far enough to address a reply, else dropped.
+A GET for a staged block is answered straight from the staging arena (the header packed, the
+chunk sent from where it lies); a GET the store has to fetch, and the PUT that completes a block
+the store has to write out, are answered when the store's future settles (requests for the same
+block wait on the same future; at most ``max_waiting`` wait, the rest are dropped and retried by
+their clients).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections import Counter
 
-from kvproto import FIELDS, HEADER, HEADER_LEN, MAGIC, Flag, Message, Op, ProtocolError, Status
+from kvproto import (FIELDS, HEADER, HEADER_LEN, MAGIC, MAX_PAYLOAD, VERSION, Flag, Message,
+                     Op, ProtocolError, Status)
+from .store import BlockStore, PoolStore, StoreError
 from .udp import grow_buffers
-from .store import BlockStore, StoreError
 
 log = logging.getLogger("hostagent.server")
 _RX_NAMES = {int(op): f"rx_{op.name.lower()}" for op in Op}
+_GET, _GET_REPLY, _PUT, _PUT_ACK = int(Op.GET), int(Op.GET_REPLY), int(Op.PUT), int(Op.PUT_ACK)
+_NACK, _ERROR, _DONE = int(Op.NACK), int(Op.ERROR), int(Flag.BLOCK_DONE)
+_NACKED = (Status.NOT_FOUND, Status.INCOMPLETE)
+_pack, _unpack = HEADER.pack, HEADER.unpack_from
 
 
 class PoolServer(asyncio.DatagramProtocol):
-    def __init__(self, store: BlockStore):
+    def __init__(self, store: PoolStore, max_waiting: int = 65536):
         self.store = store
         self.counters: Counter[str] = Counter()
         self.transport: asyncio.DatagramTransport | None = None
+        self.sock: socket.socket | None = None     # set by serve(): replies go out with sendmsg
+        self.max_waiting, self.waiting = max_waiting, 0
 
     def connection_made(self, transport):
         self.transport = transport
 
+    def stats(self) -> dict:
+        return {**self.counters, **self.store.stats()}
+
+    # ---- sending -------------------------------------------------------------------------
+    def send(self, parts: list, addr) -> None:
+        """Send one datagram made of ``parts`` (bytes-like); a full socket drops it."""
+        if self.sock is None:
+            self.transport.sendto(b"".join(parts), addr)
+            return
+        try:
+            self.sock.sendmsg(parts, (), 0, addr)
+        except (BlockingIOError, InterruptedError):
+            self.counters["tx_dropped"] += 1
+        except OSError as exc:
+            self.counters["tx_errors"] += 1
+            log.debug("send to %s: %s", addr, exc)
+
+    def _answer(self, msg: Message, op: int, addr, flags: int = 0, status: int = 0) -> None:
+        self.send([_pack(MAGIC, VERSION, op, flags, status, msg.ns, msg.req_id, msg.key,
+                         msg.chunk, msg.nchunks, 0, 0, 0)], addr)
+
+    def _send_chunk(self, block, ns: int, req_id: int, key: bytes, chunk: int, addr) -> None:
+        payload, crc = block.chunk(chunk)
+        self.counters["tx_bytes"] += len(payload)
+        self.send([_pack(MAGIC, VERSION, _GET_REPLY, 0, 0, ns, req_id, key, chunk,
+                         block.nchunks, len(payload), 0, crc), payload], addr)
+
+    def _refuse(self, msg: Message, addr, exc: StoreError) -> None:
+        self.counters[f"err_{Status(exc.status).name.lower()}"] += 1
+        self._answer(msg, _NACK if exc.status in _NACKED else _ERROR, addr, status=exc.status)
+
+    # ---- receiving -----------------------------------------------------------------------
     def datagram_received(self, data: bytes, addr):
+        if len(data) >= HEADER_LEN:           # the common case first: a GET for a staged block
+            (magic, version, op, _flags, _status, ns, req_id, key, chunk, _n, length, reserved,
+             _csum) = _unpack(data)
+            if op == _GET and magic == MAGIC and version == VERSION and not reserved and \
+                    length == len(data) - HEADER_LEN and length <= MAX_PAYLOAD:
+                block = self.store.staging.get(ns, key, touch=chunk == 0)
+                if block is not None and chunk < block.nchunks:
+                    self.counters["rx_get"] += 1
+                    self._send_chunk(block, ns, req_id, key, chunk, addr)
+                    return
         try:
             msg = Message.decode(data)
         except ProtocolError as exc:
             self.counters["malformed"] += 1
             if len(data) >= HEADER_LEN:
-                self._refuse(data, addr, exc.status)
+                self._refuse_bad(data, addr, exc.status)
             return
-        reply = self.handle(msg)
-        if reply is not None:
-            self.transport.sendto(reply.encode(), addr)
+        self.handle(msg, addr)
 
-    def handle(self, msg: Message) -> Message | None:
+    def handle(self, msg: Message, addr) -> None:
         self.counters[_RX_NAMES[msg.op]] += 1
         try:
-            if msg.op == Op.GET:
-                payload, crc, nchunks = self.store.get_chunk(msg.ns, msg.key, msg.chunk)
-                self.counters["tx_bytes"] += len(payload)
-                return msg.answer(Op.GET_REPLY, payload=payload, csum=crc, nchunks=nchunks)
-            if msg.op == Op.PUT:
+            if msg.op == _GET:
+                got = self.store.get(msg.ns, msg.key)
+                if isinstance(got, asyncio.Future):
+                    self._wait(got, msg, addr, self._answer_get)
+                else:
+                    self._answer_get(msg, addr, got)
+            elif msg.op == _PUT:
                 done = self.store.put_chunk(msg.ns, msg.key, msg.chunk, msg.nchunks,
                                             msg.payload, msg.csum)
-                return msg.answer(Op.PUT_ACK, flags=Flag.BLOCK_DONE if done else 0)
+                if isinstance(done, asyncio.Future):
+                    self._wait(done, msg, addr, self._answer_put)
+                else:
+                    self._answer_put(msg, addr, done)
+            # replies and acks addressed to a server are ignored
         except StoreError as exc:
-            self.counters[f"err_{Status(exc.status).name.lower()}"] += 1
-            op = Op.NACK if exc.status in (Status.NOT_FOUND, Status.INCOMPLETE) else Op.ERROR
-            return msg.answer(op, status=exc.status)
-        return None  # replies and acks addressed to a server are ignored
+            self._refuse(msg, addr, exc)
 
-    def _refuse(self, data: bytes, addr, status: int) -> None:
+    def _answer_get(self, msg: Message, addr, block) -> None:
+        if msg.chunk >= block.nchunks:
+            self._refuse(msg, addr, StoreError(Status.BAD_REQUEST,
+                                               f"block has {block.nchunks} chunks"))
+            return
+        self._send_chunk(block, msg.ns, msg.req_id, msg.key, msg.chunk, addr)
+
+    def _answer_put(self, msg: Message, addr, done: bool) -> None:
+        self._answer(msg, _PUT_ACK, addr, flags=_DONE if done else 0)
+
+    def _wait(self, future: asyncio.Future, msg: Message, addr, answer) -> None:
+        """Answer ``msg`` with ``answer(msg, addr, result)`` once ``future`` settles."""
+        if self.waiting >= self.max_waiting:
+            self.counters["dropped_waiting"] += 1
+            return
+        self.waiting += 1
+
+        def settled(f: asyncio.Future) -> None:
+            self.waiting -= 1
+            if f.cancelled():
+                return
+            exc = f.exception()
+            if exc is None:
+                answer(msg, addr, f.result())
+            elif isinstance(exc, StoreError):
+                self._refuse(msg, addr, exc)
+            else:
+                self._refuse(msg, addr, StoreError(Status.NO_SPACE, repr(exc)))
+
+        future.add_done_callback(settled)
+
+    def _refuse_bad(self, data: bytes, addr, status: int) -> None:
         """ERROR for a bad datagram of our protocol, addressed with its header's fields."""
         fields = dict(zip(FIELDS, HEADER.unpack_from(data)))
         if fields["magic"] != MAGIC:
             return  # not ours: say nothing
         error = Message(Op.ERROR, fields["ns"], fields["key"], fields["chunk"],
                         req_id=fields["req_id"], status=status)
-        self.transport.sendto(error.encode(), addr)
+        self.send([error.encode()], addr)
+
+
+class _SocketTransport(asyncio.DatagramTransport):
+    """The transport serve() hands its PoolServer: a plain non-blocking socket drained in
+    batches (asyncio's own datagram transport reads one datagram per event-loop turn)."""
+
+    def __init__(self, sock: socket.socket, proto: PoolServer):
+        super().__init__()
+        self.sock, self.proto = sock, proto
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._drain)
+
+    def _drain(self, budget: int = 256) -> None:
+        receive, handle = self.sock.recvfrom, self.proto.datagram_received
+        for _ in range(budget):
+            try:
+                data, addr = receive(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                continue                  # an ICMP error queued on the socket
+            handle(data, addr)
+
+    def sendto(self, data, addr=None) -> None:
+        self.proto.send([data], addr)
+
+    def get_extra_info(self, name, default=None):
+        return {"socket": self.sock, "sockname": self.sock.getsockname()}.get(name, default)
+
+    def close(self) -> None:
+        if self.sock.fileno() >= 0:
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            self.sock.close()
 
 
 async def serve(host: str, port: int, capacity_bytes: int,
                 ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
-                handle: dict | None = None) -> None:
-    """Serve until ``stop`` is set (or forever). ``handle['protocol']`` gets the PoolServer."""
-    loop = asyncio.get_running_loop()
-    store = BlockStore(capacity_bytes)
-    transport, proto = await loop.create_datagram_endpoint(
-        lambda: PoolServer(store), local_addr=(host, port))
-    grow_buffers(transport.get_extra_info("socket"))
+                handle: dict | None = None, store: PoolStore | None = None) -> None:
+    """Serve until ``stop`` is set (or forever), from ``store`` (default: in memory, of
+    ``capacity_bytes``). ``handle['protocol']`` gets the PoolServer. ``ready`` is set once the
+    socket is bound and the store can serve (a Mooncake store is connected)."""
+    store = store if store is not None else BlockStore(capacity_bytes)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.setblocking(False)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    grow_buffers(sock)
+    proto = PoolServer(store)
+    proto.sock = sock
+    transport = _SocketTransport(sock, proto)
+    proto.connection_made(transport)
     if handle is not None:
         handle["protocol"] = proto
-    log.info("pool node serving on %s:%d, capacity %d bytes", host, port, capacity_bytes)
-    if ready is not None:
-        ready.set()
+    stopping = asyncio.ensure_future(stop.wait() if stop is not None else asyncio.Future())
+    ticker = asyncio.create_task(_tick(store))
     try:
-        await (stop.wait() if stop is not None else asyncio.Future())
+        starting = asyncio.create_task(store.start())
+        await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            starting.result()             # start-up failed: raise why
+            log.info("pool node serving on %s:%d, %s store, %d bytes staged at most", host,
+                     port, store.kind, store.capacity)
+            if ready is not None:
+                ready.set()
+            await stopping
+        else:
+            starting.cancel()
     finally:
+        ticker.cancel()
+        stopping.cancel()
         transport.close()
+        await store.close()
+
+
+async def _tick(store: PoolStore) -> None:
+    while True:
+        await asyncio.sleep(1.0)
+        store.tick()

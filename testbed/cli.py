@@ -103,13 +103,27 @@ def main():
 @click.option("--pools", type=click.IntRange(1, 99), default=1, show_default=True)
 @click.option("--mtu", type=click.IntRange(1280, 3506), default=1500, show_default=True,
               help="Above 3506 this kernel refuses native XDP on veths.")
-def up(name, hosts, pools, mtu):
+@click.option("--store", type=click.Choice(["memory", "mooncake"]), default="memory",
+              show_default=True, help="mooncake: also run a Mooncake master (node m1) for the "
+                                      "pool nodes' `hostagent serve --store mooncake`.")
+def up(name, hosts, pools, mtu, store):
     """Build a switch namespace with a bridge, inference nodes h1.. and pool nodes p1.."""
-    t = Topology(name, hosts, pools, mtu).up()
+    t = Topology(name, hosts, pools, mtu, master=store == "mooncake").up()
     click.echo(f"testbed {name}: switch netns {t.switch_ns} (bridge ports "
                f"{', '.join(t.ports)}), pin dir {t.pin_dir}")
     for n in t.nodes:
         click.echo(f"  {n.name:4} {n.role:5} netns {n.netns:10} {n.ip}")
+    if store == "mooncake":
+        from .lab.mooncake import MooncakeMaster
+        log = f"/tmp/kvswitch-{name}-mooncake-master.log"
+        try:
+            master = MooncakeMaster(t, log).start(detach=True)
+        except BaseException:
+            t.down()
+            raise
+        click.echo(f"  m1   mooncake_master netns {t.master_node.netns} {master.address}, log "
+                   f"{log}\n  pool nodes: ip netns exec {name}-p1 hostagent serve --store "
+                   f"mooncake --mooncake-master {t.master_node.ip}")
 
 
 @main.command("down")

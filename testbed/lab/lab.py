@@ -1,7 +1,9 @@
 """A running testbed: the topology plus a pool server on every pool node and switchd on the switch,
 with helpers to drive the host agents and switchd as a user would (their CLIs, in namespaces)
-and to run Python tasks in the nodes (testbed.lab.tasks). Used by the demos, the end-to-end tests
-and the benchmarks; always tears down what it started."""
+and to run Python tasks in the nodes (testbed.lab.tasks). With ``store="mooncake"`` the pool
+nodes keep blocks in a Mooncake Store cluster whose master (testbed.lab.mooncake) the lab starts
+in a namespace of its own. Used by the demos, the end-to-end tests and the benchmarks; always
+tears down what it started."""
 from __future__ import annotations
 
 import json
@@ -12,8 +14,32 @@ import subprocess
 import tempfile
 import time
 
+from .mooncake import MooncakeMaster
 from .tasks import Task, run_task, start_task
 from .topology import Topology, TestbedError, python_argv
+
+STORES = ("memory", "mooncake")
+
+
+def _await_log_line(proc: subprocess.Popen, path: str, offset: int, marker: str,
+                    timeout: float, what: str) -> str:
+    """Wait for a line containing ``marker`` written to ``path`` after ``offset``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(path, errors="replace") as f:
+            f.seek(offset)
+            for line in f:
+                if marker in line:
+                    return line.strip()
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(5)
+    with open(path, errors="replace") as f:
+        f.seek(offset)
+        raise TestbedError(f"{what}: no {marker!r} line: {f.read().strip()[-800:]}")
 
 
 def _await_line(proc: subprocess.Popen, stream, marker: str, timeout: float, what: str) -> str:
@@ -36,27 +62,34 @@ class Lab:
     def __init__(self, prefix: str = "kv", hosts: int = 2, pools: int = 1,
                  chunk_size: int = 1024, cache_entries: int = 65536,
                  pool_capacity: str = "512MiB", switch: bool = True,
-                 switchd_args: tuple[str, ...] = ()):
+                 switchd_args: tuple[str, ...] = (), store: str = "memory", replicas: int = 1,
+                 segment: str = "256MiB", pool_args: tuple[str, ...] = ()):
+        if store not in STORES:
+            raise TestbedError(f"store must be one of {', '.join(STORES)}, not {store!r}")
         # the MTU fits the chunk (IPv4 + UDP + KV header = 76 bytes), never below Ethernet's 1500
-        self.topo = Topology(prefix, hosts, pools, mtu=max(1500, chunk_size + 76))
+        self.topo = Topology(prefix, hosts, pools, mtu=max(1500, chunk_size + 76),
+                             master=store == "mooncake")
         self.chunk_size, self.cache_entries = chunk_size, cache_entries
         self.pool_capacity, self.want_switch = pool_capacity, switch
         self.switchd_args = switchd_args
-        self.pools: list[subprocess.Popen] = []
+        self.store, self.replicas, self.segment = store, replicas, segment
+        self.pool_args = pool_args
+        self.pools: list[subprocess.Popen | None] = [None] * pools
+        self._log_offsets = [0] * pools
         self.switch: subprocess.Popen | None = None
+        self.master: MooncakeMaster | None = None
         self.tmp = tempfile.TemporaryDirectory(prefix=f"kvlab-{prefix}-")
 
     # ---- lifecycle -----------------------------------------------------------------------
     def __enter__(self) -> Lab:
         self.topo.up()
         try:
-            for node in self.topo.pool_nodes:
-                p = self.topo.popen(node.name, python_argv(
-                    "hostagent", "serve", "--capacity", self.pool_capacity,
-                    "--stats-file", self._pool_stats_path(node.name)),
-                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                self.pools.append(p)
-                _await_line(p, p.stderr, "ready", 30, f"pool server on {node.name}")
+            if self.store == "mooncake":
+                self.master = MooncakeMaster(self.topo, os.path.join(self.tmp.name,
+                                                                     "mooncake-master.log"))
+                self.master.start()
+            for i in range(len(self.topo.pool_nodes)):
+                self.start_pool(i)
             if self.want_switch:
                 self.start_switch()
         except BaseException:
@@ -65,7 +98,7 @@ class Lab:
         return self
 
     def __exit__(self, *exc) -> None:
-        procs = self.pools + ([self.switch] if self.switch else [])
+        procs = [p for p in self.pools if p] + ([self.switch] if self.switch else [])
         for p in procs:
             if p.poll() is None:
                 p.terminate()
@@ -74,8 +107,54 @@ class Lab:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if self.master is not None:
+            self.master.stop()
         self.topo.down()
         self.tmp.cleanup()
+
+    # ---- pool nodes ----------------------------------------------------------------------
+    def pool_argv(self, index: int) -> list[str]:
+        node = self.topo.pool_nodes[index]
+        argv = ["serve", "--capacity", self.pool_capacity,
+                "--stats-file", self._pool_stats_path(node.name)]
+        if self.store == "mooncake":
+            argv += ["--store", "mooncake", "--mooncake-master", self.master.address,
+                     "--replicas", str(self.replicas), "--segment", self.segment]
+        return python_argv("hostagent", *argv, *self.pool_args)
+
+    def pool_log_path(self, index: int) -> str:
+        return os.path.join(self.tmp.name, f"pool-{self.topo.pool_nodes[index].name}.log")
+
+    def pool_log(self, index: int) -> str:
+        """What a pool server has logged (every run of it, appended)."""
+        with open(self.pool_log_path(index), errors="replace") as f:
+            return f.read()
+
+    def start_pool(self, index: int, timeout: float = 60, wait: bool = True) -> str:
+        """Start the pool server of pool node ``index`` (0 for p1); its ready line (``wait``;
+        else see ``await_pool_log``)."""
+        if self.pools[index] is not None and self.pools[index].poll() is None:
+            raise TestbedError(f"pool server {index} is running")
+        node, path = self.topo.pool_nodes[index], self.pool_log_path(index)
+        with open(path, "ab") as log:
+            self._log_offsets[index] = log.tell()
+            self.pools[index] = self.topo.popen(node.name, self.pool_argv(index),
+                                                stdout=subprocess.DEVNULL, stderr=log,
+                                                stdin=subprocess.DEVNULL)
+        return self.await_pool_log(index, "ready", timeout) if wait else ""
+
+    def await_pool_log(self, index: int, marker: str, timeout: float = 60) -> str:
+        """The first line with ``marker`` the running pool server ``index`` has logged (it
+        is killed and TestbedError raised if none comes in ``timeout`` seconds)."""
+        return _await_log_line(self.pools[index], self.pool_log_path(index),
+                               self._log_offsets[index], marker, timeout,
+                               f"pool server on {self.topo.pool_nodes[index].name}")
+
+    def stop_pool(self, index: int, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        """Signal a pool server (SIGKILL: as if its node died) and wait for it to end."""
+        p, self.pools[index] = self.pools[index], None
+        p.send_signal(sig)
+        return p.wait(timeout)
 
     def switchd_argv(self, *args: str) -> list[str]:
         return python_argv("switchd", "--netns", self.topo.switch_ns,
@@ -143,23 +222,28 @@ class Lab:
     def pool_addrs(self) -> list[str]:
         return [n.ip for n in self.topo.pool_nodes]
 
-    def _agent(self, node: str, *args: str, timeout: float = 120) -> dict:
-        pools = [a for ip in self.pool_addrs for a in ("--pool", ip)]
+    def _agent(self, node: str, *args: str, timeout: float = 120,
+               pool: str | None = None) -> dict:
+        """``hostagent`` run in ``node`` against every pool node, or only ``pool`` ("p2")."""
+        addrs = [self.topo.node(pool).ip] if pool else self.pool_addrs
+        pools = [a for ip in addrs for a in ("--pool", ip)]
         r = self.topo.run(node, python_argv("hostagent", *args[:1], *pools,
                                             "--chunk-size", str(self.chunk_size), *args[1:]),
                           timeout=timeout)
         return json.loads(r.stdout.strip().splitlines()[-1])
 
-    def put(self, node: str, ns: int, key: bytes, data: bytes) -> dict:
+    def put(self, node: str, ns: int, key: bytes, data: bytes, pool: str | None = None) -> dict:
         path = os.path.join(self.tmp.name, f"put-{key.hex()}")
         with open(path, "wb") as f:
             f.write(data)
-        return self._agent(node, "put", "--ns", str(ns), "--key", key.hex(), "--file", path)
+        return self._agent(node, "put", "--ns", str(ns), "--key", key.hex(), "--file", path,
+                           pool=pool)
 
-    def get(self, node: str, ns: int, key: bytes, *flags: str) -> tuple[dict, bytes]:
+    def get(self, node: str, ns: int, key: bytes, *flags: str,
+            pool: str | None = None) -> tuple[dict, bytes]:
         path = os.path.join(self.tmp.name, f"get-{node}-{key.hex()}")
         result = self._agent(node, "get", "--ns", str(ns), "--key", key.hex(), "--out", path,
-                             *flags)
+                             *flags, pool=pool)
         with open(path, "rb") as f:
             return result, f.read()
 

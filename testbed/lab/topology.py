@@ -1,10 +1,13 @@
 """veth/network-namespace testbeds: a switch namespace whose Linux bridge joins one veth port per
-node, inference-node namespaces (h1, h2, ...) and pool-node namespaces (p1, ...).
+node, inference-node namespaces (h1, h2, ...) and pool-node namespaces (p1, ...), and with
+``master=True`` a namespace m1 for the Mooncake master the pool nodes share (its bridge port is
+not a switch port: switchd never attaches to it, its traffic is plain TCP).
 
 Every object a testbed makes is named from its prefix: namespaces ``<prefix>-sw``,
-``<prefix>-h<i>``, ``<prefix>-p<j>`` and the pin directory ``/sys/fs/bpf/kvswitch-<prefix>``, so
-``down`` finds and removes all of it (and any processes left in it), also after a crash.
-Addresses come from 198.18.0.0/24, the range RFC 2544 sets aside for benchmark networks.
+``<prefix>-h<i>``, ``<prefix>-p<j>``, ``<prefix>-m1`` and the pin directory
+``/sys/fs/bpf/kvswitch-<prefix>``, so ``down`` finds and removes all of it (and any processes
+left in it), also after a crash. Addresses come from 198.18.0.0/24, the range RFC 2544 sets
+aside for benchmark networks: hosts .1-.99, pool nodes .101-.199, the master .200.
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ class Node:
     name: str          # h1, p1: also the name of its switch port
     netns: str
     ip: str
-    role: str          # "host" or "pool"
+    role: str          # "host", "pool" or "master"
 
 
 @dataclass
@@ -56,7 +59,9 @@ class Topology:
     hosts: int = 2
     pools: int = 1
     mtu: int = 1500
-    nodes: list[Node] = field(init=False)
+    master: bool = False
+    nodes: list[Node] = field(init=False)       # the switch's ports: hosts and pool nodes
+    master_node: Node | None = field(init=False)
 
     def __post_init__(self):
         if not (1 <= self.hosts <= 99 and 1 <= self.pools <= 99):
@@ -67,6 +72,8 @@ class Topology:
                        for i in range(1, self.hosts + 1)] +
                       [Node(f"p{j}", f"{self.prefix}-p{j}", f"{SUBNET}.{100 + j}", "pool")
                        for j in range(1, self.pools + 1)])
+        self.master_node = (Node("m1", f"{self.prefix}-m1", f"{SUBNET}.200", "master")
+                            if self.master else None)
 
     # ---- names ---------------------------------------------------------------------------
     @property
@@ -78,7 +85,12 @@ class Topology:
         return f"/sys/fs/bpf/kvswitch-{self.prefix}"
 
     def node(self, name: str) -> Node:
-        return next(n for n in self.nodes if n.name == name)
+        return next(n for n in self.all_nodes if n.name == name)
+
+    @property
+    def all_nodes(self) -> list[Node]:
+        """Every node with a namespace of its own: the switch's ports and the master."""
+        return self.nodes + ([self.master_node] if self.master_node else [])
 
     @property
     def host_nodes(self) -> list[Node]:
@@ -110,7 +122,7 @@ class Topology:
         ip("link", "set", "lo", "up", ns=sw)
         ip("link", "add", BRIDGE, "type", "bridge", ns=sw)
         ip("link", "set", BRIDGE, "up", ns=sw)
-        for n in self.nodes:
+        for n in self.all_nodes:
             ip("netns", "add", n.netns)
             _quiet_namespace(n.netns)
             ip("link", "add", n.name, "type", "veth", "peer", "name", "eth0", "netns", n.netns,
@@ -119,7 +131,7 @@ class Topology:
             ip("link", "set", "eth0", "mtu", str(self.mtu), "up", ns=n.netns)
             ip("link", "set", "lo", "up", ns=n.netns)
             ip("addr", "add", f"{n.ip}/24", "dev", "eth0", ns=n.netns)
-        attach_pass_programs([n.netns for n in self.nodes])
+        attach_pass_programs([n.netns for n in self.all_nodes])
 
     def down(self) -> None:
         down(self.prefix)

@@ -1,0 +1,193 @@
+"""Whole blocks a pool node serves from, in one contiguous arena of fixed-size pages.
+
+``Arena`` owns the memory: one buffer (an anonymous mmap here; an mmapable BPF array map with
+one page per value can take its place, so an XDP program can serve the same bytes) cut into
+pages, a block taking a contiguous run of them (first fit, neighbouring free runs merged).
+``Staging`` owns what is in it: an index from (namespace, key) to the staged block (its run,
+its layout as ``hostagent.blockfmt`` stores it, its CRC array), least recently used first, a
+byte bound (the arena's size), and pins: a run being filled or written out is never evicted.
+Nothing here touches a socket or a store; the server reads chunks from ``StagedBlock``s, the
+stores fill runs (``reserve`` then ``commit``, or ``release`` on failure).
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .blockfmt import Layout
+
+DEFAULT_PAGE = 4096
+
+
+class StagingFull(Exception):
+    """No run of the size asked for can be made free (the stores answer NO_SPACE)."""
+
+
+class Arena:
+    """``size`` bytes (rounded down to whole pages) of page-aligned memory with an allocator of
+    contiguous page runs. ``addr`` is the buffer's address, for zero-copy I/O into it."""
+
+    def __init__(self, size: int, page: int = DEFAULT_PAGE, buffer: mmap.mmap | None = None):
+        if page < 64 or size < page:
+            raise ValueError(f"an arena holds at least one page of at least 64 bytes "
+                             f"(size {size}, page {page})")
+        self.page, self.pages = page, size // page
+        self.mem = buffer if buffer is not None else mmap.mmap(-1, self.pages * page)
+        self.view = memoryview(self.mem)
+        self._anchor = ctypes.c_char.from_buffer(self.mem)
+        self.addr = ctypes.addressof(self._anchor)
+        self._free: dict[int, int] = {0: self.pages}        # start page -> run length
+        self._free_end: dict[int, int] = {self.pages: 0}    # end page -> start page
+        self.free_pages = self.pages
+
+    @property
+    def size(self) -> int:
+        return self.pages * self.page
+
+    def pages_for(self, nbytes: int) -> int:
+        return max(1, -(-nbytes // self.page))
+
+    def alloc(self, npages: int) -> int | None:
+        """First page of a free run of ``npages`` pages, or None."""
+        for start, length in self._free.items():
+            if length >= npages:
+                del self._free[start]
+                del self._free_end[start + length]
+                if length > npages:
+                    self._free[start + npages] = length - npages
+                    self._free_end[start + length] = start + npages
+                self.free_pages -= npages
+                return start
+        return None
+
+    def release(self, start: int, npages: int) -> None:
+        end = start + npages
+        self.free_pages += npages
+        before = self._free_end.pop(start, None)          # a free run ending where this starts
+        if before is not None:
+            del self._free[before]
+            start = before
+        after = self._free.pop(end, None)                   # a free run starting where it ends
+        if after is not None:
+            del self._free_end[end + after]
+            end += after
+        self._free[start] = end - start
+        self._free_end[end] = start
+
+    def close(self) -> None:
+        """Unmap the buffer, unless views of it are still around (then the GC will)."""
+        self._anchor = None
+        try:
+            self.view.release()
+            self.mem.close()
+        except BufferError:
+            pass
+
+
+@dataclass
+class Run:
+    """A run of arena pages: ``view`` and ``addr`` cover its bytes."""
+    start: int
+    npages: int
+    view: memoryview
+    addr: int
+
+
+@dataclass(eq=False)
+class StagedBlock:
+    """A whole block in the arena, ready to serve: chunk i is ``chunk(i)``."""
+    layout: Layout
+    run: Run
+    crcs: array
+    pins: int = 0
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def nchunks(self) -> int:
+        return self.layout.nchunks
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.size
+
+    def chunk(self, i: int) -> tuple[memoryview, int]:
+        """(payload, writer's CRC) of chunk i."""
+        off, ln = self.layout.chunk_span(i)
+        return self.run.view[off:off + ln], self.crcs[i]
+
+
+class Staging:
+    """The staged blocks of one arena, by (namespace, key), least recently used first."""
+
+    def __init__(self, arena: Arena):
+        self.arena = arena
+        self.blocks: OrderedDict[tuple[int, bytes], StagedBlock] = OrderedDict()
+        self.evicted_blocks = 0
+        self.reserved_pages = 0
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def used(self) -> int:
+        """Bytes of arena the staged and reserved blocks take."""
+        return (self.arena.pages - self.arena.free_pages) * self.arena.page
+
+    @property
+    def capacity(self) -> int:
+        return self.arena.size
+
+    def get(self, ns: int, key: bytes, touch: bool = True) -> StagedBlock | None:
+        block = self.blocks.get((ns, key))
+        if block is not None and touch:
+            self.blocks.move_to_end((ns, key))
+        return block
+
+    def reserve(self, nbytes: int) -> Run:
+        """A run of at least ``nbytes`` for a block about to be staged, evicting the least
+        recently used unpinned blocks as needed. Raises StagingFull."""
+        arena = self.arena
+        npages = arena.pages_for(nbytes)
+        if npages > arena.pages:
+            raise StagingFull(f"a {nbytes}-byte block is larger than the {arena.size}-byte "
+                              "staging area")
+        start = arena.alloc(npages)
+        while start is None:
+            victim = next((k for k, b in self.blocks.items() if not b.pins), None)
+            if victim is None:
+                raise StagingFull("the staging area is full of blocks in use")
+            self.remove(*victim)
+            self.evicted_blocks += 1
+            start = arena.alloc(npages)
+        self.reserved_pages += npages
+        lo = start * arena.page
+        return Run(start, npages, arena.view[lo:lo + npages * arena.page], arena.addr + lo)
+
+    def release(self, run: Run) -> None:
+        """Give back a reserved run that was not committed."""
+        self.reserved_pages -= run.npages
+        self.arena.release(run.start, run.npages)
+
+    def commit(self, run: Run, layout: Layout, crcs: array, pins: int = 0) -> StagedBlock:
+        """Make a reserved run, now holding ``layout``'s object, the staged copy of its block."""
+        if layout.size > run.npages * self.arena.page:
+            raise ValueError("the block does not fit its run")
+        self.reserved_pages -= run.npages
+        name = (layout.ns, layout.key)
+        old = self.blocks.pop(name, None)
+        if old is not None:
+            self._free(old)
+        block = self.blocks[name] = StagedBlock(layout, run, crcs, pins)
+        return block
+
+    def remove(self, ns: int, key: bytes) -> bool:
+        block = self.blocks.pop((ns, key), None)
+        if block is not None:
+            self._free(block)
+        return block is not None
+
+    def _free(self, block: StagedBlock) -> None:
+        self.arena.release(block.run.start, block.run.npages)
