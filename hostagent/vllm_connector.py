@@ -50,8 +50,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from .client import TransferStats
 from .vllm_connector_blocks import (LoadSpec, Planner, PoolLayout, SaveSpec, Settings,
-                                    check_paged_cache, read_block, write_block)
-from .vllm_connector_pool import add_stats, backend_for, log
+                                    check_paged_cache, read_block)
+from .vllm_connector_pool import backend_for, drain_load, log
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -185,35 +185,21 @@ class KVSwitchConnector(KVConnectorBase_V1):
 
     def _finish_loads(self, late: bool = False) -> None:
         """Copy every pending load's blocks into the paged cache as they arrive; the vLLM
-        blocks of a block that failed, and of every block after it, are load errors."""
+        blocks of a block that failed, and of every block after it, are load errors (all of
+        them when the forward already ran)."""
         pending, self._pending = self._pending, []
         for ld, q, started in pending:
-            stats, bad, error, got = TransferStats(), len(ld.keys), None, set()
-            for _ in ld.keys:
-                try:
-                    i, data, part = q.get(timeout=self.settings.deadline + 5)
-                except queue.Empty:      # the I/O thread is stuck: give the rest up
-                    error = error or "no answer from the I/O thread"
-                    bad = min(bad, min(set(range(len(ld.keys))) - got))
-                    break
-                got.add(i)
-                if part is None:         # failed, or not asked for after a failure
-                    bad, error = min(bad, i), error or (repr(data) if data else None)
-                    continue
-                try:
-                    write_block(data, self._caches, self.layout, ld.targets[i])
-                except ValueError as exc:
-                    bad, error = min(bad, i), error or str(exc)
-                add_stats(stats, part)
+            loaded, stats, error = drain_load(ld, q, self._caches, self.layout,
+                                              self.settings.deadline + 5)
             if late:
-                bad = 0
-            for j in range(bad, len(ld.keys)):
+                loaded, error = 0, error or "loaded after the forward"
+            for j in range(loaded, len(ld.keys)):
                 self._invalid.update(vid for _, vid in ld.targets[j])
             if error:
                 log.warning("kvswitch: load of %s failed from block %d: %s", ld.req_id,
-                            ld.first + bad, error)
+                            ld.first + loaded, error)
             self.backend.record(ev="load", req=ld.req_id, first=ld.first, blocks=len(ld.keys),
-                                loaded=bad, tokens=ld.tokens, error=error,
+                                loaded=loaded, tokens=ld.tokens, error=error,
                                 seconds=round(time.monotonic() - started, 6), **_brief(stats))
 
 

@@ -2,9 +2,9 @@
 ("kvswitch-io") per process, holding one ``KVClient`` (one UDP socket) that every connector
 instance of the process shares (in vLLM's single-process mode the scheduler's and the worker's).
 
-It owns the probe, block fetches, background saves, their transfer totals and a bounded log of
-events the connector records (per request: what the probe found, what a load moved and from
-where). The engine's threads call in synchronously (``probe``) or get results through a queue
+It owns the probe, block fetches and the copy of fetched blocks into the paged cache as they
+arrive (``drain_load``), background saves, their transfer totals and a bounded log of events
+the connector records (per request: what the probe found, what a load moved and from where). The engine's threads call in synchronously (``probe``) or get results through a queue
 (``fetch``) or not at all (``save``: the bytes were already copied out of the paged cache).
 
 The probe is a GET of chunk 0 of each block, all in flight at once, in chain order: the answer
@@ -29,7 +29,7 @@ from kvproto import Flag, Message, Op, Status
 
 from . import client as kvclient
 from .client import BlockNotFound, KVClient, Refused, TransferStats
-from .vllm_connector_blocks import Settings
+from .vllm_connector_blocks import LoadSpec, PoolLayout, Settings, write_block
 
 log = logging.getLogger("vllm.kvswitch")       # under "vllm": vLLM's handler prints it
 
@@ -206,6 +206,31 @@ class PoolBackend:
     def snapshot(self) -> dict:
         return {op: s.as_dict() for op, s in self.totals.items()} | {
             "save_refused": self.save_refused, "save_failed": self.save_failed}
+
+
+def drain_load(ld: LoadSpec, q: queue.SimpleQueue, caches, layout: PoolLayout,
+               timeout: float) -> tuple[int, TransferStats, str | None]:
+    """Copy one load's blocks (from ``PoolBackend.fetch``'s queue) into the paged cache in the
+    order they arrive. Returns how many leading blocks loaded (blocks from the first that
+    failed, was refused by its size or never came within ``timeout`` on are not), the summed
+    transfer stats and the first error."""
+    stats, loaded, error, got = TransferStats(), len(ld.keys), None, set()
+    for _ in ld.keys:
+        try:
+            i, data, part = q.get(timeout=timeout)
+        except queue.Empty:              # the I/O thread is stuck: give the rest up
+            return (min(loaded, min(set(range(len(ld.keys))) - got)), stats,
+                    error or f"no block within {timeout:g} s")
+        got.add(i)
+        if part is None:                 # failed, or not asked for after a failure
+            loaded, error = min(loaded, i), error or (repr(data) if data else None)
+            continue
+        try:
+            write_block(data, caches, layout, ld.targets[i])
+        except ValueError as exc:
+            loaded, error = min(loaded, i), error or str(exc)
+        add_stats(stats, part)
+    return loaded, stats, error
 
 
 _BACKENDS: dict[tuple, PoolBackend] = {}

@@ -4,6 +4,7 @@ a loopback pool node), and end to end (e2e tier) two vLLM engines sharing a shor
 the switch on the testbed (``testbed.demos.vllm``, the minimal version of `make demo-vllm`)."""
 import asyncio
 import json
+import queue
 import threading
 import time
 
@@ -15,12 +16,12 @@ except ImportError as exc:
     pytest.fail(f"{exc}: install the inference extra (pip install -e '.[inference]', "
                 "or run 'make setup')", pytrace=False)
 
-from hostagent.client import BlockNotFound
+from hostagent.client import BlockNotFound, TransferStats
 from hostagent.hashing import block_hashes
 from hostagent.server import serve
-from hostagent.vllm_connector_blocks import (Planner, PoolLayout, Settings, load_targets,
-                                             read_block, write_block)
-from hostagent.vllm_connector_pool import PoolBackend
+from hostagent.vllm_connector_blocks import (LoadSpec, Planner, PoolLayout, Settings,
+                                             load_targets, read_block, write_block)
+from hostagent.vllm_connector_pool import PoolBackend, drain_load
 
 L, H, D = 2, 2, 8
 
@@ -141,6 +142,36 @@ def test_blocks_have_the_pool_layout_and_round_trip(dtype):
     assert torch.equal(fresh[0][2], caches[0][1])
     with pytest.raises(ValueError, match="bytes"):
         write_block(raw[:-2], fresh, layout, [(0, 0)])
+
+
+def test_a_failed_block_ends_the_load_there():
+    layout = _layout(8, 4)
+    caches = [torch.zeros(6, H, 4, 2 * D) for _ in range(L)]
+    good = [bytes([i + 1]) * layout.block_bytes for i in range(3)]
+    ld = LoadSpec("r", [b"k0", b"k1", b"k2"], 0, [[(0, 0), (1, 1)], [(0, 2), (1, 3)],
+                                                 [(0, 4), (1, 5)]], 24)
+
+    def queued(*items):
+        q = queue.SimpleQueue()
+        for item in items:
+            q.put(item)
+        return q
+
+    ok = TransferStats(chunks=2, bytes=layout.block_bytes)
+    # blocks arrive out of order; block 1 is missing: block 2 is written but not counted
+    q = queued((2, good[2], ok), (0, good[0], ok), (1, BlockNotFound("gone"), None))
+    loaded, stats, error = drain_load(ld, q, caches, layout, 5)
+    assert (loaded, stats.chunks) == (1, 4) and "gone" in error
+    assert caches[0][1].view(-1)[0].item() == torch.frombuffer(bytearray(good[0][:4]),
+                                                               dtype=torch.float32).item()
+    loaded, _, error = drain_load(ld, queued((0, good[0], ok), (1, good[1][:-4], ok),
+                                             (2, good[2], ok)), caches, layout, 5)
+    assert loaded == 1 and "bytes" in error                      # a block of the wrong size
+    loaded, _, error = drain_load(ld, queued((0, good[0], ok), (2, good[2], ok)), caches,
+                                  layout, 0.2)
+    assert loaded == 1 and "no block" in error                   # block 1 never came
+    assert drain_load(ld, queued(*((i, good[i], ok) for i in range(3))), caches, layout,
+                      5)[::2] == (3, None)
 
 
 # ---- the I/O backend against a loopback pool node ------------------------------------------
