@@ -4,14 +4,16 @@ instance of the process shares (in vLLM's single-process mode the scheduler's an
 
 It owns the probe, block fetches and the copy of fetched blocks into the paged cache as they
 arrive (``drain_load``), background saves, their transfer totals and a bounded log of events
-the connector records (per request: what the probe found, what a load moved and from where). The engine's threads call in synchronously (``probe``) or get results through a queue
-(``fetch``) or not at all (``save``: the bytes were already copied out of the paged cache).
+the connector records (per request: what the probe found, what a load moved and from where).
+The engine's threads call in synchronously (``probe``), get results through a queue
+(``fetch``) or do not wait at all (``save``: the bytes were already copied out of the cache).
 
 The probe is a GET of chunk 0 of each block, all in flight at once, in chain order: the answer
 is the longest prefix of blocks whose chunk 0 came back (a NACK, a refusal or a short probe
 deadline ends the prefix). It goes through the switch like any GET, so a hot prefix is probed
 at the switch. Whole-block GETs go through ``getter``: anything with ``KVClient.get_block``'s
-signature returning ``(buffer, TransferStats)`` (the line-rate fetch engine slots in there).
+signature returning ``(block, TransferStats)``, the block a buffer or an object with a
+zero-copy ``view`` and ``release()`` (the line-rate fetch engine slots in there).
 """
 from __future__ import annotations
 
@@ -53,7 +55,11 @@ class PoolBackend:
         self._thread.start()
         self.client = KVClient(list(s.pools), s.chunk_size, s.window, s.deadline)
         self._call(self.client.__aenter__(), 10)
-        self.getter = self.client      # whole-block GETs: the one line a fetch engine replaces
+        # Whole-block GETs: the one line the line-rate fetch engine replaces, e.g. with
+        # self._call(AsyncFetchClient(FetchEngine(list(s.pools), s.chunk_size),
+        #                             copy=False).__aenter__())
+        # (its zero-copy blocks are copied into the paged cache, then released: drain_load).
+        self.getter = self.client
         self.totals = {op: TransferStats() for op in ("probe", "load", "save")}
         self.events: collections.deque[dict] = collections.deque(maxlen=4096)
         self.save_refused = self.save_failed = 0
@@ -226,11 +232,28 @@ def drain_load(ld: LoadSpec, q: queue.SimpleQueue, caches, layout: PoolLayout,
             loaded, error = min(loaded, i), error or (repr(data) if data else None)
             continue
         try:
-            write_block(data, caches, layout, ld.targets[i])
+            write_block(_buffer(data), caches, layout, ld.targets[i])
         except ValueError as exc:
             loaded, error = min(loaded, i), error or str(exc)
+        finally:
+            if not _is_buffer(data) and hasattr(data, "release"):
+                data.release()           # a zero-copy block: its slots may be reused now
         add_stats(stats, part)
     return loaded, stats, error
+
+
+def _is_buffer(data) -> bool:
+    try:
+        memoryview(data).release()
+        return True
+    except TypeError:
+        return False
+
+
+def _buffer(data):
+    """A fetched block's bytes: ``data`` itself (bytes, memoryview, numpy), or the zero-copy
+    ``view`` of a block object (the fetch engine's ``Block``, released once copied)."""
+    return data if _is_buffer(data) else data.view
 
 
 _BACKENDS: dict[tuple, PoolBackend] = {}

@@ -173,6 +173,21 @@ def test_a_failed_block_ends_the_load_there():
     assert drain_load(ld, queued(*((i, good[i], ok) for i in range(3))), caches, layout,
                       5)[::2] == (3, None)
 
+    class ZeroCopy:                    # the fetch engine's Block: a view, released once copied
+        released = 0
+
+        def __init__(self, data):
+            self.view = memoryview(data)
+
+        def release(self):
+            ZeroCopy.released += 1
+
+    caches[0].zero_()
+    q = queued(*((i, ZeroCopy(good[i]), ok) for i in range(3)))
+    assert drain_load(ld, q, caches, layout, 5)[::2] == (3, None) and ZeroCopy.released == 3
+    assert caches[0][5].view(-1)[0].item() == torch.frombuffer(bytearray(good[2][:4]),
+                                                               dtype=torch.float32).item()
+
 
 # ---- the I/O backend against a loopback pool node ------------------------------------------
 @pytest.fixture
