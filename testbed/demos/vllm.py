@@ -228,6 +228,12 @@ def run_vllm_demo(shared: int = 4000, question: int = 40, new_tokens: int = 16,
     connector on h3; ``must_win``: TTFT with the connector must beat recompute."""
     from rich.console import Console
     console = Console()
+    if shared < block_tokens:
+        raise ValueError(f"the shared prefix ({shared} tokens) must hold a whole block "
+                         f"({block_tokens} tokens)")
+    limit = json.loads((MODELS_DIR / model / "config.json").read_text())["max_position_embeddings"]
+    if shared + question + new_tokens + 64 > limit:
+        raise ValueError(f"prompt and answer must stay below {limit - 64} tokens for {model}")
     model_dir, model_id = materialize_model(model)
     args = [model_dir, model_id]
     conn = [chunk_size, window, concurrency, block_tokens, shared, question, new_tokens]
