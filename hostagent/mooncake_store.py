@@ -54,6 +54,9 @@ CLIENT_ENV = {"MC_LOG_LEVEL": "ERROR", "MC_STORE_CLIENT_SETUP_RETRIES": "2",
               "MC_RPC_CONNECT_TIMEOUT_MS": "1000"}
 
 
+_ABANDONED: list = []             # clients not closed (master down): kept till the process ends
+
+
 class MooncakeMissing(RuntimeError):
     pass
 
@@ -168,6 +171,7 @@ class MooncakeStore(PoolStore):
         self._supervisor: asyncio.Task | None = None
         self._down_since: float | None = None
         self._down_reason = ""
+        self.abandoned = False            # closed without telling the master (it was down)
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -183,8 +187,11 @@ class MooncakeStore(PoolStore):
         if self._supervisor is not None:
             self._supervisor.cancel()
             await asyncio.gather(self._supervisor, return_exceptions=True)
-        if self._tasks:
+        if self._tasks:                    # fills and writes under way: let them end
             await asyncio.wait(list(self._tasks), timeout=10)
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._pool.shutdown, True)
         client, self._client = self._client, None
@@ -193,6 +200,12 @@ class MooncakeStore(PoolStore):
         await super().close()
 
     def _shutdown_client(self, client) -> None:
+        if not self.available:
+            # close() (and the client's destructor) would spend ~10 s failing to tell an absent
+            # master; the master drops this client's segment when its TTL ends anyway
+            _ABANDONED.append(client)
+            self.abandoned = True
+            return
         client.unregister_buffer(self.staging.arena.addr)
         client.close()
 
@@ -336,7 +349,9 @@ class MooncakeStore(PoolStore):
             except StagingFull as exc:
                 raise StoreError(Status.NO_SPACE, str(exc)) from None
             try:
+                t1 = time.monotonic()
                 rc = await self._read(okey, run.addr, size)
+                t2 = time.monotonic()
                 if rc != size:
                     raise self._failed(rc, f"reading {okey}")
                 try:
@@ -352,7 +367,10 @@ class MooncakeStore(PoolStore):
                 raise
             self.counters["fills"] += 1
             self.counters["fill_bytes"] += size
-            self.counters["fill_us"] += int((time.monotonic() - t0) * 1e6)
+            t3 = time.monotonic()
+            self.counters["fill_us"] += int((t3 - t0) * 1e6)          # the whole fill
+            self.counters["fill_read_us"] += int((t2 - t1) * 1e6)     # get_into
+            self.counters["fill_check_us"] += int((t3 - t2) * 1e6)    # header and CRCs
             fill.set_result(block)
         except StoreError as exc:
             self.counters["fill_" + Status(exc.status).name.lower()] += 1
@@ -402,15 +420,12 @@ class MooncakeStore(PoolStore):
             self.counters["writes"] += 1
             done.set_result(True)
         except BaseException as exc:
-            if self.staging.get(*name, touch=False) is block:
-                block.pins -= 1
-                self.staging.remove(*name)     # the writer is told it failed: keep no copy
-                block = None
             done.set_exception(exc if isinstance(exc, StoreError) else
                                StoreError(UNAVAILABLE, f"writing {okey}: {exc!r}"))
+            if self.staging.get(*name, touch=False) is block:
+                self.staging.remove(*name)     # the writer is told it failed: keep no copy
             if not isinstance(exc, Exception):
                 raise
         finally:
-            if block is not None:
-                block.pins -= 1
+            block.pins -= 1
             self._writing.pop(name, None)

@@ -7,7 +7,9 @@ pages, a block taking a contiguous run of them (first fit, neighbouring free run
 its layout as ``hostagent.blockfmt`` stores it, its CRC array), least recently used first, a
 byte bound (the arena's size), and pins: a run being filled or written out is never evicted.
 Nothing here touches a socket or a store; the server reads chunks from ``StagedBlock``s, the
-stores fill runs (``reserve`` then ``commit``, or ``release`` on failure).
+stores fill runs (``reserve`` then ``commit``, or ``release`` on failure), and the arena hears
+of every block that becomes servable (``publish``) and of every one about to leave
+(``retract``), which is where an arena served by XDP would update its index.
 """
 from __future__ import annotations
 
@@ -76,6 +78,13 @@ class Arena:
             end += after
         self._free[start] = end - start
         self._free_end[end] = start
+
+    # where an arena that an XDP program serves from hooks in (this one serves nothing itself)
+    def publish(self, block: StagedBlock) -> None:
+        """``block`` is whole in its run and may be served from now on."""
+
+    def retract(self, block: StagedBlock) -> None:
+        """``block`` is leaving: serve no more of it (its pages are freed right after)."""
 
     def close(self) -> None:
         """Unmap the buffer, unless views of it are still around (then the GC will)."""
@@ -181,6 +190,7 @@ class Staging:
         if old is not None:
             self._free(old)
         block = self.blocks[name] = StagedBlock(layout, run, crcs, pins)
+        self.arena.publish(block)
         return block
 
     def remove(self, ns: int, key: bytes) -> bool:
@@ -190,4 +200,5 @@ class Staging:
         return block is not None
 
     def _free(self, block: StagedBlock) -> None:
+        self.arena.retract(block)
         self.arena.release(block.run.start, block.run.npages)

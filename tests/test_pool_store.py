@@ -159,6 +159,25 @@ def test_staging_evicts_least_recently_used_and_never_pinned_blocks():
     assert bytes(payload) == bytes(1024) and crc == checksum(bytes(1024))
 
 
+def test_the_arena_hears_of_every_block_served_and_retracted():
+    events = []
+
+    class Recording(Arena):
+        def publish(self, block):
+            events.append(("publish", block.layout.ns, block.run.start))
+
+        def retract(self, block):
+            events.append(("retract", block.layout.ns, self.free_pages))
+
+    staging = Staging(Recording(4 * 4096))
+    _stage(staging, 1, 4096)
+    _stage(staging, 2, 4096)
+    _stage(staging, 3, 4096)                                     # evicts 1 (LRU)
+    staging.remove(2, KEY)
+    assert events == [("publish", 1, 0), ("publish", 2, 2), ("retract", 1, 0),
+                      ("publish", 3, 0), ("retract", 2, 0)]     # retracted before freed
+
+
 def test_memory_store_is_the_default_and_holds_whole_blocks():
     async def body():
         ready, stop, handle = asyncio.Event(), asyncio.Event(), {}
