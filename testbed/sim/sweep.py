@@ -32,6 +32,20 @@ def break_even(nodes: list[int], net: list[float]) -> float | None:
     return None
 
 
+def break_even_curves(points: list[dict], sharing, switch_gib) -> list[dict]:
+    """Per (sharing, switch memory): the break-even node count and the node counts where the
+    pool pays (a curve may fall below break-even again as the cluster grows)."""
+    curves = []
+    for s in sharing:
+        for mem in switch_gib:
+            pts = [p for p in points if p["sharing"] == s and p["switch_gib"] == mem]
+            curves.append({"sharing": s, "switch_gib": mem,
+                           "break_even_nodes": break_even([p["nodes"] for p in pts],
+                                                          [p["net_usd_per_hour"] for p in pts]),
+                           "pays_at": [p["nodes"] for p in pts if p["net_usd_per_hour"] > 0]})
+    return curves
+
+
 def run_sweep(trace_path, nodes, switch_gib, sharing, requests_per_node=REQUESTS_PER_NODE,
               max_requests=MAX_REQUESTS, json_path=None, plot_path=None, log=print,
               **cfg_kw) -> dict:
@@ -52,13 +66,7 @@ def run_sweep(trace_path, nodes, switch_gib, sharing, requests_per_node=REQUESTS
                     f"{p['switch_hit_ratio']:.3f}, egress saved {p['pool_egress_saved']:.3f}, "
                     f"net ${p['net_usd_per_hour']:.3f}/h, xdp cores {p['xdp_cores']:.1f} "
                     f"(p99 {p['xdp_cores_p99']:.1f}) ({p['wall_seconds']}s)")
-    curves = []
-    for s in sharing:
-        for mem in switch_gib:
-            pts = [p for p in points if p["sharing"] == s and p["switch_gib"] == mem]
-            curves.append({"sharing": s, "switch_gib": mem,
-                           "break_even_nodes": break_even([p["nodes"] for p in pts],
-                                                          [p["net_usd_per_hour"] for p in pts])})
+    curves = break_even_curves(points, sharing, switch_gib)
     out = {"trace": str(trace_path), "routing": base.routing, "pools": base.pools,
            "nodes": nodes, "switch_gib": switch_gib, "sharing": sharing,
            "requests_per_node": requests_per_node, "max_requests": max_requests,
