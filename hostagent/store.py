@@ -24,9 +24,8 @@ from kvproto import Status, checksum
 from .blockfmt import Layout, write_block
 from .staging import DEFAULT_PAGE, Arena, StagedBlock, Staging, StagingFull
 
-# the status a pool node answers with while its backing store is unreachable: UNAVAILABLE once
-# the protocol has it (xdp/kvproto.h), NO_SPACE ("cannot hold the block now") until then
-UNAVAILABLE = Status.__members__.get("UNAVAILABLE", Status.NO_SPACE)
+# the status a pool node answers with while its backing store is unreachable
+UNAVAILABLE = Status.UNAVAILABLE
 DEFAULT_ASSEMBLY_BYTES = 256 << 20
 DEFAULT_ASSEMBLY_TIMEOUT = 10.0
 

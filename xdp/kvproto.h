@@ -40,6 +40,7 @@
 #define KV_ST_BAD_VERSION 5        /* ERROR: version not spoken here */
 #define KV_ST_TOO_LARGE 6          /* ERROR: chunk larger than the node accepts */
 #define KV_ST_INCOMPLETE 7         /* NACK: the block exists but not all chunks are stored */
+#define KV_ST_UNAVAILABLE 8        /* ERROR: the pool node cannot reach its store right now */
 
 /* All multi-byte fields are big-endian (network order). 48 bytes, naturally aligned. */
 struct kvhdr {
