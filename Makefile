@@ -78,6 +78,8 @@ bench:
 bench-sim:
 	$(VENV)/bin/testbed sim run --trace $(TRACE) --nodes 1024 --requests 1000000 \
 	  --json bench/results/sim-run-1024.json
+	$(VENV)/bin/testbed sim run --trace $(TRACE) --nodes 1024 --requests 1000000 --sharing 0.5 \
+	  --json bench/results/sim-run-1024-sharing0.5.json
 	$(VENV)/bin/testbed sim sweep --trace $(TRACE) --json bench/results/sim-sweep.json \
 	  --plot bench/results/sim-breakeven.png
 	$(VENV)/bin/testbed sim validate --trace $(TRACE) --json bench/results/sim-validate.json
