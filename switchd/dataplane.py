@@ -6,6 +6,7 @@ loads and attaches XDP programs, for the testbed's auxiliary programs too (``loa
 ``attach_xdp``)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -155,6 +156,27 @@ def attached_program(ifname: str) -> tuple[str | None, int | None]:
     if "id" not in prog:
         return None, None
     return prog.get("name") or f"id {prog['id']}", int(prog["id"])
+
+
+@contextlib.contextmanager
+def run_time_stats():
+    """The kernel's per-program run-time accounting (kernel.bpf_stats_enabled) on for the
+    block; it costs two clock reads per program run, so it is off otherwise."""
+    path = Path("/proc/sys/kernel/bpf_stats_enabled")
+    before = path.read_text().strip()
+    path.write_text("1")
+    try:
+        yield
+    finally:
+        path.write_text(before)
+
+
+def program_run_time(prog_id: int) -> tuple[int, int]:
+    """(nanoseconds run, runs) of a loaded program since it was loaded, while stats were on."""
+    r = subprocess.run(["bpftool", "-j", "prog", "show", "id", str(prog_id)],
+                       capture_output=True, text=True)
+    info = json.loads(r.stdout) if r.returncode == 0 else {}
+    return int(info.get("run_time_ns", 0)), int(info.get("run_cnt", 0))
 
 
 def program_map_ids(prog_id: int) -> set[int]:

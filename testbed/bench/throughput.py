@@ -31,7 +31,8 @@ import numpy as np
 
 from switchd import netns
 from switchd.cache import Cache
-from switchd.dataplane import DataPlane, detach_port, pinned_deployment
+from switchd.dataplane import (DataPlane, attached_program, detach_port, pinned_deployment,
+                               program_run_time, run_time_stats)
 
 from .generator import (MC_PORT, Endpoint, Generator, Iperf3, check_kv_reply,
                         check_memcached_reply, check_reflected, endpoint, kv_get, memcached_get,
@@ -215,7 +216,14 @@ def _chunk_size(b: _Bench, cs: int, nkeys: int, hit_ratios: list[int] | None,
                     f"{cs} B memcached", h1, memcached_get(h1, p1), nkeys,
                     lambda f: check_memcached_reply(f, h1, cs))
                 cache.put_block(NS, KEY, block)
-                details["switch_hit"] = b.measure(f"{cs} B switch_hit", h1, kv, nkeys, check_kv)
+                with run_time_stats():
+                    with netns.inside(topo.switch_ns):
+                        prog = attached_program("h1")[1]
+                    ran = program_run_time(prog)
+                    details["switch_hit"] = b.measure(f"{cs} B switch_hit", h1, kv, nkeys,
+                                                      check_kv)
+                    ran = [a - b for a, b in zip(program_run_time(prog), ran)]
+                row["switch_hit_ns_per_frame"] = round(ran[0] / max(1, ran[1]), 1)
                 details["switch_hit_hot"] = b.measure(  # every chunk in the CPU's L2
                     f"{cs} B switch_hit, {HOT_KEYS} chunks", h1, kv, min(HOT_KEYS, nkeys),
                     check_kv)
