@@ -192,34 +192,43 @@ def top_baselines(results: list, k: int = 3) -> list[str]:
 
 
 def plot_sweep(out: dict, path) -> None:
-    """Hit ratio vs capacity: the default policy, the plotted libCacheSim algorithms, the best
-    libCacheSim algorithm at each capacity, the best fixed set and Belady."""
+    """Hit ratio vs capacity (left) for the default policy, the plotted libCacheSim algorithms,
+    the best fixed set and Belady; right: each in points above or below the best libCacheSim
+    algorithm at that capacity."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = out["results"]
-    x = [100 * r["capacity_blocks"] / out["distinct_blocks"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+    x = [100 * (r["capacity"] if r["capacity"] < 1 else r["capacity_blocks"] /
+                out["distinct_blocks"]) for r in rows]
+    best = np.array([(r["best_other"] or {}).get("hit_ratio", np.nan) for r in rows])
+    fig, (ax, rel) = plt.subplots(1, 2, figsize=(12, 4.8))
     series = [(out["default_policy"], f"{out['default_policy']} (switchd's default)",
                dict(color="C3", lw=2.5, marker="o"))]
     series += [(n, f"{n[len(LCS):]} (libCacheSim)", dict(marker="s")) for n in out["plotted"]]
     series += [("static", "static (best fixed set, hindsight)", dict(color="k", ls="--")),
                (BELADY, "Belady (hindsight)", dict(color="k", ls=":", marker="^"))]
     for key, label, style in series:
-        ax.plot(x, [r["hit_ratio"].get(key, np.nan) for r in rows], label=label, **style)
-    ax.plot(x, [(r["best_other"] or {}).get("hit_ratio", np.nan) for r in rows],
-            color="tab:purple", lw=7, alpha=0.18, label="best libCacheSim at each capacity")
-    ax.set_xscale("log")
-    ax.set_xticks(x, [f"{v:.3g}%" for v in x])
-    ax.minorticks_off()
-    ax.set_xlabel("capacity (share of distinct blocks)")
+        y = np.array([r["hit_ratio"].get(key, np.nan) for r in rows])
+        ax.plot(x, y, label=label, **style)
+        if key not in ("static", BELADY):
+            rel.plot(x, 100 * (y - best), label=label, **style)
+    ax.plot(x, best, color="tab:purple", lw=7, alpha=0.18, label="best libCacheSim at each capacity")
+    rel.axhline(0, color="tab:purple", lw=7, alpha=0.18)
+    rel.set_ylabel("points vs the best libCacheSim algorithm at that capacity")
     ax.set_ylabel("hit ratio (hits / block requests)")
-    ax.set_title(f"{out['trace']}: {out['block_requests']} block requests, "
-                 f"{out['distinct_blocks']} distinct", fontsize=9)
-    ax.grid(True, alpha=0.3)
+    for a in (ax, rel):
+        a.set_xscale("log")
+        a.set_xticks(x, [f"{v:.3g}%" for v in x])
+        a.minorticks_off()
+        a.set_xlabel("capacity (share of distinct blocks)")
+        a.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+    rel.legend(fontsize=8)
+    fig.suptitle(f"{out['trace']}: {out['block_requests']} block requests, "
+                 f"{out['distinct_blocks']} distinct", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -1,6 +1,10 @@
 """The offline references a cache policy is measured against, both with hindsight (they read the
 whole request sequence, so they exist only in the evaluator): Belady's MIN, which knows when every
-block comes back, and the best fixed set, which knows how often each block comes but not when."""
+block comes back, and the best fixed set, which knows how often each block comes but not when.
+
+Our Belady may bypass a miss (cache it or not); libCacheSim's admits every miss, a different cache
+with a lower optimum. testbed.sim.baselines.belady_bypass runs libCacheSim's in our model, and the
+tests check both against brute force in their own model and against each other in ours."""
 from __future__ import annotations
 
 import heapq
