@@ -22,6 +22,8 @@
 #include <linux/ipv6.h>
 #include "kvmaps.h"
 #include "parse.h"
+#define KV_REPLY_MAX KV_CHUNK_MAX
+#include "reply.h"
 
 BPF_PERCPU_ARRAY(kv_fill_scratch, struct kv_cache_val, 1);
 /* every switch port, with kv_egress as its egress program (filled by switchd) */
@@ -44,15 +46,6 @@ static __always_inline int verdict(int v)
 {
     count(KV_STAT_XDP_ABORTED + v, 1);
     return v;
-}
-
-/* Helpers taking a size need it proven in [1, KV_CHUNK_MAX] in the very register passed; a
- * 64-bit copy hidden from clang keeps it from range-checking a zero-extended twin instead. */
-static __always_inline __u64 opaque_len(__u32 len)
-{
-    __u64 n = len;
-    asm volatile("" : "+r"(n));
-    return n;
 }
 
 /* CRC-32 (IEEE, reflected, as zlib.crc32), one table lookup per byte: the 256-entry table is
@@ -79,18 +72,6 @@ static __always_inline __u32 crc32_ieee(const struct kv_crc_table *tab, const __
         c ^= (c ^ d) * take;
     }
     return ~c;
-}
-
-static __always_inline void swap_bytes(__u8 *a, __u8 *b, int n)
-{
-#pragma unroll
-    for (int i = 0; i < 6; i++) {
-        if (i < n) {
-            __u8 t = a[i];
-            a[i] = b[i];
-            b[i] = t;
-        }
-    }
 }
 
 static __always_inline struct kv_ns_stats *ns_stats(__u32 ns)
@@ -182,47 +163,10 @@ static __always_inline int answer_get(struct xdp_md *ctx, struct kv_cache_val *v
         count(KV_STAT_NO_ROOM, 1);
         return XDP_PASS;
     }
-    /* 1. drop the unused room and anything trailing the IP packet (link-layer padding) */
-    int excess = (int)(ctx->data_end - ctx->data) - (int)(KV_PAYLOAD_OFF + len);
-    if (excess > 0 && bpf_xdp_adjust_tail(ctx, -excess))
-        return XDP_PASS;
-
-    /* 2. headers again: adjust_tail invalidated the packet pointers */
-    void *data = (void *)(long)ctx->data;
-    void *data_end = (void *)(long)ctx->data_end;
-    struct ethhdr *eth = data;
-    struct iphdr *ip = (void *)(eth + 1);
-    struct udphdr *udp = (void *)(ip + 1);
-    struct kvhdr *kv = (void *)(udp + 1);
-    if ((void *)(kv + 1) > data_end)
-        return XDP_DROP;           /* cannot happen: the frame only lost trailing room */
-
-    swap_bytes(eth->h_dest, eth->h_source, ETH_ALEN);
-    __be32 addr = ip->saddr;
-    ip->saddr = ip->daddr;
-    ip->daddr = addr;
-    ip->ttl = 64;
-    ip->tot_len = bpf_htons(sizeof(struct iphdr) + sizeof(struct udphdr) + KV_HDR_LEN + len);
-    ip->check = 0;
-    ip->check = kv_ip_csum(ip);
-    __be16 port = udp->source;
-    udp->source = udp->dest;
-    udp->dest = port;
-    udp->len = bpf_htons(sizeof(struct udphdr) + KV_HDR_LEN + len);
-    udp->check = 0;                /* optional in IPv4; the payload carries its own CRC */
-    kv->op = KV_OP_GET_REPLY;
-    kv->flags |= bpf_htons(KV_F_FROM_SWITCH);
-    kv->status = 0;
-    kv->nchunks = bpf_htonl(v->nchunks);
-    kv->len = bpf_htons(len);
-    kv->csum = bpf_htonl(v->csum);
-
-    /* 3. the payload, from the map value into the room the request carried */
-    __u64 n = opaque_len(len);
-    if (n < 1 || n > KV_CHUNK_MAX)
-        return XDP_DROP;
-    if (bpf_xdp_store_bytes(ctx, KV_PAYLOAD_OFF, v->data, n))
-        return XDP_DROP;           /* headers already rewritten: never send half a reply */
+    int r = kv_reply_in_place(ctx, v->data, len, v->nchunks, v->csum, 0xffff,
+                              bpf_htons(KV_F_FROM_SWITCH));
+    if (r != XDP_TX)
+        return r;
     if (!owned_by(v, k)) {         /* evicted and refilled for another chunk while we copied */
         count(KV_STAT_REUSED, 1);
         return XDP_DROP;           /* the asker retransmits */
@@ -428,33 +372,9 @@ static __always_inline int source_ok(struct kv_port_cfg *port, void *data, void 
     return eth->h_proto != bpf_htons(ETH_P_ARP) || ip == port->ip || !ip;
 }
 
-/* A GET's UDP checksum, when it has one (0: none, as IPv4 allows), over its pseudo-header, UDP
- * and KV headers, its room being the zeros the protocol requires: a GET damaged anywhere, or
- * with anything but zeros in its room, fails it. ~30 additions, not a pass over the room. A
- * sender's stack that leaves the checksum to the NIC (veth does: CHECKSUM_PARTIAL) puts the
- * pseudo-header's sum there; no wire was crossed, so that form is accepted as it stands. */
-static __always_inline int get_udp_csum_ok(struct kv_frame *f)
-{
-    if (!f->udp->check)
-        return 1;
-    __u16 *w = (__u16 *)&f->ip->saddr;    /* saddr and daddr: 4 words */
-    __u32 pseudo = bpf_htons(IPPROTO_UDP) + f->udp->len;
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-        pseudo += w[i];
-    if (f->udp->check == (__u16)~kv_csum_fold(pseudo))
-        return 1;                          /* partial: left for offload */
-    __u32 sum = pseudo;
-    w = (__u16 *)f->udp;                   /* the UDP header, then the KV header */
-#pragma unroll
-    for (int i = 0; i < (KV_UDP_LEN + KV_HDR_LEN) / 2; i++)
-        sum += w[i];
-    return kv_csum_fold(sum) == 0;
-}
-
 static __always_inline int handle_get(struct xdp_md *ctx, struct kv_frame *f)
 {
-    if (!get_udp_csum_ok(f)) {
+    if (!kv_get_udp_csum_ok(f)) {
         count(KV_STAT_BAD_UDP_CSUM, 1);    /* the pool node's stack checks the whole datagram */
         return XDP_PASS;
     }
@@ -493,7 +413,7 @@ static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
             return;
         flags |= KV_CF_SPECULATIVE;
     }
-    __u64 len = opaque_len(f->payload_len);
+    __u64 len = kv_opaque_len(f->payload_len);
     __u32 zero = 0;
     struct kv_cache_val *s = kv_fill_scratch.lookup(&zero);
     if (!s || len < 1 || len > KV_CHUNK_MAX) {
