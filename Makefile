@@ -67,6 +67,7 @@ bench:
 	$(VENV)/bin/testbed bench throughput --json bench/results/throughput.json
 	$(VENV)/bin/testbed bench incast --json bench/results/incast.json
 	$(VENV)/bin/testbed bench loss --json bench/results/loss.json
+	$(VENV)/bin/testbed bench fetch --json bench/results/fetch.json
 	$(VENV)/bin/testbed policy-eval --trace $(TRACE) \
 	  --capacity 0.02 --json bench/results/policy-0.02.json
 	$(VENV)/bin/testbed policy-eval --trace $(TRACE) \

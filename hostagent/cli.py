@@ -245,12 +245,18 @@ def put(pools, ns, key, path, chunk_size, window, deadline):
 @window_opt
 @deadline_opt
 def get(pools, ns, key, out, no_cache, start_at, chunk_size, window, deadline):
-    """Fetch a whole block, byte-exact; prints where its chunks came from."""
+    """Fetch a whole block, byte-exact; prints where its chunks came from. Uses the XDP fetch
+    engine where it can run (root, the node's interface free), else the asyncio client; a log
+    line says which."""
+    from .fetch import open_client
+    key_bytes = _key(key)
+
     async def go():
-        async with kvclient.KVClient(pools, chunk_size, window, deadline) as c:
+        # the engine's arena starts small and grows to the block once its size is known
+        async with open_client(pools, chunk_size, window, deadline, arena_bytes=4 << 20) as c:
             if start_at:
                 await asyncio.sleep(max(0.0, start_at - time.time()))
-            return await c.get_block(ns, _key(key), no_cache=no_cache)
+            return await c.get_block(ns, key_bytes, no_cache=no_cache)
 
     data, stats = _run(go())
     if out:

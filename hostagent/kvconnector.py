@@ -36,6 +36,7 @@ import asyncio
 import math
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -107,16 +108,29 @@ def cache_to_blocks(cache: DynamicCache, layout: BlockLayout, first: int = 0,
     return [raw[i].tobytes() for i in range(last - first)]
 
 
-def blocks_to_cache(blocks: Sequence[bytes], layout: BlockLayout, config=None) -> DynamicCache:
-    """A DynamicCache holding the KV of ``blocks`` (consecutive, from the first), batch 1."""
+def _block_tensor(block, layout: BlockLayout) -> torch.Tensor:
+    """A block (bytes-like, or the fetch engine's zero-copy Block) as a tensor of the layout's
+    shape sharing its memory; only read."""
+    buf = block.numpy() if hasattr(block, "numpy") else block
+    if memoryview(buf).nbytes != layout.block_bytes:
+        raise ValueError(f"a block has {memoryview(buf).nbytes} bytes, the layout "
+                         f"{layout.block_bytes}")
+    with warnings.catch_warnings():            # a read-only buffer: it is only read from
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=layout.dtype).view(layout.shape)
+
+
+def blocks_to_cache(blocks: Sequence, layout: BlockLayout, config=None) -> DynamicCache:
+    """A DynamicCache holding the KV of ``blocks`` (consecutive, from the first), batch 1. A
+    block is bytes-like or a fetch engine ``Block`` (read in place: one copy in all, from the
+    blocks into the cache's tensors)."""
     if not blocks:
         return DynamicCache(config=config)
-    for i, b in enumerate(blocks):
-        if len(b) != layout.block_bytes:
-            raise ValueError(f"block {i} has {len(b)} bytes, the layout {layout.block_bytes}")
+    views = [_block_tensor(b, layout) for b in blocks]
     n, (L, _, H, bt, D) = len(blocks), layout.shape
-    kv = torch.frombuffer(bytearray().join(blocks), dtype=layout.dtype).view(n, *layout.shape)
-    kv = kv.permute(1, 2, 3, 0, 4, 5).reshape(L, 2, H, n * bt, D)
+    kv = torch.empty((L, 2, H, n * bt, D), dtype=layout.dtype)
+    for i, v in enumerate(views):
+        kv[:, :, :, i * bt:(i + 1) * bt].copy_(v)
     return DynamicCache([(kv[i, 0][None], kv[i, 1][None]) for i in range(L)], config=config)
 
 
@@ -146,6 +160,12 @@ def greedy(model, logits: torch.Tensor, cache: DynamicCache, new_tokens: int) ->
     return out
 
 
+def _release(block) -> None:
+    """Give a fetch engine's zero-copy Block back (bytes need nothing)."""
+    if block is not None and hasattr(block, "release"):
+        block.release()
+
+
 def _add(total: TransferStats, part: TransferStats) -> None:
     for f in fields(TransferStats):
         if f.name != "seconds":
@@ -165,7 +185,9 @@ class Loaded:
 
 
 class KVConnector:
-    """Put and load a prompt's KV blocks through a ``KVClient`` (already entered)."""
+    """Put and load a prompt's KV blocks through a ``KVClient`` or the fetch engine's
+    ``AsyncFetchClient`` (already entered; ``hostagent.fetch.open_client`` picks). With the
+    engine, ``load`` builds the cache straight from its zero-copy blocks."""
 
     def __init__(self, client: KVClient, ns: int, layout: BlockLayout, model_id: str | bytes,
                  config=None, concurrency: int = DEFAULT_CONCURRENCY):
@@ -197,12 +219,15 @@ class KVConnector:
         total.seconds = time.monotonic() - start
         return total
 
-    async def fetch_prefix(self, keys: Sequence[bytes]) -> tuple[list[bytes], int | None,
-                                                                 TransferStats]:
+    async def fetch_prefix(self, keys: Sequence[bytes], views: bool = False
+                           ) -> tuple[list, int | None, TransferStats]:
         """The blocks of the longest available prefix of ``keys``, the index of the first missing
         block (None if none was), and the transfer stats summed over every block moved (a block
-        in flight past a gap still counts, though it is not kept)."""
-        got: list[bytes | None] = [None] * len(keys)
+        in flight past a gap still counts, though it is not kept). ``views``: with the fetch
+        engine's client, zero-copy Blocks (the caller releases them) instead of bytes."""
+        getter = (self.client.get_block_view if views and hasattr(self.client, "get_block_view")
+                  else self.client.get_block)
+        got: list = [None] * len(keys)
         total, sem, start = TransferStats(), asyncio.Semaphore(self.concurrency), time.monotonic()
         missing = len(keys)
         tasks: list[asyncio.Task] = []
@@ -213,8 +238,7 @@ class KVConnector:
                 if i > missing:
                     return
                 try:
-                    got[i], stats = await self.client.get_block(self.ns, keys[i],
-                                                                nchunks=self.nchunks)
+                    got[i], stats = await getter(self.ns, keys[i], nchunks=self.nchunks)
                 except BlockNotFound:
                     missing = min(missing, i)
                     for t in tasks[i + 1:]:
@@ -223,9 +247,14 @@ class KVConnector:
                 _add(total, stats)
 
         tasks.extend(asyncio.create_task(one(i)) for i in range(len(keys)))
-        for result in await asyncio.gather(*tasks, return_exceptions=True):
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for b in got[missing:] if views else []:
+            _release(b)                           # moved past the gap: not kept
+        for result in results:
             if isinstance(result, BaseException) and not isinstance(result,
                                                                     asyncio.CancelledError):
+                for b in got[:missing] if views else []:
+                    _release(b)
                 raise result
         total.seconds = time.monotonic() - start
         return list(got[:missing]), (missing if missing < len(keys) else None), total
@@ -234,8 +263,12 @@ class KVConnector:
         """The cache of the longest prefix of ``tokens`` whose blocks are available. It never
         covers the last token, whose logits the caller must compute (``prefill``)."""
         keys = self.keys(list(tokens)[:-1])
-        blocks, missing_at, stats = await self.fetch_prefix(keys)
+        blocks, missing_at, stats = await self.fetch_prefix(keys, views=True)
         start = time.monotonic()
-        cache = blocks_to_cache(blocks, self.layout, self.config)
+        try:
+            cache = blocks_to_cache(blocks, self.layout, self.config)
+        finally:
+            for b in blocks:
+                _release(b)
         return Loaded(cache, len(blocks) * self.layout.block_tokens, len(blocks), len(keys),
                       missing_at, stats, time.monotonic() - start)

@@ -5,8 +5,6 @@ command runs."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import click
@@ -16,79 +14,11 @@ from switchd.dataplane import MAX_CHUNK
 from switchd.policy import POLICIES
 
 from .demos.inference import BLOCK_TOKENS, MODELS as DEMO_MODELS
+from .demos.vllm import MODELS_DIR as DEMO_MODEL_DIR
 from .lab.topology import TestbedError, Topology, down, namespaces_of
-from .sim.config import DEMOTES, MODELS, ROUTINGS
-
-
-# ---- option values -----------------------------------------------------------------------------
-def _numbers(value: str, kind=int, lo: float = 0, hi: float | None = None) -> list:
-    try:
-        items = sorted({kind(v) for v in value.split(",") if v.strip()})
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers") from None
-    if not items or items[0] < lo or (hi is not None and items[-1] > hi):
-        raise click.BadParameter(f"give numbers in [{lo}, {hi if hi is not None else 'inf'}]")
-    return items
-
-
-def int_list(ctx, param, value: str) -> list[int]:
-    """'1,2,4' -> [1, 2, 4] (sorted, distinct, positive)."""
-    return _numbers(value, int, 1)
-
-
-def _float_list(hi=None):
-    return lambda ctx, param, value: _numbers(value, float, 0, hi)
-
-
-def _percent_list(ctx, param, value: str) -> list[int]:
-    return _numbers(value, int, 0, 100) if value.strip() else []
-
-
-def _cores(ctx, param, value: str) -> tuple[int, ...]:
-    cores = _numbers(value, int, 0)
-    if not set(cores) <= os.sched_getaffinity(0):
-        raise click.BadParameter(f"give CPUs among {sorted(os.sched_getaffinity(0))}")
-    return tuple(cores)
-
-
-def _capacity(ctx, param, value):
-    if value is not None and not value > 0:
-        raise click.BadParameter(f"must be > 0 (a fraction of distinct blocks if < 1, else a "
-                                 f"block count), got {value}")
-    return value
-
-
-def _policy_list(ctx, param, value):
-    from .sim.evaluate import policy_name
-    if value is None:
-        return None
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    try:
-        return [policy_name(n) for n in names] or policy_name("(none given)")
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
-
-
-def _options(*opts):
-    def apply(f):
-        for opt in reversed(opts):
-            f = opt(f)
-        return f
-    return apply
-
-
-trace_opt = click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
-                         required=True, help="Mooncake-format JSONL trace.")
-
-
-def json_opt(default=None):
-    return click.option("--json", "json_path", default=default, show_default=bool(default),
-                        help="Write the result here.")
-
-
-def _fail_unless(ok: bool) -> None:
-    if not ok:
-        sys.exit(1)
+from .options import (capacity_value, cluster_options, cpu_list, fail_unless, float_list,
+                      int_list, json_opt, numbers, percent_list, policy_list, sim_errors,
+                      trace_opt)
 
 
 # ---- topologies and demos ----------------------------------------------------------------------
@@ -143,7 +73,7 @@ def down_cmd(name, everything):
 def demo(chunks):
     """Fetch a KV block through the switch from two inference nodes (see `make demo`)."""
     from .demos.basic import run_demo
-    _fail_unless(run_demo(chunks))
+    fail_unless(run_demo(chunks))
 
 
 @main.command("demo-inference")
@@ -171,8 +101,45 @@ def demo_inference(sizes, chunk_size, concurrency, window, new_tokens, model, dt
     if any(s % block_tokens for s in sizes):
         raise click.BadParameter(f"must be multiples of --block-tokens ({block_tokens})",
                                  param_hint="--sizes")
-    _fail_unless(run_inference_demo(sizes, chunk_size, window, concurrency, new_tokens, model,
+    fail_unless(run_inference_demo(sizes, chunk_size, window, concurrency, new_tokens, model,
                                     dtype, block_tokens, name, json_path))
+
+
+@main.command("demo-vllm")
+@click.option("--shared", type=click.IntRange(16), default=4000, show_default=True,
+              help="Tokens of the shared prefix (at least one block).")
+@click.option("--question", type=click.IntRange(1), default=40, show_default=True,
+              help="Tokens of each prompt's own question after the prefix.")
+@click.option("--new-tokens", type=click.IntRange(1, 1024), default=16, show_default=True)
+@click.option("--ttft-reps", type=click.IntRange(1, 20), default=3, show_default=True,
+              help="Timed requests per TTFT figure.")
+@click.option("--chunk-size", type=click.IntRange(64, MAX_CHUNK), default=3072, show_default=True)
+@click.option("--window", type=click.IntRange(1, 1024), default=64, show_default=True)
+@click.option("--concurrency", type=click.IntRange(1, 64), default=4, show_default=True)
+@click.option("--block-tokens", type=click.IntRange(16, 4096), default=128, show_default=True,
+              help="vLLM's block size, also one KV block of the switch.")
+@click.option("--model", default="small-llama", show_default=True,
+              type=click.Choice(sorted(p.name for p in DEMO_MODEL_DIR.iterdir() if p.is_dir())),
+              help="A model config shipped in testbed/demos/models.")
+@click.option("--baseline/--no-baseline", default=True, show_default=True,
+              help="Also run an engine without the connector (the token-identity reference).")
+@click.option("--negative/--no-negative", default=True, show_default=True,
+              help="Also check that another model id finds nothing (no false hits).")
+@click.option("--must-win/--no-must-win", default=True, show_default=True,
+              help="Fail unless TTFT with the connector beats recompute.")
+@click.option("--name", default="vl", show_default=True, help="Testbed prefix.")
+@json_opt()
+def demo_vllm(shared, question, new_tokens, ttft_reps, chunk_size, window, concurrency,
+              block_tokens, model, baseline, negative, must_win, name, json_path):
+    """Two vLLM engines share prefix KV through the switch (the kvswitch KV connector)."""
+    from .demos.vllm import run_vllm_demo
+    try:
+        ok = run_vllm_demo(shared, question, new_tokens, ttft_reps, chunk_size, window,
+                           concurrency, block_tokens, model, baseline, negative, must_win, name,
+                           json_path)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    fail_unless(ok)
 
 
 @main.command()
@@ -182,7 +149,7 @@ def demo_inference(sizes, chunk_size, concurrency, window, new_tokens, model, dt
 def fuzz(frames, seed, json_path):
     """Random and mutated frames through the data plane, checked against a reference."""
     from .fuzz import run_fuzz
-    _fail_unless(not run_fuzz(frames, seed, json_path)["violations"])
+    fail_unless(not run_fuzz(frames, seed, json_path)["violations"])
 
 
 # ---- benchmarks --------------------------------------------------------------------------------
@@ -198,14 +165,14 @@ def bench():
               help="Measuring time of each scenario (after 0.3 s of warm-up).")
 @click.option("--windows", type=click.IntRange(1, 50), default=5, show_default=True,
               help="Parts of it; a scenario's rate is the median of theirs.")
-@click.option("--cores", default="0", show_default=True, callback=_cores,
+@click.option("--cores", default="0", show_default=True, callback=cpu_list,
               help="CPUs the generator sends from, one pinned thread each.")
 @click.option("--rate", type=click.FloatRange(min=0), default=0, show_default=True,
               help="Frames per second offered in all (0: as fast as possible).")
 @click.option("--keys", type=click.IntRange(16, 1 << 20), default=4096, show_default=True,
               help="Chunks swept per scenario.")
 @click.option("--hit-ratios", default="0,25,50,75,100", show_default=True,
-              callback=_percent_list, help="Hit percentages of the sweep (empty: skip).")
+              callback=percent_list, help="Hit percentages of the sweep (empty: skip).")
 @click.option("--sweep-chunk", type=int, default=1024, show_default=True,
               help="Chunk size of the hit-ratio sweep and the TCP measurement.")
 @click.option("--scaling", default="1000,10000,100000,1000000", show_default=True,
@@ -225,7 +192,7 @@ def throughput(chunk_sizes, seconds, windows, cores, rate, keys, hit_ratios, swe
     """GET replies/s: XDP_TX ceiling, switch hits, pool server, memcached; hit ratios, cache
     size, TCP."""
     from .bench.throughput import run_throughput
-    sizes = _numbers(scaling, int, 1) if scaling.strip() else []
+    sizes = numbers(scaling, int, 1) if scaling.strip() else []
     plot_path = plot_path or str(Path(json_path).with_suffix(".png"))
     out = run_throughput(chunk_sizes, seconds, windows, cores, keys, rate, hit_ratios,
                          sweep_chunk, sizes, scaling_chunk, tcp_runs, tcp_seconds,
@@ -263,7 +230,7 @@ def incast(readers, block_mib, reps, chunk_size, pool_link_mbit, json_path, plot
 
 @bench.command()
 @click.option("--loss", "losses", default="0,1,5", show_default=True,
-              callback=_float_list(99.999), help="Loss rates in percent, comma-separated.")
+              callback=float_list(99.999), help="Loss rates in percent, comma-separated.")
 @click.option("--block-mib", type=click.FloatRange(min=0.01, max=64), default=4.0,
               show_default=True)
 @click.option("--reps", type=click.IntRange(1, 50), default=3, show_default=True)
@@ -272,6 +239,23 @@ def loss(losses, block_mib, reps, json_path):
     """Block fetches over links that drop KV frames."""
     from .bench.loss import run_loss
     run_loss(losses, block_mib, reps, json_path)
+
+
+@bench.command()
+@click.option("--chunk-sizes", default="3072,1024", show_default=True, callback=int_list)
+@click.option("--sizes-mib", default="2,64", show_default=True, callback=int_list)
+@click.option("--rounds", type=click.IntRange(1, 50), default=5, show_default=True)
+@click.option("--mooncake/--no-mooncake", default=True, show_default=True)
+@json_opt("bench/results/fetch.json")
+@click.option("--plot", "plot_path", help="PNG path (default: the JSON path with .png).")
+def fetch(chunk_sizes, sizes_mib, rounds, mooncake, json_path, plot_path):
+    """Whole blocks at a node: XDP engine, switch hit path, pool, asyncio client, Mooncake."""
+    from .bench.fetch import run_fetch
+    plot_path = plot_path or str(Path(json_path).with_suffix(".png"))
+    out = run_fetch(chunk_sizes, sizes_mib, rounds, mooncake=mooncake, json_path=json_path,
+                    plot_path=plot_path, log=click.echo)
+    click.echo(json.dumps(out["targets"], indent=2))
+    click.echo(f"wrote {json_path} and {plot_path}")
 
 
 @main.command()
@@ -283,20 +267,20 @@ def soak(minutes, json_path):
     from .bench.soak import run_soak
     out = run_soak(minutes, json_path)
     click.echo(json.dumps({k: v for k, v in out.items() if k != "samples"}, indent=2))
-    _fail_unless(out["within_capacity"])
+    fail_unless(out["within_capacity"])
 
 
 # ---- traces: offline evaluation and live replay ------------------------------------------------
 @main.command("policy-eval")
 @trace_opt
-@click.option("--capacity", type=float, default=0.02, show_default=True, callback=_capacity,
+@click.option("--capacity", type=float, default=0.02, show_default=True, callback=capacity_value,
               help="Cache size: a fraction of the trace's distinct blocks if < 1, else blocks.")
-@click.option("--sweep", callback=lambda c, p, v: v and [_capacity(c, p, x) for x in
-                                                         _numbers(v, float, 0)],
+@click.option("--sweep", callback=lambda c, p, v: v and [capacity_value(c, p, x) for x in
+                                                         numbers(v, float, 0)],
               help="Comma list of capacities instead of --capacity: hit ratio vs capacity.")
 @click.option("--plot", "plot_path", help="With --sweep: PNG path (default: JSON path .png).")
 @json_opt()
-@click.option("--policies", callback=_policy_list,
+@click.option("--policies", callback=policy_list,
               help=f"Comma list (default: all of switchd's, {', '.join(POLICIES)}, and "
                    "libCacheSim's, e.g. ARC or lcs:ARC); belady and static always run.")
 def policy_eval(trace_path, capacity, sweep, plot_path, json_path, policies):
@@ -327,7 +311,7 @@ def policy_eval(trace_path, capacity, sweep, plot_path, json_path, policies):
 
 @main.command()
 @trace_opt
-@click.option("--capacity", type=float, default=0.02, show_default=True, callback=_capacity,
+@click.option("--capacity", type=float, default=0.02, show_default=True, callback=capacity_value,
               help="Fraction of the trace's distinct blocks (<1) or a count.")
 @click.option("--limit", type=click.IntRange(1), help="Only the first N requests.")
 @click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=10.0,
@@ -352,60 +336,6 @@ def sim():
     """Cluster-scale model: tiers, switch pool on/off, break-even, testbed validation."""
 
 
-def _cluster_options(f):
-    """SimConfig fields ``sim run`` and ``sim sweep`` share, with SimConfig's defaults (the same
-    flags give the same point)."""
-    from .sim.config import THROUGHPUT_JSON, SimConfig
-    d, pos = SimConfig(), click.FloatRange(0, min_open=True)
-    return _options(
-        click.option("--pools", type=click.IntRange(1), default=d.pools, show_default=True,
-                     help="Pool nodes (the storage tier), fixed while inference nodes grow."),
-        click.option("--model", type=click.Choice(sorted(MODELS)), default=d.model,
-                     show_default=True),
-        click.option("--kv-bytes-per-token", type=click.IntRange(1)),
-        click.option("--block-tokens", type=click.IntRange(1, 512), default=d.block_tokens,
-                     show_default=True),
-        click.option("--hbm-gib", type=click.FloatRange(0), default=d.hbm_gib, show_default=True),
-        click.option("--dram-gib", type=click.FloatRange(0), default=d.dram_gib,
-                     show_default=True),
-        click.option("--pool-gib", type=pos, help="Per pool node (default unlimited)."),
-        click.option("--node-gbps", type=pos, default=d.node_gbps, show_default=True),
-        click.option("--pool-gbps", type=pos, default=d.pool_gbps, show_default=True),
-        click.option("--routing", type=click.Choice(ROUTINGS), default=d.routing,
-                     show_default=True),
-        click.option("--demote", type=click.Choice(DEMOTES), default=d.demote, show_default=True),
-        click.option("--policy", "switch_policy", default=d.switch_policy, show_default=True,
-                     type=click.Choice(list(POLICIES))),
-        click.option("--load", type=pos, default=d.load, show_default=True,
-                     help="Per-node prefill utilisation without caching."),
-        click.option("--switch-budget", type=click.IntRange(1), default=d.switch_budget,
-                     show_default=True, help="Switch-bound fetches simulated; more: sampled."),
-        click.option("--xdp-ns-per-frame", type=pos,
-                     help="Data-plane CPU per frame (default: from --throughput-json)."),
-        click.option("--throughput-json", default=THROUGHPUT_JSON, show_default=True,
-                     help="`testbed bench throughput` result pricing the data plane's CPU."),
-        click.option("--seed", type=int, default=d.seed, show_default=True))(f)
-
-
-def _sim_errors(fn):
-    """Run a model command: its errors are usage errors. numpy's temporaries of a large run
-    (hundreds of MB each) would be mapped and unmapped on every allocation, a third of the run
-    time in page faults at 1,024 nodes, so freed memory stays in this process's heap."""
-    from .sim.config import SimError
-    from .sim.trace import TraceError
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-4, 0)                 # M_MMAP_MAX: no mmap for large blocks
-        libc.mallopt(-1, 2**31 - 1)         # M_TRIM_THRESHOLD: keep freed memory
-    except (OSError, AttributeError):
-        pass
-    try:
-        return fn()
-    except (TraceError, SimError) as exc:
-        raise click.UsageError(str(exc)) from None
-
-
 @sim.command("run")
 @trace_opt
 @click.option("--requests", type=click.IntRange(0),
@@ -415,7 +345,7 @@ def _sim_errors(fn):
 @click.option("--switch-gib", type=click.FloatRange(0), default=64.0, show_default=True)
 @click.option("--sharing", type=click.FloatRange(0, 1), default=0.0, show_default=True,
               help="Share of resampled prefix trees that keep their ids (shared content).")
-@_cluster_options
+@cluster_options
 @json_opt()
 def sim_run(trace_path, requests, sharing, json_path, **kw):
     """Simulate one cluster configuration, switch pool on and off (one point of the sweep)."""
@@ -423,7 +353,7 @@ def sim_run(trace_path, requests, sharing, json_path, **kw):
     from .sim.config import SimConfig
     from .sim.model import point
     from .sim.trace import load_trace
-    out = _sim_errors(lambda: point(load_trace(trace_path), SimConfig(**kw), requests, sharing,
+    out = sim_errors(lambda: point(load_trace(trace_path), SimConfig(**kw), requests, sharing,
                                     log=lambda m: click.echo(m, err=True)))
     write_json(json_path, out)
     for mode in ("pool_off", "pool_on"):
@@ -440,12 +370,12 @@ def sim_run(trace_path, requests, sharing, json_path, **kw):
 @click.option("--nodes", "nodes", default="4,16,64,256,1024", show_default=True,
               callback=int_list)
 @click.option("--switch-gib", "switch_gib", default="16,64,256", show_default=True,
-              callback=_float_list())
+              callback=float_list())
 @click.option("--sharing", "sharing", default="0,0.5,0.9", show_default=True,
-              callback=_float_list(1.0))
+              callback=float_list(1.0))
 @click.option("--requests-per-node", type=click.IntRange(1), default=200, show_default=True)
 @click.option("--max-requests", type=click.IntRange(1), default=200_000, show_default=True)
-@_cluster_options
+@cluster_options
 @json_opt("bench/results/sim-sweep.json")
 @click.option("--plot", "plot_path", default="bench/results/sim-breakeven.png",
               show_default=True)
@@ -453,7 +383,7 @@ def sim_sweep(trace_path, nodes, switch_gib, sharing, requests_per_node, max_req
               json_path, plot_path, **kw):
     """Sweep nodes x switch memory x sharing; find and draw the break-even."""
     from .sim.sweep import run_sweep
-    out = _sim_errors(lambda: run_sweep(
+    out = sim_errors(lambda: run_sweep(
         trace_path, nodes, switch_gib, sharing, requests_per_node, max_requests, json_path,
         plot_path, log=lambda m: click.echo(m, err=True), **kw))
     click.echo(json.dumps(out["break_even"], indent=2))
@@ -477,4 +407,4 @@ def sim_validate(trace_path, limit, capacity, speedup, routing, json_path):
     out = run_validate(trace_path, limit, capacity, speedup, routing, json_path,
                        log=lambda m: click.echo(m, err=True))
     click.echo(json.dumps(out["comparison"], indent=2))
-    _fail_unless(out["within_targets"])
+    fail_unless(out["within_targets"])

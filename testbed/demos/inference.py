@@ -17,7 +17,9 @@ Llama-3-70B's (~420 kFLOP/B), so the fetch path gets no help from the model choi
 in 512-token chunks (one block each) on both paths; bf16 because this CPU has AMX.
 
 The orchestrator runs here; the model runs inside the node namespaces (tasks ``node_a`` and
-``node_b``).
+``node_b``). B and C fetch through the XDP fetch engine (``hostagent.fetch``; the asyncio client
+where it cannot run) and rebuild the cache straight from its zero-copy blocks; A puts with the
+asyncio client.
 """
 from __future__ import annotations
 
@@ -83,12 +85,17 @@ class _Node:
         self.recompute(list(range(1, self.layout.block_tokens + QUESTION_TOKENS + 1)))
 
     @contextlib.asynccontextmanager
-    async def connector(self, client_args: dict, concurrency: int):
-        """Warmed up, a KV connector for this node's model over a client of its own."""
+    async def connector(self, client_args: dict, concurrency: int, fetch_blocks: int = 0):
+        """Warmed up, a KV connector for this node's model over a client of its own: with
+        ``fetch_blocks``, the XDP fetch engine (an arena for that many blocks; the asyncio
+        client where the engine cannot run), else the asyncio client (puts)."""
         from hostagent.client import KVClient
+        from hostagent.fetch import open_client
         from hostagent.kvconnector import KVConnector
         self.warm_up()
-        async with KVClient(**client_args) as client:
+        opened = (open_client(**client_args, arena_bytes=fetch_blocks * self.layout.block_bytes)
+                  if fetch_blocks else KVClient(**client_args))
+        async with opened as client:
             yield KVConnector(client, NS, self.layout, self.model_id, self.config, concurrency)
 
     def info(self) -> dict:
@@ -124,7 +131,9 @@ async def _node_b(node: _Node, name: str, sizes, client_args: dict, concurrency:
     from hostagent.kvconnector import greedy, prefill
     import torch
     out = []
-    async with node.connector(client_args, concurrency) as conn:
+    # the largest prefix's blocks are held together (the cache is built from them in place)
+    blocks = max(sizes) // node.layout.block_tokens + concurrency + 1
+    async with node.connector(client_args, concurrency, fetch_blocks=blocks) as conn:
         for size in sizes:
             tokens = node.tokens(size, name)
             rx0, tx0 = _link_bytes()
@@ -159,7 +168,8 @@ async def _node_b(node: _Node, name: str, sizes, client_args: dict, concurrency:
                 "tokens_equal": via_fetch == via_recompute,
                 "logits_equal": bool(torch.equal(logits, logits_r)),
                 "kv_identical": kv_identical, "tokens": via_fetch})
-    return {"node": name, **node.info(), "sizes": out}
+        path = "xdp" if hasattr(conn.client, "get_block_view") else "asyncio"
+    return {"node": name, **node.info(), "fetch_path": path, "sizes": out}
 
 
 def _setup(pools, chunk_size, window, model, dtype, block_tokens):
@@ -211,11 +221,13 @@ def run_inference_demo(sizes=(1024, 4096, 16384), chunk_size: int = 3072, window
         console.print("admitted them to the switch (learned as pool replies pass)")
         b = lab.task("h2", f"{__name__}:node_b", "h2", *args, new_tokens)
         c = lab.task("h3", f"{__name__}:node_b", "h3", *args, new_tokens)
+        console.print(f"h2 and h3 fetched with the {b['fetch_path']} / {c['fetch_path']} client")
         counters = lab.stats()
     result = {"model": {k: v for k, v in a.items() if k != "sizes"},
               "config": {"chunk_size": chunk_size, "window": window, "concurrency": concurrency,
                          "sizes": sizes, "new_tokens": new_tokens},
-              "h1": a["sizes"], "h2": b["sizes"], "h3": c["sizes"], "switch": counters}
+              "h1": a["sizes"], "h2": b["sizes"], "h3": c["sizes"], "switch": counters,
+              "fetch_path": {"h2": b["fetch_path"], "h3": c["fetch_path"]}}
     result["checks"] = report(console, result, must_win_from)
     write_json(json_path, result)
     ok = all(result["checks"].values())

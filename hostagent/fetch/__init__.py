@@ -1,0 +1,29 @@
+"""The inference node's block fetch engine: whole KV blocks at line rate, with XDP doing every
+per-chunk step and Python deciding per transfer and per step, never per chunk. docs/fetch.md
+tells the whole story; each module owns one concern:
+
+    program   xdp/kvfetch.c compiled (once, cached), loaded with maps of the engine's sizes,
+              its maps mmapped as numpy arrays
+    kernel    the libbpf calls behind that (map create, bytecode load, attach, test run)
+    attach    the program on the node's interface in place of what was there, put back after
+    netpath   namespaces, addresses, next hops and the GET headers to each pool node
+    engine    FetchEngine: lifecycle, the send ring and its test-run calls, the step loop
+    transfers per-transfer state, round trips, windows, loss recovery
+    verify    CRC checks of what arrived (crcfold), finished transfers as Blocks
+    block     Block (a zero-copy view of the arena) and the slot allocator
+    crcfold   many chunk CRCs checked with one CRC call
+    client    AsyncFetchClient (KVClient's interface) and open_client, the automatic choice
+              between the engine and the asyncio KVClient
+
+    from hostagent.fetch import FetchEngine
+    with FetchEngine(["198.18.0.101"], chunk_size=3072) as e:      # in the node's netns
+        blk = e.get_block(ns, key)            # Block: .numpy(), .torch(dtype), .view
+        ...
+        blk.release()
+"""
+from .block import Block
+from .client import AsyncFetchClient, open_client
+from .engine import EngineStats, FetchEngine, NoReply
+from .netpath import NoXdp
+
+__all__ = ["AsyncFetchClient", "Block", "EngineStats", "FetchEngine", "NoReply", "NoXdp", "open_client"]

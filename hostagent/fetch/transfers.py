@@ -1,0 +1,199 @@
+"""Transfers in flight and what to ask for next: per-transfer state, round-trip estimates, the
+congestion window per pool node, and loss recovery.
+
+Loss recovery is RACK-like: a chunk is presumed lost when a chunk asked for after it (send-ring
+order, first asks only: Karn) has come back (replies keep their order on a path) and it is older
+than the reordering window (a quarter of the least recent round trip, at least ``reo_floor``);
+for a transfer the switch answers (at least 90% FROM_SWITCH/REPLICA replies: those come back
+within the test-run call that sent the GET) when its call has ended and nothing came back for
+``tail_wait``; and always when nothing came back for the retransmission timeout (RFC 6298 per
+transfer, restarted by every delivery, backing off per try). Before a retransmission the
+candidates' slot words are read again: arrived but not yet verified is not lost.
+
+The window per pool node starts at ``start_window``, grows as TCP's (slow start, then
+congestion avoidance) and halves once per round trip on loss towards the pool node (a queue
+overflowed); loss where the switch answers is not congestion (no queue) and leaves it alone.
+Transfers are filled in the order they were submitted, each as far as the room goes, so a step
+verifies one or two transfers rather than all and a prefix of blocks is usable from its start.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import numpy as np
+
+from hostagent.client import TransferStats
+
+from .program import GEN_MASK, SENDQ
+
+
+class Rtt:
+    """Round-trip estimator (RFC 6298) and RACK's reordering window, per transfer: chunks the
+    switch answers come back within microseconds, the pool node's after its queue."""
+
+    def __init__(self):
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+        self.min_rtt = 1.0
+        self.rto = 0.2                  # until there are samples
+        self.reo = 0.001                # reordering window of loss detection
+
+    def sample(self, rtt: float, floor: float, reo_floor: float) -> None:
+        if self.srtt is None:
+            self.srtt, self.rttvar = rtt, rtt / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
+            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+        # the least round trip seen lately (drifting up slowly); a quarter of it is the window
+        self.min_rtt = min(rtt, self.min_rtt + (rtt - self.min_rtt) / 64)
+        self.reo = max(reo_floor, self.min_rtt / 4)
+        self.rto = min(1.0, max(floor, self.srtt + 4 * self.rttvar))
+
+
+class Route:
+    """A pool node as the generator addresses it (kvf_routes index), with its window."""
+
+    def __init__(self, index: int, addr: tuple[str, int], start_window: int):
+        self.index, self.addr = index, addr
+        self.cwnd, self.ssthresh = float(start_window), 1e9
+        self.last_cut = 0.0
+        self.rtts: dict[bool, Rtt] = {}    # the last transfer's estimator, by who answered
+        self.last_switched = False
+
+    def acked(self, n: int, max_window: int) -> None:
+        if self.cwnd < self.ssthresh:
+            self.cwnd = min(max_window, self.cwnd + n)              # slow start
+        else:
+            self.cwnd = min(max_window, self.cwnd + n / self.cwnd)  # congestion avoidance
+
+    def lost(self, now: float, min_window: int, rtt: float) -> None:
+        if now - self.last_cut > rtt:                               # once per round trip
+            self.ssthresh = self.cwnd = max(float(min_window), self.cwnd / 2)
+            self.last_cut = now
+
+
+class Transfer:
+    """One block being fetched into a slot range (``base``, transfer table entry ``idx`` with
+    generation ``gen``)."""
+
+    def __init__(self, route: Route, ns: int, key: bytes, nchunks: int | None, no_cache: bool,
+                 deadline: float):
+        if len(key) != 16:
+            raise ValueError("block key must be 16 bytes")
+        self.ns, self.key, self.no_cache, self.route = ns, key, no_cache, route
+        self.known = nchunks is not None
+        self.nchunks = nchunks if self.known else 1
+        if self.nchunks < 1:
+            raise ValueError("a block has at least one chunk")
+        self.start = time.monotonic()
+        self.deadline = self.start + deadline
+        self.stats = TransferStats()
+        self.result = None                   # a Block when done
+        self.error: BaseException | None = None
+        self.idx = self.gen = self.base = -1
+        # a transfer starts from the last one's round trips (the switch's, unless bypassed)
+        last = route.rtts.get(not no_cache) or route.rtts.get(False)
+        self.rtt = copy.copy(last) if last is not None else Rtt()
+        self.seen_received = 0
+        self.reset(self.nchunks)
+        self.switched = not no_cache and route.last_switched
+
+    def reset(self, n: int) -> None:
+        """Per-chunk state for ``n`` chunks, nothing asked yet."""
+        self.sent_seq = np.full(n, -1, np.int64)      # send-ring position of the last ask
+        self.sent_t = np.zeros(n, np.float64)
+        self.tries = np.zeros(n, np.int32)
+        self.verified = np.zeros(n, bool)
+        self.bypass = np.zeros(n, bool)               # ask with KV_F_NO_CACHE (a bad CRC)
+        self.nverified = 0
+        self.next_new = 0                             # chunks never asked for start here
+        self.lo = 0                                   # lowest unverified chunk
+        self.max_recv_seq = -1                        # latest position answered (first asks)
+        self.last_delivery = time.monotonic()
+        self.switched = False                         # the switch answers it (within the call)
+        self.next_scan = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+    @property
+    def inflight(self) -> int:
+        return self.next_new - self.nverified
+
+
+def _lost(t: Transfer, ring, meta: np.ndarray, now: float, tail_wait: float,
+          share: int) -> np.ndarray:
+    """Chunks of ``t`` presumed lost (at most ``share``), by the rules in the module doc."""
+    rtt, fast = t.rtt, t.switched
+    lo, hi = t.lo, t.next_new
+    seq = t.sent_seq[lo:hi]
+    sent = (seq >= 0) & (seq < ring.cons) & ~t.verified[lo:hi]
+    age = now - ring.sent_time(seq, t.sent_t[lo:hi])
+    backoff = np.exp2(np.minimum(t.tries[lo:hi] - 1, 6))
+    lost = ((seq < t.max_recv_seq) & (age > rtt.reo)) | (
+        (age > rtt.rto * backoff) & (now - t.last_delivery > rtt.rto * backoff))
+    if fast:            # no queue to wait for: a reply comes within the call that sent it
+        quiet = now - np.maximum(ring.done_time[seq % SENDQ], t.last_delivery)
+        lost |= quiet > tail_wait
+    idx = np.flatnonzero(sent & lost)
+    if not idx.size:
+        return idx
+    idx = idx[:share] + lo
+    words = meta[t.base + idx]                     # arrived since the last look: not lost
+    return idx[((words >> np.uint64(32)) & np.uint64(GEN_MASK)) != t.gen]
+
+
+def _scan_due(t: Transfer, ring, now: float, tail_wait: float) -> bool:
+    """Whether looking for lost chunks of ``t`` can find any now (cheap tests first)."""
+    if t.next_new <= t.lo:
+        return False
+    first = int(t.sent_seq[t.lo])
+    if first < 0 or first >= ring.cons:
+        return False
+    rtt, fast = t.rtt, t.switched
+    return (now >= t.next_scan or (first < t.max_recv_seq and now - t.sent_t[t.lo] > rtt.reo)
+            or (now - t.last_delivery > min(rtt.rto, tail_wait if fast else 1.0) and
+                now - ring.done_time[first % SENDQ] > (tail_wait if fast else 0)))
+
+
+def fill(active: list[Transfer], ring, meta: np.ndarray, now: float, burst: int,
+         tail_wait: float, max_ahead: int) -> int:
+    """Queue GETs into ``ring``: retransmissions of chunks presumed lost, then new chunks within
+    each route's window, transfers in submission order. At most ``burst`` per step and
+    ``max_ahead`` queued but unsent. Returns how many were queued."""
+    budget = min(burst, max_ahead - ring.queued)
+    if budget <= 0:
+        return 0
+    inflight: dict[int, int] = {}
+    for t in active:
+        inflight[t.route.index] = inflight.get(t.route.index, 0) + t.inflight
+    queued = 0
+    for t in active:
+        if budget <= 0:
+            break
+        share, route, rtt = budget, t.route, t.rtt
+        if _scan_due(t, ring, now, tail_wait):
+            idx = _lost(t, ring, meta, now, tail_wait, share)
+            if idx.size:
+                if not t.switched:
+                    route.lost(now, 16, rtt.srtt or rtt.rto)
+                ring.queue(t, idx, now)
+                t.stats.retransmits += idx.size
+                queued += idx.size
+                budget -= idx.size
+                share -= idx.size
+                t.next_scan = now + rtt.reo
+            else:
+                t.next_scan = now + max(rtt.rto / 2, 0.002)
+        left = t.nchunks - t.next_new
+        if left > 0 and share > 0:
+            m = min(left, share, max(0, int(route.cwnd) - inflight[route.index]))
+            if m > 0:
+                ring.queue(t, np.arange(t.next_new, t.next_new + m), now)
+                t.next_new += m
+                inflight[route.index] += m
+                queued += m
+                budget -= m
+    return queued

@@ -1,0 +1,114 @@
+"""Checking what arrived and handing over finished blocks.
+
+A step looks at every transfer whose received count moved: its slot words (numpy, in the range
+asked for but not verified) say which chunks arrived for this generation and with which CRC.
+The block's last chunk (which may be short) is checked alone; runs of consecutive full chunks
+are checked with one CRC call per run (``crcfold``) when there are ``fold_from`` or more of them,
+else one call per chunk. A bad chunk's slot word is cleared (one aligned 64-bit store: the only
+write Python makes to a slot word, never a read-modify-write shared with XDP), so the program
+takes it again, and it is asked for again at once with KV_F_NO_CACHE (counted in
+``checksum_errors``). Verified chunks feed the round-trip estimator (first asks only) and the
+route's window. A finished transfer becomes a ``Block`` over its slots, with where its chunks
+came from read from the slot words' reply flags.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvproto import Flag
+
+from .block import Block
+from .crcfold import Folder, crc32
+from .program import GEN_MASK
+from .transfers import Transfer
+
+_FROM_SWITCH, _REPLICA = int(Flag.FROM_SWITCH), int(Flag.REPLICA)
+_SHIFT_GEN, _SHIFT_FLAGS = np.uint64(32), np.uint64(56)
+
+
+def _bad_chunks(t: Transfer, idx: np.ndarray, crcs: np.ndarray, x, arena_mv, cs: int,
+                folder: Folder, fold_from: int) -> list[int]:
+    base = t.base
+    n = t.nchunks if t.known else int(x["seen_nchunks"])
+    bad = []
+    if idx[-1] == n - 1:                         # the block's last chunk: alone
+        tail, off = int(x["tail_len"]), (base + n - 1) * cs
+        if not 1 <= tail <= cs or crc32(arena_mv[off:off + tail]) != crcs[-1]:
+            bad.append(n - 1)
+        idx, crcs = idx[:-1], crcs[:-1]
+    if idx.size >= fold_from:                    # runs of consecutive full chunks
+        cuts = np.flatnonzero(np.diff(idx) != 1) + 1
+        for a, b in zip(np.concatenate(([0], cuts)).tolist(),
+                        np.concatenate((cuts, [idx.size])).tolist()):
+            first = int(idx[a])
+            off = (base + first) * cs
+            bad += [first + i for i in folder.bad_chunks(arena_mv[off:off + (b - a) * cs],
+                                                         crcs[a:b], fold_from)]
+    elif idx.size:                               # one CRC call per chunk
+        offs = ((idx + base) * cs).tolist()
+        bad += [i for i, o, c in zip(idx.tolist(), offs, crcs.tolist())
+                if crc32(arena_mv[o:o + cs]) != c]
+    return bad
+
+
+def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, fold_from: int,
+           ring, rto_floor: float, reo_floor: float, max_window: int) -> int:
+    """Verify the chunks of ``t`` that arrived since the last look; how many passed."""
+    lo, hi, base, gen = t.lo, t.next_new, t.base, t.gen
+    if hi <= lo:
+        return 0
+    words = meta[base + lo:base + hi]
+    fresh = (((words >> _SHIFT_GEN) & np.uint64(GEN_MASK)) == gen) & ~t.verified[lo:hi]
+    idx = np.flatnonzero(fresh)
+    if not idx.size:
+        return 0
+    crcs = (words[idx] & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    idx += lo
+    bad = _bad_chunks(t, idx, crcs, x, arena_mv, cs, folder, fold_from)
+    if bad:
+        b = np.array(bad)
+        meta[base + b] = 0                       # the program takes it again
+        t.bypass[b] = True
+        t.sent_t[b] = -1e9                       # due at once
+        t.stats.checksum_errors += len(bad)
+        ok = np.setdiff1d(idx, b, assume_unique=True)
+    else:
+        ok = idx
+    if not ok.size:
+        return 0
+    now = time.monotonic()
+    t.verified[ok] = True
+    t.nverified += ok.size
+    t.last_delivery = now
+    clean = ok[t.tries[ok] == 1]                 # Karn: unambiguous samples only
+    if clean.size:
+        seqs = t.sent_seq[clean]
+        t.max_recv_seq = max(t.max_recv_seq, int(seqs.max()))
+        sent = ring.sent_time(seqs, t.sent_t[clean])
+        t.rtt.sample(now - float(sent.mean()), rto_floor, reo_floor)
+    # who answered: the switch (FROM_SWITCH, REPLICA: within the call) or the pool node
+    src = (words[ok - lo] >> _SHIFT_FLAGS).astype(np.uint8)
+    t.switched = not t.no_cache and bool(
+        np.count_nonzero(src & (_FROM_SWITCH | _REPLICA)) * 10 >= 9 * ok.size)
+    t.route.acked(ok.size, max_window)
+    v = t.verified[t.lo:t.next_new]              # the lowest chunk still missing
+    k = int(v.argmin()) if v.size else 0
+    t.lo += k if v.size and not v[k] else v.size
+    return ok.size
+
+
+def finish(t: Transfer, x, meta: np.ndarray, arena: np.ndarray, cs: int, release) -> Block:
+    """The finished transfer as a Block over its slots, its stats filled in."""
+    n, base = t.nchunks, t.base
+    tail = int(x["tail_len"])
+    flags = (meta[base:base + n] >> _SHIFT_FLAGS).astype(np.uint8)
+    replica = (flags & _REPLICA) != 0
+    switch = ((flags & _FROM_SWITCH) != 0) & ~replica
+    s = t.stats
+    s.chunks, s.bytes = n, (n - 1) * cs + tail
+    s.replicas, s.from_switch = int(replica.sum()), int(switch.sum())
+    s.from_pool = n - s.replicas - s.from_switch
+    s.seconds = time.monotonic() - t.start
+    return Block(t.ns, t.key, n, arena[base * cs:base * cs + s.bytes], s, release)

@@ -1,0 +1,400 @@
+"""`testbed bench fetch`: whole-block fetch throughput at an inference node, GB/s of block payload,
+every path measured in one run, on one testbed per chunk size (h1 reads, p1 holds):
+
+  xdp/switch    the XDP fetch engine (hostagent.fetch) from the switch's cache, byte-exact (the
+                CRC of every chunk, and compared here), loss-free and under 1% and 5% loss of the
+                KV frames h1 receives (the engine's stand-in for the testbed's loss injector);
+  xdp/pool      the engine past the switch (KV_F_NO_CACHE), answered by `hostagent serve`;
+  asyncio       today's asyncio client (hostagent.client.KVClient) from the switch's cache;
+  mooncake      Mooncake Store's TCP get (get_into a registered buffer) of the same bytes from a
+                segment on p1, with the switch's program detached (a plain bridge) and attached;
+                its master (testbed.lab.mooncake) runs in the topology's m1;
+  switch hit    the switch's hit rate as `bench throughput` measures it (live-frames GET
+                generator, replies counted and dropped by an XDP program on h1: no copy, no
+                check, no Python) over the block's chunks: the ceiling.
+
+The hit path and the engine (each loss rate) are measured in interleaved rounds (the engine
+steps aside with suspend()/resume() while the generator's counter holds h1's interface; the loss
+conditions rotate), so load from other work falls on all alike; ratios are medians of per-round
+ratios. The other paths follow once. switchd runs with --no-coalesce --policy off (the cache
+holds what the benchmark put there). Writes JSON and a plot.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+from hostagent.fetch import FetchEngine
+from switchd.cache import Cache
+from switchd.dataplane import DataPlane, pinned_deployment
+
+from ..lab import Lab, Topology, write_json
+from ..lab.mooncake import HTTP_PORT, RPC_PORT, MooncakeMaster
+from .generator import Generator, check_kv_reply, endpoint, kv_get, payload
+from .throughput import fill_cache
+
+PREFIX = "ffb"
+NS = 11
+MIB = 1 << 20
+TARGETS = {"xdp_switch_gbytes_per_s": 2.0, "xdp_vs_hit_path": 0.5, "xdp_vs_mooncake_bridge": 1.0,
+           "loss_0.01_vs_loss_free": 0.8, "loss_0.05_vs_loss_free": 0.5}
+
+
+def _key(tag: str) -> bytes:
+    return tag.encode().ljust(16, b"-")[:16]
+
+
+def _block(n: int, cs: int) -> bytes:
+    return b"".join(payload(i, cs) for i in range(n))
+
+
+def _gbps(nbytes: int, seconds: list[float]) -> float:
+    return round(nbytes / statistics.median(seconds) / 1e9, 4)
+
+
+def _row(path: str, source: str, cs: int, nbytes: int, seconds: list[float], exact: bool,
+         **more) -> dict:
+    return {"path": path, "source": source, "chunk_bytes": cs, "block_bytes": nbytes,
+            "gbytes_per_s": _gbps(nbytes, seconds), "byte_exact": exact,
+            "best_gbytes_per_s": round(nbytes / min(seconds) / 1e9, 4), "fetches": len(seconds),
+            **more}
+
+
+# ---- the paths ---------------------------------------------------------------------------------
+def _engine(e: FetchEngine, key: bytes, n: int, expect: bytes, reps: int,
+            no_cache: bool = False, loss: float = 0.0) -> dict:
+    out = {"seconds": [], "retransmits": 0, "checksum_errors": 0, "exact": True, "cpu": 0.0}
+    e.loss_ppm = int(loss * 1e6)
+    try:
+        for _ in range(reps):
+            cpu0 = e.stats.step_cpu
+            b = e.get_block(NS, key, n, no_cache=no_cache)
+            out["seconds"].append(b.stats.seconds)
+            out["retransmits"] += b.stats.retransmits
+            out["checksum_errors"] += b.stats.checksum_errors
+            out["exact"] &= b.numpy().tobytes() == expect
+            out["cpu"] += e.stats.step_cpu - cpu0
+            b.release()
+    finally:
+        e.loss_ppm = 0
+    return out
+
+
+def _merge(parts: list[dict]) -> dict:
+    seconds = [s for p in parts for s in p["seconds"]]
+    return {"seconds": seconds, "exact": all(p["exact"] for p in parts),
+            "retransmits": sum(p["retransmits"] for p in parts),
+            "checksum_errors": sum(p["checksum_errors"] for p in parts),
+            "cpu_ms_per_fetch": round(sum(p["cpu"] for p in parts) / len(seconds) * 1e3, 2)}
+
+
+def asyncio_get(pools: list[str], cs: int, key_hex: str, n: int, reps: int) -> dict:
+    """Task in the reader: today's asyncio client, ``reps`` fetches of one block."""
+    import asyncio
+    from hostagent.client import KVClient
+    expect = _block(n, cs)
+
+    async def go():
+        async with KVClient(pools, cs) as c:
+            out = []
+            for _ in range(reps):
+                data, st = await c.get_block(NS, bytes.fromhex(key_hex), n)
+                out.append((st.seconds, data == expect))
+            return out
+
+    res = asyncio.run(go())
+    return {"seconds": [s for s, _ in res], "exact": all(ok for _, ok in res)}
+
+
+def _hit_path(gen: Generator, lab: Lab, key: bytes, n: int, cs: int, seconds: float) -> dict:
+    h1, p1 = endpoint(lab.topo.node("h1").netns), endpoint(lab.topo.node("p1").netns)
+    gen.configure(kv_get(h1, p1, NS, key, cs), n, "sequential")
+    with gen.counting(h1.netns):
+        run = gen.run(h1, seconds, warmup=0.2, windows=5)
+        problem = check_kv_reply(gen.sample(), h1, p1, NS, key, n, cs)
+    return {"gbps": run.median_pps() * cs / 1e9, "exact": problem is None}
+
+
+def _mooncake_setup(store_mod, me: str, master: str, segment: int, buffer: int = 16 * MIB):
+    store = store_mod.MooncakeDistributedStore()
+    rc = store.setup(me, f"http://{master}:{HTTP_PORT}/metadata", segment, buffer, "tcp", "",
+                     f"{master}:{RPC_PORT}")
+    if rc:
+        raise RuntimeError(f"mooncake setup failed: {rc}")
+    return store
+
+
+def mooncake_hold(me: str, master: str, blocks: list, ready: str, stop: str) -> dict:
+    """Task in the holder: the blocks as Mooncake objects in this node's segment until
+    ``stop`` exists. ``blocks``: (object key, chunk size, chunks)."""
+    from hostagent.mooncake_store import load_mooncake
+    mc = load_mooncake()
+    total, most = sum(cs * n for _, cs, n in blocks), max(cs * n for _, cs, n in blocks)
+    store = _mooncake_setup(mc, me, master, total + 64 * MIB, most + 16 * MIB)   # put copies
+    try:
+        config = mc.ReplicateConfig()
+        config.preferred_segment = store.get_hostname()
+        for okey, cs, n in blocks:
+            rc = store.put(okey, _block(n, cs), config)
+            if rc:
+                raise RuntimeError(f"mooncake put {okey} failed: {rc}")
+        Path(ready).touch()
+        deadline = time.monotonic() + 1800
+        while not os.path.exists(stop) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        store.close()
+    return {"held": len(blocks)}
+
+
+def mooncake_read(me: str, master: str, blocks: list, reps: int) -> dict:
+    """Task in the reader: get_into a registered buffer, ``reps`` times per block."""
+    import ctypes
+    import numpy as np
+    from hostagent.mooncake_store import load_mooncake
+    store = _mooncake_setup(load_mooncake(), me, master, 16 * MIB)
+    out = {}
+    try:
+        size = max(cs * n for _, cs, n in blocks)
+        buf = np.zeros(size, np.uint8)
+        addr = buf.ctypes.data_as(ctypes.c_void_p).value
+        if store.register_buffer(addr, size):
+            raise RuntimeError("mooncake register_buffer failed")
+        for okey, cs, n in blocks:
+            seconds, exact = [], True
+            expect = np.frombuffer(_block(n, cs), np.uint8)
+            for _ in range(reps if n * cs <= 8 * MIB else max(2, reps // 3)):
+                t0 = time.perf_counter()
+                got = store.get_into(okey, addr, n * cs)
+                seconds.append(time.perf_counter() - t0)
+                exact &= got == n * cs and np.array_equal(buf[:n * cs], expect)
+            out[okey] = {"seconds": seconds, "exact": bool(exact)}
+        store.unregister_buffer(addr)
+    finally:
+        store.close()
+    return out
+
+
+def _mooncake(lab: Lab, blocks: dict, cs: int, reps: int, log) -> dict:
+    """Mooncake TCP gets h1 <- p1, switch program attached, then detached (switchd stopped)."""
+    master = MooncakeMaster(lab.topo, os.path.join(lab.tmp.name, "mooncake.log")).start()
+    ready, stop = (os.path.join(lab.tmp.name, f) for f in ("mc-ready", "mc-stop"))
+    spec = [[f"ffbench/{cs}/{m}", cs, n] for m, (_, n, _) in blocks.items()]
+    holder = lab.start_task("p1", f"{__name__}:mooncake_hold", lab.topo.node("p1").ip,
+                            master.node.ip, spec, ready, stop)
+    out = {}
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(ready):
+            if holder.proc.poll() is not None or time.monotonic() > deadline:
+                holder.result(5)
+                raise RuntimeError("the Mooncake holder did not get ready")
+            time.sleep(0.1)
+        for mode in ("attached", "detached"):
+            if mode == "detached":
+                lab.stop_switch()                       # SIGTERM: every port detached
+            got = lab.task("h1", f"{__name__}:mooncake_read", lab.topo.node("h1").ip,
+                           master.node.ip, spec, reps, timeout=600)
+            for m, (okey, _, _) in zip(blocks, spec):
+                out[(mode, m)] = got[okey]
+            log(f"  {cs} B: mooncake TCP get, switch program {mode}: " + ", ".join(
+                f"{m} MiB {_gbps(m * MIB, out[(mode, m)]['seconds']):.3f} GB/s"
+                for m in blocks))
+    finally:
+        Path(stop).touch()
+        try:
+            holder.result(60)
+        finally:
+            master.stop()
+    return out
+
+
+# ---- one chunk size ----------------------------------------------------------------------------
+def bench_chunk(cs: int, sizes_mib: list[int], rounds: int, reps: int, losses: list[float],
+                gen: Generator, hit_seconds: float, mooncake: bool, log) -> tuple[list, list]:
+    nch = {m: -(-(m * MIB) // cs) for m in sizes_mib}
+    conds = [0.0] + list(losses)
+    lab = Lab(PREFIX, hosts=1, pools=1, chunk_size=cs, pool_capacity="1GiB",
+              cache_entries=max(65536, 1 << (sum(nch.values()) - 1).bit_length()),
+              switchd_args=("--no-coalesce", "--policy", "off"))
+    lab.topo = Topology(PREFIX, 1, 1, mtu=lab.topo.mtu, master=mooncake)   # + m1, the master
+    rows, hits = [], []
+    with lab:
+        dp = DataPlane(pinned_deployment(lab.topo.pin_dir), programs=False)
+        blocks = {}
+        try:
+            for m in sizes_mib:
+                key, data = _key(f"b{m}-{cs}"), _block(nch[m], cs)
+                blocks[m] = (key, nch[m], data)
+                fill_cache(Cache(dp), NS, key, 0, nch[m], nch[m])
+                lab.put("h1", NS, key, data)
+        finally:
+            dp.bpf.cleanup()
+        e = FetchEngine(lab.pool_addrs, cs, netns=lab.topo.node("h1").netns,
+                        arena_bytes=2 * sum(n for n in nch.values()) * cs)
+        e.open()
+        hit = {m: [] for m in sizes_mib}
+        runs = {(m, c): [] for m in sizes_mib for c in conds}
+        try:
+            for m in sizes_mib:                                  # warm
+                e.get_block(NS, blocks[m][0], nch[m]).release()
+            for r in range(rounds):
+                e.suspend()                                      # the counter takes eth0
+                for m in sizes_mib:
+                    hit[m].append(_hit_path(gen, lab, blocks[m][0], nch[m], cs, hit_seconds))
+                e.resume()
+                time.sleep(0.2)                                  # the generator's frames drain
+                e.get_block(NS, blocks[sizes_mib[0]][0], nch[sizes_mib[0]]).release()
+                for m in sizes_mib:
+                    key, n, data = blocks[m]
+                    k = reps if n * cs <= 8 * MIB else 1
+                    for c in conds[r % len(conds):] + conds[:r % len(conds)]:     # rotating
+                        runs[(m, c)].append(_engine(e, key, n, data, k, loss=c))
+                log(f"  {cs} B: round {r + 1}/{rounds}: " + ", ".join(
+                    f"{m} MiB hit {hit[m][-1]['gbps']:.2f} engine "
+                    f"{m * MIB / statistics.median(runs[(m, 0.0)][-1]['seconds']) / 1e9:.2f}"
+                    for m in sizes_mib) + " GB/s")
+            pool = {m: _engine(e, blocks[m][0], nch[m], blocks[m][2], 1, no_cache=True)
+                    for m in sizes_mib}
+        finally:
+            e.close()
+        for m in sizes_mib:
+            key, n, data = blocks[m]
+            nbytes = n * cs
+            hr = [h["gbps"] for h in hit[m]]
+            hits.append({"chunk_bytes": cs, "block_bytes": nbytes, "rounds": [round(h, 3) for h
+                                                                              in hr],
+                         "gbytes_per_s": round(statistics.median(hr), 4),
+                         "byte_exact": all(h["exact"] for h in hit[m])})
+            per_round = {c: [nbytes / statistics.median(p["seconds"]) / 1e9 for p in runs[(m, c)]]
+                         for c in conds}
+            for c in conds:
+                s = _merge(runs[(m, c)])
+                extra = ({"vs_hit_path": round(statistics.median(
+                    [a / h for a, h in zip(per_round[0.0], hr)]), 3)} if c == 0 else
+                    {"vs_loss_free": round(statistics.median(
+                        [a / b for a, b in zip(per_round[c], per_round[0.0])]), 3)})
+                rows.append(_row("xdp", "switch", cs, nbytes, s["seconds"], s["exact"], loss=c,
+                                 retransmits=s["retransmits"],
+                                 checksum_errors=s["checksum_errors"],
+                                 cpu_ms_per_fetch=s["cpu_ms_per_fetch"], **extra))
+            s = _merge([pool[m]])
+            rows.append(_row("xdp", "pool", cs, nbytes, s["seconds"], s["exact"], loss=0.0,
+                             retransmits=s["retransmits"]))
+            a = lab.task("h1", f"{__name__}:asyncio_get", lab.pool_addrs, cs, key.hex(), n,
+                         3 if nbytes <= 8 * MIB else 1)
+            rows.append(_row("asyncio", "switch", cs, nbytes, a["seconds"], a["exact"],
+                             loss=0.0))
+            for r in rows[-(len(conds) + 2):]:
+                log(f"  {cs} B, {m} MiB: {r['path']}/{r['source']} loss {r['loss']:g}: "
+                    f"{r['gbytes_per_s']:.3f} GB/s, byte-exact {r['byte_exact']}")
+        if mooncake:
+            mc = _mooncake(lab, {m: blocks[m] for m in sizes_mib}, cs, reps * 5, log)
+            for (mode, m), got in mc.items():
+                rows.append(_row("mooncake", "mooncake", cs, nch[m] * cs, got["seconds"],
+                                 got["exact"], loss=0.0, switch=mode))
+    return rows, hits
+
+
+# ---- the run -----------------------------------------------------------------------------------
+def _find(rows, **match):
+    return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
+
+
+def _targets(out: dict) -> dict:
+    """The issue's targets at 3072-byte chunks, per block size: value, goal, met."""
+    t, rows = {}, out["results"]
+    for h in [h for h in out["switch_hit"] if h["chunk_bytes"] == 3072]:
+        cs, nb = 3072, h["block_bytes"]
+        x = _find(rows, path="xdp", source="switch", chunk_bytes=cs, block_bytes=nb, loss=0.0)
+        mc = _find(rows, path="mooncake", chunk_bytes=cs, block_bytes=nb, switch="detached")
+        vals = {"xdp_switch_gbytes_per_s": x["gbytes_per_s"], "xdp_vs_hit_path": x["vs_hit_path"],
+                "xdp_vs_mooncake_bridge": mc and round(x["gbytes_per_s"] /
+                                                       mc["gbytes_per_s"], 2)}
+        for loss in (0.01, 0.05):
+            lr = _find(rows, path="xdp", source="switch", chunk_bytes=cs, block_bytes=nb,
+                       loss=loss)
+            vals[f"loss_{loss:g}_vs_loss_free"] = lr and lr["vs_loss_free"]
+        t[f"{nb >> 20}MiB"] = {k: {"value": v, "goal": TARGETS[k],
+                                   "met": v is not None and v >= TARGETS[k]}
+                               for k, v in vals.items()}
+    return t
+
+
+def run_fetch(chunk_sizes=(3072, 1024), sizes_mib=(2, 64), rounds: int = 5, reps: int = 3,
+              losses=(0.01, 0.05), hit_seconds: float = 0.5, mooncake: bool = True,
+              json_path: str | None = None, plot_path: str | None = None, log=print) -> dict:
+    started, load0 = time.monotonic(), os.getloadavg()
+    gen = Generator()
+    rows, hits = [], []
+    try:
+        for cs in chunk_sizes:
+            log(f"chunk {cs} B:")
+            r, h = bench_chunk(cs, list(sizes_mib), rounds, reps, list(losses), gen,
+                               hit_seconds, mooncake, log)
+            rows += r
+            hits += h
+    finally:
+        gen.close()
+    at = [h["gbytes_per_s"] for h in hits if h["chunk_bytes"] == 3072] or \
+        [h["gbytes_per_s"] for h in hits]
+    out = {"results": rows, "switch_hit_gbytes_per_s": round(statistics.median(at), 4),
+           "switch_hit": hits, "load_average_before": [round(x, 2) for x in load0],
+           "load_average_after": [round(x, 2) for x in os.getloadavg()],
+           "seconds": round(time.monotonic() - started, 1)}
+    out["targets"] = _targets(out)
+    write_json(json_path, out)
+    if plot_path:
+        plot_fetch(out, plot_path)
+    return out
+
+
+SERIES = [("switch hit path (ceiling)", None), ("xdp engine, switch", ("xdp", "switch", None)),
+          ("mooncake TCP, plain bridge", ("mooncake", "mooncake", "detached")),
+          ("mooncake TCP, switch attached", ("mooncake", "mooncake", "attached")),
+          ("asyncio client, switch", ("asyncio", "switch", None)),
+          ("xdp engine, pool node", ("xdp", "pool", None))]
+
+
+def plot_fetch(out: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    rows = out["results"]
+    configs = [(h["chunk_bytes"], h["block_bytes"]) for h in out["switch_hit"]]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": [3, 1]})
+    width = 0.8 / len(SERIES)
+    for i, (label, sel) in enumerate(SERIES):
+        vals = []
+        for cs, nb in configs:
+            if sel is None:
+                r = _find(out["switch_hit"], chunk_bytes=cs, block_bytes=nb)
+            else:
+                match = dict(path=sel[0], source=sel[1], chunk_bytes=cs, block_bytes=nb)
+                match.update({"switch": sel[2]} if sel[2] else {"loss": 0.0})
+                r = _find(rows, **match)
+            vals.append(r["gbytes_per_s"] if r else np.nan)
+        ax.bar(np.arange(len(configs)) + i * width, vals, width, label=label)
+    ax.set(xticks=np.arange(len(configs)) + width * (len(SERIES) - 1) / 2, yscale="log",
+           xticklabels=[f"{cs} B chunks\n{nb >> 20} MiB block" for cs, nb in configs],
+           ylabel="GB/s of block payload", title="Whole-block fetch at the inference node")
+    ax.legend(fontsize=8)
+    for loss in sorted({r["loss"] for r in rows if r.get("loss")}):
+        vals = [(_find(rows, path="xdp", source="switch", chunk_bytes=cs, block_bytes=nb,
+                       loss=loss) or {}).get("vs_loss_free", np.nan) for cs, nb in configs]
+        bx.plot(range(len(configs)), vals, "o-", label=f"{loss:.0%} loss")
+    bx.axhline(1.0, color="grey", lw=0.8)
+    bx.set(xticks=range(len(configs)), xticklabels=[f"{cs}/{nb >> 20}M" for cs, nb in configs],
+           ylim=(0, None), ylabel="x the loss-free rate", title="Engine under loss")
+    bx.legend(fontsize=8)
+    for a in (ax, bx):
+        a.grid(alpha=0.3)
+    la = out["load_average_before"][0], out["load_average_after"][0]
+    fig.suptitle(f"testbed bench fetch (2 shared cores, load average {la[0]:.1f} -> "
+                 f"{la[1]:.1f})", fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)

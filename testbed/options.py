@@ -1,0 +1,136 @@
+"""Option values and option groups shared by the `testbed` commands (testbed.cli): number lists,
+CPU sets, capacities, policy names, the cluster model's options and its error handling."""
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from switchd.policy import POLICIES
+
+from .sim.config import DEMOTES, MODELS, ROUTINGS
+
+
+def numbers(value: str, kind=int, lo: float = 0, hi: float | None = None) -> list:
+    try:
+        items = sorted({kind(v) for v in value.split(",") if v.strip()})
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers") from None
+    if not items or items[0] < lo or (hi is not None and items[-1] > hi):
+        raise click.BadParameter(f"give numbers in [{lo}, {hi if hi is not None else 'inf'}]")
+    return items
+
+
+def int_list(ctx, param, value: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (sorted, distinct, positive)."""
+    return numbers(value, int, 1)
+
+
+def float_list(hi=None):
+    return lambda ctx, param, value: numbers(value, float, 0, hi)
+
+
+def percent_list(ctx, param, value: str) -> list[int]:
+    return numbers(value, int, 0, 100) if value.strip() else []
+
+
+def cpu_list(ctx, param, value: str) -> tuple[int, ...]:
+    cores = numbers(value, int, 0)
+    if not set(cores) <= os.sched_getaffinity(0):
+        raise click.BadParameter(f"give CPUs among {sorted(os.sched_getaffinity(0))}")
+    return tuple(cores)
+
+
+def capacity_value(ctx, param, value):
+    if value is not None and not value > 0:
+        raise click.BadParameter(f"must be > 0 (a fraction of distinct blocks if < 1, else a "
+                                 f"block count), got {value}")
+    return value
+
+
+def policy_list(ctx, param, value):
+    from .sim.evaluate import policy_name
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    try:
+        return [policy_name(n) for n in names] or policy_name("(none given)")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def option_group(*opts):
+    def apply(f):
+        for opt in reversed(opts):
+            f = opt(f)
+        return f
+    return apply
+
+
+trace_opt = click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
+                         required=True, help="Mooncake-format JSONL trace.")
+
+
+def json_opt(default=None):
+    return click.option("--json", "json_path", default=default, show_default=bool(default),
+                        help="Write the result here.")
+
+
+def fail_unless(ok: bool) -> None:
+    if not ok:
+        sys.exit(1)
+
+
+def cluster_options(f):
+    """SimConfig fields ``sim run`` and ``sim sweep`` share, with SimConfig's defaults (the same
+    flags give the same point)."""
+    from .sim.config import THROUGHPUT_JSON, SimConfig
+    d, pos = SimConfig(), click.FloatRange(0, min_open=True)
+    return option_group(
+        click.option("--pools", type=click.IntRange(1), default=d.pools, show_default=True,
+                     help="Pool nodes (the storage tier), fixed while inference nodes grow."),
+        click.option("--model", type=click.Choice(sorted(MODELS)), default=d.model,
+                     show_default=True),
+        click.option("--kv-bytes-per-token", type=click.IntRange(1)),
+        click.option("--block-tokens", type=click.IntRange(1, 512), default=d.block_tokens,
+                     show_default=True),
+        click.option("--hbm-gib", type=click.FloatRange(0), default=d.hbm_gib, show_default=True),
+        click.option("--dram-gib", type=click.FloatRange(0), default=d.dram_gib,
+                     show_default=True),
+        click.option("--pool-gib", type=pos, help="Per pool node (default unlimited)."),
+        click.option("--node-gbps", type=pos, default=d.node_gbps, show_default=True),
+        click.option("--pool-gbps", type=pos, default=d.pool_gbps, show_default=True),
+        click.option("--routing", type=click.Choice(ROUTINGS), default=d.routing,
+                     show_default=True),
+        click.option("--demote", type=click.Choice(DEMOTES), default=d.demote, show_default=True),
+        click.option("--policy", "switch_policy", default=d.switch_policy, show_default=True,
+                     type=click.Choice(list(POLICIES))),
+        click.option("--load", type=pos, default=d.load, show_default=True,
+                     help="Per-node prefill utilisation without caching."),
+        click.option("--switch-budget", type=click.IntRange(1), default=d.switch_budget,
+                     show_default=True, help="Switch-bound fetches simulated; more: sampled."),
+        click.option("--xdp-ns-per-frame", type=pos,
+                     help="Data-plane CPU per frame (default: from --throughput-json)."),
+        click.option("--throughput-json", default=THROUGHPUT_JSON, show_default=True,
+                     help="`testbed bench throughput` result pricing the data plane's CPU."),
+        click.option("--seed", type=int, default=d.seed, show_default=True))(f)
+
+
+def sim_errors(fn):
+    """Run a model command: its errors are usage errors. numpy's temporaries of a large run
+    (hundreds of MB each) would be mapped and unmapped on every allocation, a third of the run
+    time in page faults at 1,024 nodes, so freed memory stays in this process's heap."""
+    from .sim.config import SimError
+    from .sim.trace import TraceError
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-4, 0)                 # M_MMAP_MAX: no mmap for large blocks
+        libc.mallopt(-1, 2**31 - 1)         # M_TRIM_THRESHOLD: keep freed memory
+    except (OSError, AttributeError):
+        pass
+    try:
+        return fn()
+    except (TraceError, SimError) as exc:
+        raise click.UsageError(str(exc)) from None

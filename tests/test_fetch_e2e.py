@@ -1,0 +1,177 @@
+"""The XDP fetch engine end to end on a veth testbed this module creates and always removes: a
+64 MiB block byte-exact through the switch (its GETs, UDP checksum 0 and stale room, answered
+by the current switch), two nodes fetching at once, a fetch under 5% loss, and the automatic
+choice: `hostagent get` on the engine, and on the asyncio client when another XDP program holds
+the interface."""
+import asyncio
+import os
+import random
+import threading
+
+import pytest
+
+from conftest import leaves_no_namespaces
+from hostagent.client import BlockNotFound, KVClient
+from hostagent.fetch import FetchEngine, open_client
+from hostagent.fetch.attach import program_on
+from switchd import netns
+from switchd.dataplane import attach_xdp, load_xdp
+from testbed.lab import Lab, attach_loss
+from testbed.lab.topology import python_argv
+
+pytestmark = pytest.mark.e2e
+
+NS, CS = 3, 3072
+
+
+@pytest.fixture(scope="module")
+def lab():
+    with leaves_no_namespaces(f"ff{os.getpid() % 100000}") as prefix, \
+            Lab(prefix, hosts=2, pools=1, chunk_size=CS, pool_capacity="1GiB",
+                switchd_args=("--policy", "off", "--port-security")) as running:
+        yield running
+
+
+def ns_of(lab, node):
+    return lab.topo.node(node).netns
+
+
+def on(lab, node):
+    with netns.inside(ns_of(lab, node)):
+        return program_on("eth0")
+
+
+def put(lab, size, seed, admit=True):
+    key, data = random.Random(seed).randbytes(16), random.Random(seed).randbytes(size)
+    lab.put("h1", NS, key, data)
+    if admit:
+        lab.switchd("cache", "admit", "--ns", str(NS), "--key", key.hex())
+    return key, data
+
+
+def test_a_64mib_block_through_the_switch_byte_exact(lab):
+    key, data = put(lab, 64 << 20, seed=1)
+    n = -(-len(data) // CS)
+    before = lab.stats()
+    with FetchEngine(lab.pool_addrs, CS, netns=ns_of(lab, "h1"), arena_bytes=1 << 20) as e:
+        assert on(lab, "h1") == "kv_fetch"
+        first = e.get_block(NS, key)                 # size unknown: chunk 0, then a larger arena
+        assert first.tobytes() == data and first.nchunks == n and e.stats.rebuilds == 1
+        assert first.stats.from_pool == n            # learned by the switch on the way
+        first.release()
+        second = e.get_block(NS, key, n)
+        try:
+            assert second.numpy().tobytes() == data
+            assert second.stats.from_switch == n and second.stats.checksum_errors == 0
+            t = second.torch()                       # zero-copy views of the arena
+            assert t.numel() == len(data) and bytes(t[-64:].numpy()) == data[-64:]
+        finally:
+            second.release()
+        with pytest.raises(BlockNotFound, match="NOT_FOUND"):
+            e.get_block(NS, os.urandom(16))
+        c = e.counters()
+        assert c["malformed"] == c["wrong_block"] == c["load_fail"] == 0
+    after = lab.stats()
+    assert on(lab, "h1") == "xdp_pass"               # put back on close
+    assert after["get_hit"] - before["get_hit"] == n
+    assert after["bad_udp_csum"] == before["bad_udp_csum"] and after["spoofed"] == 0
+
+
+def test_two_nodes_fetch_at_once(lab):
+    blocks = [put(lab, 8 << 20, seed=10 + i) for i in range(2)]
+    results, errors = {}, []
+    with FetchEngine(lab.pool_addrs, CS, netns=ns_of(lab, "h1")) as e1, \
+            FetchEngine(lab.pool_addrs, CS, netns=ns_of(lab, "h2"), threaded=True) as e2:
+
+        def fetch(e, node):
+            try:
+                got = e.get_blocks([(NS, k) for k, _ in blocks])    # both blocks in one loop
+                for (key, data), b in zip(blocks, got):
+                    results[(node, key)] = b.tobytes() == data
+                    b.release()
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=fetch, args=(e, n)) for e, n in ((e1, "h1"),
+                                                                            (e2, "h2"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert e1._slots.idle and e2._slots.idle     # every slot back
+    assert not errors, errors
+    assert len(results) == 4 and all(results.values())
+
+
+def test_a_block_under_5_percent_loss(lab):
+    key, data = put(lab, 8 << 20, seed=30)
+    attach_loss([ns_of(lab, "h1")], 0.05)
+    try:
+        with FetchEngine(lab.pool_addrs, CS, netns=ns_of(lab, "h1")) as e:
+            assert e.loss_ppm == 50_000              # it stands in for the injector
+            for _ in range(2):                       # from the pool node, then the switch
+                b = e.get_block(NS, key)
+                assert b.tobytes() == data and b.stats.retransmits > 0
+                b.release()
+            assert b.stats.from_switch + b.stats.replicas > 0 and e.counters()["loss"] > 0
+        assert on(lab, "h1") == "xdp_lossy"          # the injector is put back
+    finally:
+        attach_loss([ns_of(lab, "h1")], 0)
+    assert on(lab, "h1") == "xdp_pass"
+
+
+def _cli_get(lab, node, key):
+    r = lab.topo.run(node, python_argv("hostagent", "get", "--pool", lab.pool_addrs[0],
+                                       "--chunk-size", str(CS), "--ns", str(NS),
+                                       "--key", key.hex(), "--out", "/dev/null"))
+    return r.stderr.strip().splitlines(), r.stdout
+
+
+def test_the_asyncio_client_when_the_engine_cannot_attach(lab, tmp_path):
+    key, data = put(lab, 256 << 10, seed=50, admit=False)
+    lines, out = _cli_get(lab, "h2", key)            # `hostagent get`: the engine ...
+    assert [ln for ln in lines if "in use" in ln] == [
+        f"hostagent.fetch: XDP engine on eth0 in use ({CS}-byte chunks, CRC by isal)"], lines
+    assert '"from_pool": 86' in out
+    source = tmp_path / "other.c"
+    source.write_text("int someone_else(struct xdp_md *ctx) { return XDP_PASS; }\n")
+    other, fns = load_xdp(source, ("someone_else",))
+    with netns.inside(ns_of(lab, "h2")):
+        attach_xdp("eth0", fns["someone_else"])
+    try:
+        lines, out = _cli_get(lab, "h2", key)        # ... and the asyncio client
+        assert [ln for ln in lines if "in use" in ln] == [
+            "hostagent.fetch: asyncio socket client in use (eth0 runs another XDP program "
+            "('someone_else'))"], lines
+        assert '"from_pool": 86' in out
+
+        async def fetch():
+            async with open_client(lab.pool_addrs, CS, netns=ns_of(lab, "h2")) as c:
+                assert isinstance(c, KVClient)
+                return await c.get_block(NS, key)
+
+        got, stats = asyncio.run(fetch())
+        assert got == data and stats.from_pool == stats.chunks
+        assert on(lab, "h2") == "someone_else"       # left alone
+    finally:
+        attach_loss([ns_of(lab, "h2")], 0)           # the pass program again
+        other.cleanup()
+
+
+def test_the_asyncio_client_takes_over_when_the_engines_frames_vanish():
+    """A veth whose peer has neither an XDP program nor GRO drops what XDP transmits into it:
+    nothing comes back to the engine, the asyncio client is answered and takes over."""
+    with leaves_no_namespaces(f"fv{os.getpid() % 100000}") as prefix, \
+            Lab(prefix, hosts=1, pools=1, switch=False, chunk_size=CS,
+                pool_capacity="64MiB") as bare:
+        key, data = random.Random(60).randbytes(16), random.Random(60).randbytes(200_000)
+        bare.put("h1", NS, key, data)
+        bare.topo.run("sw", ["ethtool", "-K", "h1", "gro", "off"])
+        lines, out = _cli_get(bare, "h1", key)
+        assert lines[0] == f"hostagent.fetch: XDP engine on eth0 in use ({CS}-byte chunks, " \
+                           "CRC by isal)", lines
+        assert lines[1].startswith("hostagent.fetch: no reply to any GET the XDP engine sent "
+                                   f"to {bare.pool_addrs[0]}:"), lines
+        assert lines[2] == ("hostagent.fetch: asyncio socket client in use from now on (it is "
+                            "answered, the XDP engine on eth0 is not)"), lines
+        assert '"from_pool": 66' in out

@@ -1,0 +1,297 @@
+"""The fetch engine's XDP program (xdp/kvfetch.c) on crafted frames through BPF_PROG_TEST_RUN: a
+reply for the active transfer lands in its slot; nothing else is ever written or accepted
+(another transfer, an old generation, another key or namespace, a chunk past the block, a
+truncated frame; a bad CRC is written but never accepted); the generator turns the nonce-tagged
+template into exact GETs with UDP checksum 0, which the switch serves whatever stale bytes their
+room holds. Loaded from the compiled-bytecode cache as the engine loads it."""
+import zlib
+
+import numpy as np
+import pytest
+from scapy.layers.inet import IP, TCP, UDP
+from scapy.layers.l2 import ARP, Ether
+from scapy.packet import Raw
+
+from hostagent.fetch.crcfold import Folder
+from hostagent.fetch.kernel import prog_test_run
+from hostagent.fetch.netpath import route_header
+from hostagent.fetch.program import C, GEN_MASK, FetchProgram
+from hostagent.fetch.transfers import Route, Transfer
+from hostagent.fetch.verify import verify
+from kvproto import PORT, Flag, Op, Status
+from kvproto.frames import PAYLOAD_OFF, XDP
+from kvproto.scapy_layer import KV
+
+pytestmark = pytest.mark.bpf
+
+CS, SLOTS = 1024, 64
+ENGINE_PORT = 40555
+NODE_MAC, POOL_MAC = "02:00:00:00:00:01", "02:00:00:00:00:65"
+NODE_IP, POOL_IP = "198.18.0.1", "198.18.0.101"
+KEY = bytes.fromhex("00112233445566778899aabbccddeeff")
+NS, IDX, GEN, BASE, NCHUNKS = 5, 3, 0x123456, 10, 4
+TAIL = 700
+NONCE = 0x1122334455667788
+
+
+def chunk(i: int, n: int = CS) -> bytes:
+    return bytes((i * 31 + j * 7) & 0xFF for j in range(n))
+
+
+@pytest.fixture(scope="module")
+def prog():
+    p = FetchProgram(CS, SLOTS)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def fp(prog):
+    """A fresh state: transfer IDX active for block (NS, KEY) of NCHUNKS chunks at BASE."""
+    prog.arena[:] = 0
+    prog.meta[:] = 0
+    prog.xfers[:] = np.zeros(1, prog.xfers.dtype)
+    ctl = prog.ctl[0]
+    ctl["nonce"], ctl["port"] = NONCE, int.from_bytes(ENGINE_PORT.to_bytes(2, "big"), "little")
+    ctl["loss_ppm"], ctl["send_pos"], ctl["send_end"] = 0, 0, 0
+    ctl["frame_len"] = PAYLOAD_OFF + CS
+    prog.set_transfer(IDX, GEN, NS, KEY, NCHUNKS, BASE, NCHUNKS)
+    return prog
+
+
+def reply(i=0, payload=None, ns=NS, key=KEY, req_id=(IDX << 24) | GEN, nchunks=NCHUNKS,
+          op=Op.GET_REPLY, status=0, flags=0, dport=ENGINE_PORT, csum=None):
+    if payload is None:
+        payload = chunk(i, TAIL if i == NCHUNKS - 1 else CS)
+    return bytes(Ether(src=POOL_MAC, dst=NODE_MAC) / IP(src=POOL_IP, dst=NODE_IP) /
+                 UDP(sport=PORT, dport=dport, chksum=0) /
+                 KV(op=op, ns=ns, key=key, chunk=i, nchunks=nchunks, req_id=req_id,
+                    flags=flags, status=status, csum=csum) / Raw(payload))
+
+
+def run(prog, frame, meta=b""):
+    return prog_test_run(prog.fd, frame, meta=meta)
+
+
+def landed(prog) -> dict[int, tuple[int, int, int]]:
+    """Slots with a word: slot -> (crc, generation, flags)."""
+    out = {}
+    for s in np.flatnonzero(prog.meta).tolist():
+        w = int(prog.meta[s])
+        out[s] = (w & 0xFFFFFFFF, (w >> 32) & GEN_MASK, w >> 56)
+    return out
+
+
+def test_a_reply_for_the_active_transfer_lands_in_its_slot(fp):
+    before = fp.counters()
+    assert run(fp, reply(1, flags=Flag.FROM_SWITCH))[0] == XDP.DROP
+    slot = BASE + 1
+    assert bytes(fp.arena[slot * CS:(slot + 1) * CS]) == chunk(1)
+    assert landed(fp) == {slot: (zlib.crc32(chunk(1)), GEN, int(Flag.FROM_SWITCH))}
+    x = fp.xfers[IDX]
+    assert x["received"] == 1 and x["status"] == 0 and x["bad"] == 0
+    assert fp.counters()["accepted"] - before["accepted"] == 1
+    rest = np.concatenate([fp.arena[:slot * CS], fp.arena[(slot + 1) * CS:]])
+    assert not rest.any(), "another byte of the arena was written"
+    # the whole block, in any order, lands contiguously; the short last chunk's length is kept
+    for i in (3, 0, 2):
+        assert run(fp, reply(i))[0] == XDP.DROP
+    expect = b"".join(chunk(i, TAIL if i == NCHUNKS - 1 else CS) for i in range(NCHUNKS))
+    assert bytes(fp.arena[BASE * CS:BASE * CS + len(expect)]) == expect
+    assert x["received"] == NCHUNKS and x["tail_len"] == TAIL
+
+
+def _never_written():
+    raw = reply(1)
+    kv = PAYLOAD_OFF - 48
+    yield "another transfer", reply(1, req_id=((IDX + 1) << 24) | GEN), XDP.DROP, "stale"
+    yield "an old generation", reply(1, req_id=(IDX << 24) | (GEN - 1)), XDP.DROP, "stale"
+    yield "generation zero", reply(1, req_id=IDX << 24), XDP.DROP, "stale"
+    yield "another key", reply(1, key=KEY[:-1] + b"\x00"), XDP.DROP, "wrong_block"
+    yield "another namespace", reply(1, ns=NS + 1), XDP.DROP, "wrong_block"
+    yield "a chunk past the block", reply(NCHUNKS, payload=chunk(0)), XDP.DROP, "bad_chunk"
+    yield "a chunk past the arena", reply(1 << 20, payload=chunk(0)), XDP.DROP, "bad_chunk"
+    yield "another chunk count", reply(1, nchunks=NCHUNKS + 1), XDP.DROP, "bad_chunk"
+    yield "a short middle chunk", reply(1, payload=chunk(1, CS - 8)), XDP.DROP, "bad_len"
+    yield "a last chunk longer than a chunk", reply(NCHUNKS - 1, payload=chunk(0, CS + 8)), \
+        XDP.DROP, "bad_len"
+    yield "a truncated frame", raw[:-100], XDP.DROP, "malformed"
+    yield "truncated in the kv header", raw[:kv + 20], XDP.DROP, "malformed"
+    yield "a bad ip checksum", raw[:24] + b"\x00\x00" + raw[26:], XDP.DROP, "malformed"
+    yield "a GET_REPLY with a status", reply(1, status=Status.NOT_FOUND), XDP.DROP, "other_op"
+    yield "another port", reply(1, dport=ENGINE_PORT + 1), XDP.PASS, "passed"
+    yield "not UDP", bytes(Ether() / IP(src=POOL_IP, dst=NODE_IP) /
+                           TCP(sport=PORT, dport=ENGINE_PORT) / Raw(raw[kv:])), \
+        XDP.PASS, "passed"
+    yield "ARP", bytes(Ether() / ARP(pdst=NODE_IP)), XDP.PASS, "passed"
+
+
+@pytest.mark.parametrize("name, frame, verdict, counter", list(_never_written()),
+                         ids=[c[0] for c in _never_written()])
+def test_nothing_else_is_ever_written(fp, name, frame, verdict, counter):
+    before = fp.counters()
+    assert run(fp, frame)[0] == verdict, name
+    assert not fp.arena.any(), f"{name}: arena written"
+    assert not fp.meta.any(), f"{name}: slot word written"
+    x = fp.xfers[IDX]
+    assert x["received"] == 0 and x["gen"] == GEN
+    # a reply saying the block has another size fails the transfer (the engine raises)
+    assert x["status"] == (C["KV_FETCH_XS_NCHUNKS"] if name == "another chunk count" else 0)
+    assert fp.counters()[counter] - before[counter] == 1, name
+
+
+def test_a_late_reply_of_the_previous_transfer_in_the_entry_never_lands(fp):
+    """The stale-generation rule: an entry reused by a new transfer (new generation, other
+    slots) takes no reply addressed to the transfer that had it before."""
+    run(fp, reply(1))
+    fp.set_transfer(IDX, GEN + 1, NS, KEY, NCHUNKS, BASE + 20, NCHUNKS)   # the entry reused
+    before = fp.counters()["stale"]
+    assert run(fp, reply(2))[0] == XDP.DROP                                # GEN's reply
+    assert fp.counters()["stale"] == before + 1
+    assert list(landed(fp)) == [BASE + 1], "only the old transfer's own slot holds a word"
+    assert run(fp, reply(2, req_id=(IDX << 24) | (GEN + 1)))[0] == XDP.DROP
+    assert list(landed(fp)) == [BASE + 1, BASE + 22]
+
+
+def test_a_duplicate_never_rewrites_a_held_chunk(fp):
+    run(fp, reply(1))
+    before = fp.counters()
+    assert run(fp, reply(1, payload=chunk(9)))[0] == XDP.DROP   # other bytes, their own CRC
+    assert bytes(fp.arena[(BASE + 1) * CS:(BASE + 2) * CS]) == chunk(1)
+    assert fp.counters()["duplicate"] - before["duplicate"] == 1
+    assert fp.xfers[IDX]["received"] == 1
+
+
+class _Ring:
+    cons = prod = 0
+
+    def sent_time(self, seq, queued):
+        return queued
+
+
+def test_a_bad_crc_is_never_accepted_and_its_chunk_is_taken_again(fp):
+    """The program does not check CRCs (the engine does, ISA-L over runs of chunks): a reply
+    whose bytes fail their CRC lands, verification rejects it and clears its slot word, the
+    chunk is due again past the switch, and the good reply then takes the slot."""
+    t = Transfer(Route(0, (POOL_IP, PORT), 64), NS, KEY, NCHUNKS, False, 5.0)
+    t.idx, t.gen, t.base = IDX, GEN, BASE
+    t.next_new, t.tries[:] = NCHUNKS, 1
+    for i in range(NCHUNKS):
+        bad = i == 1
+        run(fp, reply(i, payload=chunk(9) if bad else None, csum=zlib.crc32(chunk(1)) if bad
+                      else None))
+    ok = verify(t, fp.xfers[IDX], fp.meta, fp.arena_mv, CS, Folder(CS), 2, _Ring(), 0.001,
+                0.0001, 1024)
+    assert ok == NCHUNKS - 1 and t.stats.checksum_errors == 1
+    assert t.verified.tolist() == [True, False, True, True] and t.bypass[1]
+    assert fp.meta[BASE + 1] == 0, "the bad chunk's slot word is cleared"
+    assert run(fp, reply(1))[0] == XDP.DROP
+    assert verify(t, fp.xfers[IDX], fp.meta, fp.arena_mv, CS, Folder(CS), 2, _Ring(), 0.001,
+                  0.0001, 1024) == 1
+    assert bytes(fp.arena[BASE * CS:(BASE + 4) * CS - CS + TAIL]) == b"".join(
+        chunk(i, TAIL if i == 3 else CS) for i in range(4))
+
+
+def test_a_nack_or_error_sets_the_status_only_for_its_block(fp):
+    run(fp, reply(0, op=Op.NACK, status=Status.NOT_FOUND, payload=b"", ns=NS + 1))
+    assert fp.xfers[IDX]["status"] == 0
+    assert run(fp, reply(0, op=Op.NACK, status=Status.NOT_FOUND, payload=b""))[0] == XDP.DROP
+    assert fp.xfers[IDX]["status"] == C["KV_FETCH_XS_NACK"]
+    assert fp.xfers[IDX]["err"] == Status.NOT_FOUND
+    run(fp, reply(0, op=Op.ERROR, status=Status.BAD_REQUEST, payload=b""))
+    assert fp.xfers[IDX]["status"] & C["KV_FETCH_XS_ERROR"]
+    assert not fp.meta.any()
+
+
+def test_unknown_size_takes_chunk_zero_only_and_learns_the_count(fp):
+    fp.set_transfer(IDX, GEN, NS, KEY, 0, BASE, 1)
+    assert run(fp, reply(1, nchunks=7))[0] == XDP.DROP
+    assert not fp.meta.any()
+    assert run(fp, reply(0, nchunks=7))[0] == XDP.DROP
+    assert fp.xfers[IDX]["seen_nchunks"] == 7
+    assert bytes(fp.arena[BASE * CS:(BASE + 1) * CS]) == chunk(0)
+
+
+def test_the_loss_stand_in_drops_kv_frames_only(fp):
+    fp.ctl[0]["loss_ppm"] = 1_000_000
+    assert run(fp, reply(1))[0] == XDP.DROP and not fp.meta.any()
+    assert run(fp, reply(1, dport=ENGINE_PORT + 1))[0] == XDP.DROP   # KV, not ours: dropped too
+    assert run(fp, bytes(Ether() / ARP(pdst=NODE_IP)))[0] == XDP.PASS
+
+
+# ---- the generator part ------------------------------------------------------------------------
+STALE_ROOM = bytes(range(256)) * (CS // 256)          # what a recycled page may hold
+
+
+def template(room: bytes = STALE_ROOM) -> bytes:
+    return bytes(PAYLOAD_OFF) + room
+
+
+def nonce_meta(nonce: int = NONCE) -> bytes:
+    return nonce.to_bytes(8, "little")
+
+
+def queue_sends(prog, entries):
+    for k, (i, flags) in enumerate(entries):
+        prog.sendq[k] = i | (IDX << 32) | (flags << 48)
+    prog.ctl[0]["send_pos"], prog.ctl[0]["send_end"] = 0, len(entries)
+
+
+def test_the_template_becomes_the_queued_gets_with_udp_checksum_zero(fp):
+    fp.set_route(0, route_header(NODE_MAC, POOL_MAC, NODE_IP, ENGINE_PORT, POOL_IP, PORT, CS))
+    queue_sends(fp, [(2, 0), (3, int(Flag.NO_CACHE))])
+    before = fp.counters()
+    for i, flags in ((2, 0), (3, Flag.NO_CACHE)):
+        verdict, out = run(fp, template(), nonce_meta())
+        assert verdict == XDP.TX and len(out) == PAYLOAD_OFF + CS    # the metadata is gone
+        get = Ether(out)
+        assert get[UDP].chksum == 0 and get[UDP].sport == ENGINE_PORT
+        assert get[IP].src == NODE_IP and get[Ether].src == NODE_MAC and get[IP].dst == POOL_IP
+        assert (get[KV].op, get[KV].ns, get[KV].key, get[KV].chunk, get[KV].len) == (
+            Op.GET, NS, KEY, i, CS)
+        assert get[KV].req_id == (IDX << 24) | GEN and int(get[KV].flags) == int(flags)
+        assert out[PAYLOAD_OFF:] == STALE_ROOM                       # the room is not rewritten
+    assert run(fp, template(), nonce_meta())[0] == XDP.DROP          # the ring is used up
+    after = fp.counters()
+    assert after["sent"] - before["sent"] == 2 and after["gen_idle"] - before["gen_idle"] == 1
+
+
+def test_without_the_nonce_the_template_is_just_a_frame(fp):
+    queue_sends(fp, [(2, 0)])
+    for meta in (b"", nonce_meta(NONCE + 1), nonce_meta()[:4]):
+        assert run(fp, template(), meta)[0] == XDP.PASS
+    fp.xfers[IDX]["gen"] = 0                                       # an inactive transfer
+    assert run(fp, template(), nonce_meta())[0] == XDP.DROP
+    assert fp.counters()["gen_bad"] >= 1
+
+
+def test_the_switch_serves_a_generated_get_whatever_its_room_holds(fp):
+    """GETs leave with UDP checksum 0 and stale bytes in their room; the switch's checksum
+    rule accepts a checksum of 0, so it answers them from its cache."""
+    from switchd.cache import Cache
+    from switchd.dataplane import ROLE_POOL, DataPlane, Deployment
+    from switchd.libbpf import xdp_test_run
+    from testbed.lab.topology import scratch_ports
+    fp.set_route(0, route_header(NODE_MAC, POOL_MAC, NODE_IP, ENGINE_PORT, POOL_IP, PORT, CS))
+    queue_sends(fp, [(2, 0)])
+    get = run(fp, template(), nonce_meta())[1]
+    with scratch_ports(("ffhost", "ffpool"), prefix="ffbpf") as ports:
+        dp = DataPlane(Deployment(chunk_size=CS, cache_entries=64, pin_dir=None))
+        try:
+            dp.ports[dp.ports.Key(ports["ffpool"])] = dp.ports.Leaf(role=ROLE_POOL)
+            Cache(dp).put(NS, KEY, 2, chunk(2), nchunks=NCHUNKS)
+            before = dp.counters()
+            verdict, out = xdp_test_run(dp.ingress.fd, get, ifindex=ports["ffhost"])
+            after = dp.counters()
+        finally:
+            dp.bpf.cleanup()
+    assert verdict == XDP.TX and after["bad_udp_csum"] == before["bad_udp_csum"]
+    assert after["get_hit"] - before["get_hit"] == 1
+    # the switch's reply, received by the engine, lands in the transfer's slot
+    assert run(fp, out)[0] == XDP.DROP
+    assert bytes(fp.arena[(BASE + 2) * CS:(BASE + 3) * CS]) == chunk(2)
+
+
+@pytest.mark.parametrize("chunk_size", [8, 3072, 3424])
+def test_the_verifier_accepts_the_program_at_these_chunk_sizes(chunk_size):
+    FetchProgram(chunk_size, 16).close()

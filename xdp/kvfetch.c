@@ -1,0 +1,310 @@
+/* kvfetch.c - the inference node's block fetch engine in XDP (hostagent/fetch drives it).
+ *
+ * One program, attached natively to the node's interface in place of the XDP_PASS program a veth
+ * end needs anyway, plays two parts:
+ *
+ *  receiver   every frame the interface receives. A GET_REPLY addressed to the engine's UDP port
+ *             that answers a chunk of an active transfer (request id = transfer index << 24 |
+ *             24-bit generation; namespace, key, chunk index, chunk count and payload length all
+ *             as the transfer expects) is copied straight into the transfer's slot of kvf_arena,
+ *             an mmapable array Python views with numpy; the slot's word in kvf_meta (also
+ *             mmapable) then gets the payload's CRC, the generation and the reply flags, and the
+ *             transfer's received count goes up. NACK/ERROR for an active transfer set its status.
+ *             Every frame to the engine's port is dropped (nothing else listens there); bad or
+ *             stale ones are counted, never written. Everything else passes untouched.
+ *  generator  BPF_PROG_TEST_RUN in live-frames mode on a GET template whose 8 bytes of XDP
+ *             metadata hold the engine's secret nonce (kvf_ctl.nonce). Real frames never carry
+ *             that nonce: metadata is not on the wire and only local XDP programs can write it.
+ *             Each run takes the next entry of the send ring (kvf_sendq: chunk, transfer, flags),
+ *             writes the route's Ethernet/IPv4/UDP header (UDP checksum 0) and a GET header into
+ *             the frame, strips the metadata and returns XDP_TX (live frames send it out of the
+ *             interface). Being the attached program, it stays in the kernel's XDP dispatcher, so
+ *             a test-run call costs microseconds rather than two RCU grace periods.
+ *
+ * A GET's room is not rewritten per frame: live frames recycle their pages within a call, so the
+ * room of a GET may hold the bytes of an earlier reply that came back on the same page. Its UDP
+ * checksum is 0 (none, as IPv4 allows), which the switch and the pool node accept whatever the
+ * room holds (docs/protocol.md).
+ *
+ * Slot word (kvf_meta, u64): bits 0-31 the CRC-32 the reply carried, 32-55 the generation of the
+ * transfer that wrote it, 56-63 the low 8 bits of the reply's flags (FROM_SWITCH, REPLICA). A
+ * slot holds a received chunk of transfer T iff bits 32-55 equal T's generation; Python clears
+ * the word (one aligned 64-bit store, never a read-modify-write shared with this program) to ask
+ * for a chunk again after a CRC failure. The arena's and the slot words' sizes are the maps'
+ * (chosen by the engine when it creates them), not compiled in: a lookup past them finds nothing.
+ *
+ * Constants are plain `#define KV_<NAME> <integer>` lines so tools can read them (xdp.constants).
+ */
+#include <linux/bpf.h>
+#include "parse.h"
+
+#ifndef KV_FETCH_CHUNK
+#define KV_FETCH_CHUNK 1024       /* chunk payload bytes (a multiple of 8): set at compile time */
+#endif
+#define KV_FETCH_SLOTS 16         /* arena slots as compiled; the engine sizes the maps itself */
+#define KV_FETCH_XFERS 256        /* transfer table entries (the top 8 bits of a request id) */
+#define KV_FETCH_SENDQ 65536      /* send ring entries (a power of two) */
+#define KV_FETCH_ROUTES 64        /* destination headers (pool nodes) */
+#define KV_FETCH_META_LEN 8       /* XDP metadata bytes of a generator frame: the nonce */
+#define KV_FETCH_GEN_MASK 16777215   /* 24-bit generations; 0 is never used */
+#define KV_FETCH_XFER_SIZE 64     /* sizeof(struct kv_fetch_xfer) */
+#define KV_FETCH_CTL_SIZE 40      /* sizeof(struct kv_fetch_ctl) */
+
+/* kv_fetch_xfer.status bits (set by this program, cleared by the driver) */
+#define KV_FETCH_XS_NACK 1        /* a NACK answered one of its GETs (err: the status code) */
+#define KV_FETCH_XS_ERROR 2       /* an ERROR answered one of its GETs (err: the status code) */
+#define KV_FETCH_XS_NCHUNKS 4     /* a reply said the block has another number of chunks */
+
+/* send ring entry (u64): bits 0-31 chunk, 32-39 transfer index, 48-63 GET flags */
+
+/* per-CPU counters, indexes into kvf_stats */
+#define KV_FETCH_STAT_ACCEPTED 0     /* chunks written into the arena */
+#define KV_FETCH_STAT_DUPLICATE 1    /* reply for a chunk already held: dropped, not rewritten */
+#define KV_FETCH_STAT_STALE 2        /* reply to the engine's port for no active transfer/gen. */
+#define KV_FETCH_STAT_WRONG_BLOCK 3  /* right request id, other namespace or key */
+#define KV_FETCH_STAT_BAD_CHUNK 4    /* chunk index or chunk count not the transfer's */
+#define KV_FETCH_STAT_BAD_LEN 5      /* payload length not the chunk's */
+#define KV_FETCH_STAT_MALFORMED 6    /* to the engine's port but not a valid KV message */
+#define KV_FETCH_STAT_NACK 7         /* NACK or ERROR for an active transfer */
+#define KV_FETCH_STAT_OTHER_OP 8     /* another op, or a GET_REPLY with a status */
+#define KV_FETCH_STAT_SENT 9         /* GETs generated */
+#define KV_FETCH_STAT_GEN_IDLE 10    /* generator runs past the end of the send ring */
+#define KV_FETCH_STAT_GEN_BAD 11     /* send ring entry naming no active transfer or route */
+#define KV_FETCH_STAT_PASSED 12      /* frames not for the engine, passed */
+#define KV_FETCH_STAT_LOSS 13        /* KV frames dropped by the test loss stand-in (loss_ppm) */
+#define KV_FETCH_STAT_LOAD_FAIL 14   /* bpf_xdp_load_bytes failed, or no slot */
+#define KV_FETCH_STAT_MAX 16
+
+struct kv_fetch_slot {
+    __u8 b[KV_FETCH_CHUNK];
+};
+
+struct kv_fetch_xfer {            /* one active transfer; 64 bytes */
+    __u32 gen;                    /* 0: inactive. Written last by the driver when it activates */
+    __u32 ns;
+    __u8  key[16];
+    __u32 nchunks;                /* 0: unknown (only chunk 0 is accepted, its count recorded) */
+    __u32 base;                   /* first arena slot */
+    __u32 nslots;                 /* slots reserved: chunk < nslots */
+    __u32 route;                  /* kvf_routes index of the pool node asked */
+    __u32 status;                 /* KV_FETCH_XS_* */
+    __u32 err;                    /* KV status of the last NACK/ERROR */
+    __u32 received;               /* chunks written (duplicates racing on two CPUs may add 2) */
+    __u32 tail_len;               /* payload bytes of the block's last chunk, once received */
+    __u32 seen_nchunks;           /* chunk count carried by the replies */
+    __u32 bad;                    /* replies for this transfer dropped as inconsistent */
+};
+
+struct kv_fetch_ctl {
+    __u64 nonce;                  /* generator frames carry it as XDP metadata; 0: no generator */
+    __u64 send_pos;               /* next send ring position (the generator advances it) */
+    __u64 send_end;               /* positions below this are queued; position p is entry
+                                     p mod KV_FETCH_SENDQ */
+    __u32 port;                   /* the engine's UDP port, network byte order in the low 16 */
+    __u32 loss_ppm;               /* testbed only: drop this share of received KV frames */
+    __u32 frame_len;              /* bytes of the generator's template frame */
+    __u32 owner;                  /* pid of the process driving it (another engine leaves it) */
+};
+
+struct kv_fetch_route {
+    __u8 hdr[KV_HDR_OFF];         /* Ethernet, IPv4 (checksum set), UDP (checksum 0) */
+    __u8 pad[6];
+};
+
+_Static_assert(sizeof(struct kv_fetch_xfer) == KV_FETCH_XFER_SIZE, "transfer entry size");
+_Static_assert(sizeof(struct kv_fetch_ctl) == KV_FETCH_CTL_SIZE, "control block size");
+
+BPF_F_TABLE("array", u32, struct kv_fetch_slot, kvf_arena, KV_FETCH_SLOTS, BPF_F_MMAPABLE);
+BPF_F_TABLE("array", u32, u64, kvf_meta, KV_FETCH_SLOTS, BPF_F_MMAPABLE);
+BPF_F_TABLE("array", u32, struct kv_fetch_xfer, kvf_xfers, KV_FETCH_XFERS, BPF_F_MMAPABLE);
+BPF_F_TABLE("array", u32, u64, kvf_sendq, KV_FETCH_SENDQ, BPF_F_MMAPABLE);
+BPF_F_TABLE("array", u32, struct kv_fetch_ctl, kvf_ctl, 1, BPF_F_MMAPABLE);
+BPF_ARRAY(kvf_routes, struct kv_fetch_route, KV_FETCH_ROUTES);
+BPF_PERCPU_ARRAY(kvf_stats, u64, KV_FETCH_STAT_MAX);
+
+static __always_inline void count(__u32 idx)
+{
+    __u64 *c = kvf_stats.lookup(&idx);
+    if (c)
+        *c += 1;
+}
+
+/* A helper's size must be range-checked in the very register passed (see kvswitch.c). */
+static __always_inline __u64 opaque_len(__u32 len)
+{
+    __u64 n = len;
+    asm volatile("" : "+r"(n));
+    return n;
+}
+
+static __always_inline int key_equal(const __u8 *a, const __u8 *b)
+{
+    const __u64 *x = (const __u64 *)a, *y = (const __u64 *)b;
+    return x[0] == y[0] && x[1] == y[1];
+}
+
+/* ---- generator ------------------------------------------------------------------------------ */
+static __always_inline int generate(struct xdp_md *ctx, struct kv_fetch_ctl *c)
+{
+    if (bpf_xdp_adjust_meta(ctx, KV_FETCH_META_LEN))   /* the nonce never leaves this host */
+        return XDP_ABORTED;
+    __u64 pos = __sync_fetch_and_add(&c->send_pos, 1);  /* 64-bit: BCC's clang fetches no u32 */
+    if (pos >= c->send_end) {
+        count(KV_FETCH_STAT_GEN_IDLE);
+        return XDP_DROP;
+    }
+    __u32 qi = pos & (KV_FETCH_SENDQ - 1);
+    __u64 *e = kvf_sendq.lookup(&qi);
+    if (!e)
+        return XDP_DROP;
+    __u64 entry = *e;
+    __u32 chunk = (__u32)entry;
+    __u32 xi = (entry >> 32) & 0xff;
+    __u16 flags = entry >> 48;
+    struct kv_fetch_xfer *x = kvf_xfers.lookup(&xi);
+    if (!x || !x->gen || chunk >= x->nslots) {
+        count(KV_FETCH_STAT_GEN_BAD);
+        return XDP_DROP;
+    }
+    __u32 ri = x->route;
+    struct kv_fetch_route *r = kvf_routes.lookup(&ri);
+    __u32 len = (__u32)(ctx->data_end - ctx->data);
+    if (!r || len != c->frame_len || len != KV_PAYLOAD_OFF + KV_FETCH_CHUNK) {
+        count(KV_FETCH_STAT_GEN_BAD);
+        return XDP_DROP;
+    }
+    struct kvhdr h = {};
+    h.magic = bpf_htons(KV_MAGIC);
+    h.version = KV_VERSION;
+    h.op = KV_OP_GET;
+    h.flags = bpf_htons(flags);
+    h.ns = bpf_htonl(x->ns);
+    h.req_id = bpf_htonl((xi << 24) | (x->gen & KV_FETCH_GEN_MASK));
+    __builtin_memcpy(h.key, x->key, sizeof(h.key));
+    h.chunk = bpf_htonl(chunk);
+    h.len = bpf_htons(KV_FETCH_CHUNK);
+    if (bpf_xdp_store_bytes(ctx, 0, r->hdr, KV_HDR_OFF) ||
+        bpf_xdp_store_bytes(ctx, KV_HDR_OFF, &h, sizeof(h)))
+        return XDP_ABORTED;
+    count(KV_FETCH_STAT_SENT);
+    return XDP_TX;
+}
+
+/* ---- receiver ------------------------------------------------------------------------------- */
+static __always_inline int lossy(struct kv_fetch_ctl *c)
+{
+    return c->loss_ppm && bpf_get_prandom_u32() % 1000000 < c->loss_ppm;
+}
+
+static __always_inline int bad(struct kv_fetch_xfer *x, __u32 stat)
+{
+    __sync_fetch_and_add(&x->bad, 1);
+    count(stat);
+    return XDP_DROP;
+}
+
+static __always_inline int receive(struct xdp_md *ctx, struct kv_fetch_ctl *c)
+{
+    void *data = (void *)(long)ctx->data;
+    void *data_end = (void *)(long)ctx->data_end;
+    struct ethhdr *eth = data;
+    struct iphdr *ip = (void *)(eth + 1);
+    struct udphdr *udp = (void *)(ip + 1);
+    struct kv_frame f = {};
+    if ((void *)(udp + 1) > data_end || eth->h_proto != bpf_htons(ETH_P_IP) || ip->ihl != 5 ||
+        ip->protocol != IPPROTO_UDP || udp->dest != (__be16)c->port ||
+        udp->source != bpf_htons(KV_UDP_PORT)) {
+        /* not for the engine; the loss injector this program stands in for drops KV frames */
+        if (c->loss_ppm && kv_parse(data, data_end, &f) == KV_OK && lossy(c)) {
+            count(KV_FETCH_STAT_LOSS);
+            return XDP_DROP;
+        }
+        count(KV_FETCH_STAT_PASSED);
+        return XDP_PASS;
+    }
+    if (kv_parse(data, data_end, &f) != KV_OK) {
+        count(KV_FETCH_STAT_MALFORMED);
+        return XDP_DROP;
+    }
+    if (lossy(c)) {
+        count(KV_FETCH_STAT_LOSS);
+        return XDP_DROP;
+    }
+    struct kvhdr *kv = f.kv;
+    __u32 rid = bpf_ntohl(kv->req_id);
+    __u32 xi = rid >> 24, gen = rid & KV_FETCH_GEN_MASK;
+    struct kv_fetch_xfer *x = kvf_xfers.lookup(&xi);
+    if (!x || !gen || x->gen != gen) {
+        count(KV_FETCH_STAT_STALE);
+        return XDP_DROP;
+    }
+    if (x->ns != bpf_ntohl(kv->ns) || !key_equal(x->key, kv->key))
+        return bad(x, KV_FETCH_STAT_WRONG_BLOCK);
+    if (kv->op == KV_OP_NACK || kv->op == KV_OP_ERROR) {
+        x->err = bpf_ntohs(kv->status);
+        /* racing NACKs set the same bits */
+        x->status |= kv->op == KV_OP_NACK ? KV_FETCH_XS_NACK : KV_FETCH_XS_ERROR;
+        count(KV_FETCH_STAT_NACK);
+        return XDP_DROP;
+    }
+    if (kv->op != KV_OP_GET_REPLY || kv->status != 0) {
+        count(KV_FETCH_STAT_OTHER_OP);
+        return XDP_DROP;
+    }
+    __u32 chunk = bpf_ntohl(kv->chunk);
+    __u32 said = bpf_ntohl(kv->nchunks);
+    __u32 n = x->nchunks;
+    if (n == 0) {                  /* block size unknown: the first fetch asks for chunk 0 only */
+        if (chunk != 0 || said == 0)
+            return bad(x, KV_FETCH_STAT_BAD_CHUNK);
+        x->seen_nchunks = said;
+        n = said;
+    } else if (said != n) {
+        x->status |= KV_FETCH_XS_NCHUNKS;
+        x->seen_nchunks = said;
+        return bad(x, KV_FETCH_STAT_BAD_CHUNK);
+    }
+    if (chunk >= n || chunk >= x->nslots)
+        return bad(x, KV_FETCH_STAT_BAD_CHUNK);
+    __u32 len = f.payload_len;
+    int last = chunk + 1 == n;
+    if (last ? (len < 1 || len > KV_FETCH_CHUNK) : len != KV_FETCH_CHUNK)
+        return bad(x, KV_FETCH_STAT_BAD_LEN);
+    __u32 slot = x->base + chunk;
+    __u64 *m = kvf_meta.lookup(&slot);
+    struct kv_fetch_slot *s = kvf_arena.lookup(&slot);
+    if (!m || !s) {                /* past the arena: the driver never reserves that */
+        count(KV_FETCH_STAT_LOAD_FAIL);
+        return XDP_DROP;
+    }
+    if (((*m >> 32) & KV_FETCH_GEN_MASK) == gen) {
+        count(KV_FETCH_STAT_DUPLICATE);  /* never rewrite a chunk Python may have checked */
+        return XDP_DROP;
+    }
+    __u64 crc = bpf_ntohl(kv->csum);
+    __u64 tag = gen | ((__u64)(bpf_ntohs(kv->flags) & 0xff) << 24);
+    __u64 n64 = opaque_len(len);
+    if (n64 < 1 || n64 > KV_FETCH_CHUNK || bpf_xdp_load_bytes(ctx, KV_PAYLOAD_OFF, s->b, n64)) {
+        count(KV_FETCH_STAT_LOAD_FAIL);
+        return XDP_DROP;
+    }
+    if (last)
+        x->tail_len = n64;
+    *m = crc | (tag << 32);        /* after the payload: a set tag means the bytes are there */
+    __sync_fetch_and_add(&x->received, 1);
+    count(KV_FETCH_STAT_ACCEPTED);
+    return XDP_DROP;
+}
+
+int kv_fetch(struct xdp_md *ctx)
+{
+    __u32 zero = 0;
+    struct kv_fetch_ctl *c = kvf_ctl.lookup(&zero);
+    if (!c)
+        return XDP_PASS;
+    void *data = (void *)(long)ctx->data;
+    __u64 *meta = (void *)(long)ctx->data_meta;
+    if ((void *)(meta + 1) <= data && c->nonce && *meta == c->nonce)
+        return generate(ctx, c);
+    return receive(ctx, c);
+}
