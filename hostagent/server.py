@@ -3,8 +3,9 @@ in front of a store (``hostagent.store``: in memory, or ``hostagent.mooncake_sto
 
 Each datagram is one request and gets at most one answer. A datagram that is not a v1 message is
 answered with ERROR when its header could be read far enough to address a reply, else dropped.
-A GET for a staged block is answered straight from the staging arena (the header packed, the
-chunk sent from where it lies); a GET the store has to fetch, and the PUT that completes a block
+A GET for a staged block is answered from the staging arena: by XDP before it reaches this
+process where it can (``hostagent.xdpserve``), else here (the header packed, the chunk sent from
+where it lies); a GET the store has to fetch, and the PUT that completes a block
 the store has to write out, are answered when the store's future settles (requests for the same
 block wait on the same future; at most ``max_waiting`` wait, the rest are dropped and retried by
 their clients).
@@ -41,7 +42,13 @@ class PoolServer(asyncio.DatagramProtocol):
         self.transport = transport
 
     def stats(self) -> dict:
-        return {**self.counters, **self.store.stats()}
+        """Counters of the node: GETs answered by XDP count in rx_get and tx_bytes too (their
+        own counts are the xdp_ ones)."""
+        out = {**self.counters, **self.store.stats()}
+        if "xdp_hit" in out:
+            out["rx_get"] = out.get("rx_get", 0) + out["xdp_hit"]
+            out["tx_bytes"] = out.get("tx_bytes", 0) + out["xdp_hit_bytes"]
+        return out
 
     # ---- sending -------------------------------------------------------------------------
     def send(self, parts: list, addr) -> None:
@@ -200,6 +207,12 @@ async def serve(host: str, port: int, capacity_bytes: int,
         sock.close()
         raise
     grow_buffers(sock)
+    from . import xdpserve
+    try:
+        xdp_server = xdpserve.start(host, port, store)   # None: GETs stay with asyncio
+    except BaseException:
+        sock.close()
+        raise
     proto = PoolServer(store)
     proto.sock = sock
     transport = _SocketTransport(sock, proto)
@@ -224,7 +237,11 @@ async def serve(host: str, port: int, capacity_bytes: int,
         ticker.cancel()
         stopping.cancel()
         transport.close()
-        await store.close()
+        try:
+            await store.close()
+        finally:
+            if xdp_server is not None:
+                xdp_server.close()
 
 
 async def _tick(store: PoolStore) -> None:

@@ -9,7 +9,7 @@ byte bound (the arena's size), and pins: a run being filled or written out is ne
 Nothing here touches a socket or a store; the server reads chunks from ``StagedBlock``s, the
 stores fill runs (``reserve`` then ``commit``, or ``release`` on failure), and the arena hears
 of every block that becomes servable (``publish``) and of every one about to leave
-(``retract``), which is where an arena served by XDP would update its index.
+(``retract``), which is where an arena served by XDP (``hostagent.xdpserve``) updates its index.
 """
 from __future__ import annotations
 
@@ -28,32 +28,17 @@ class StagingFull(Exception):
     """No run of the size asked for can be made free (the stores answer NO_SPACE)."""
 
 
-class Arena:
-    """``size`` bytes (rounded down to whole pages) of page-aligned memory with an allocator of
-    contiguous page runs. ``addr`` is the buffer's address, for zero-copy I/O into it."""
+class Runs:
+    """An allocator of contiguous runs among ``n`` units (first fit, neighbouring free runs
+    merged): an arena's pages, the chunk slots of an XDP-served arena."""
 
-    def __init__(self, size: int, page: int = DEFAULT_PAGE, buffer: mmap.mmap | None = None):
-        if page < 64 or size < page:
-            raise ValueError(f"an arena holds at least one page of at least 64 bytes "
-                             f"(size {size}, page {page})")
-        self.page, self.pages = page, size // page
-        self.mem = buffer if buffer is not None else mmap.mmap(-1, self.pages * page)
-        self.view = memoryview(self.mem)
-        self._anchor = ctypes.c_char.from_buffer(self.mem)
-        self.addr = ctypes.addressof(self._anchor)
-        self._free: dict[int, int] = {0: self.pages}        # start page -> run length
-        self._free_end: dict[int, int] = {self.pages: 0}    # end page -> start page
-        self.free_pages = self.pages
-
-    @property
-    def size(self) -> int:
-        return self.pages * self.page
-
-    def pages_for(self, nbytes: int) -> int:
-        return max(1, -(-nbytes // self.page))
+    def __init__(self, n: int):
+        self._free: dict[int, int] = {0: n} if n else {}   # start -> run length
+        self._free_end: dict[int, int] = {n: 0} if n else {}   # end -> start
+        self.free_pages = n
 
     def alloc(self, npages: int) -> int | None:
-        """First page of a free run of ``npages`` pages, or None."""
+        """First unit of a free run of ``npages`` units, or None."""
         for start, length in self._free.items():
             if length >= npages:
                 del self._free[start]
@@ -79,12 +64,41 @@ class Arena:
         self._free[start] = end - start
         self._free_end[end] = start
 
+
+class Arena(Runs):
+    """``size`` bytes (rounded down to whole pages) of page-aligned memory with an allocator of
+    contiguous page runs. ``addr`` is the buffer's address, for zero-copy I/O into it."""
+
+    def __init__(self, size: int, page: int = DEFAULT_PAGE, buffer: mmap.mmap | None = None):
+        if page < 64 or size < page:
+            raise ValueError(f"an arena holds at least one page of at least 64 bytes "
+                             f"(size {size}, page {page})")
+        self.page, self.pages = page, size // page
+        super().__init__(self.pages)
+        self.mem = buffer if buffer is not None else mmap.mmap(-1, self.pages * page)
+        self.view = memoryview(self.mem)
+        self._anchor = ctypes.c_char.from_buffer(self.mem)
+        self.addr = ctypes.addressof(self._anchor)
+
+    @property
+    def size(self) -> int:
+        return self.pages * self.page
+
+    def pages_for(self, nbytes: int) -> int:
+        return max(1, -(-nbytes // self.page))
+
     # where an arena that an XDP program serves from hooks in (this one serves nothing itself)
     def publish(self, block: StagedBlock) -> None:
         """``block`` is whole in its run and may be served from now on."""
 
     def retract(self, block: StagedBlock) -> None:
         """``block`` is leaving: serve no more of it (its pages are freed right after)."""
+
+    def refresh(self, blocks: OrderedDict) -> None:
+        """Before evicting: move blocks served elsewhere (XDP) since to the recent end."""
+
+    def stats(self) -> dict:
+        return {}
 
     def close(self) -> None:
         """Unmap the buffer, unless views of it are still around (then the GC will)."""
@@ -164,6 +178,8 @@ class Staging:
             raise StagingFull(f"a {nbytes}-byte block is larger than the {arena.size}-byte "
                               "staging area")
         start = arena.alloc(npages)
+        if start is None:
+            arena.refresh(self.blocks)
         while start is None:
             victim = next((k for k, b in self.blocks.items() if not b.pins), None)
             if victim is None:

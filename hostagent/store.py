@@ -167,6 +167,13 @@ class PoolStore:
     def describe(self) -> str:
         return f"{self.kind} store, {self.capacity} bytes"
 
+    def use_arena(self, arena: Arena) -> None:
+        """Stage into ``arena`` (an XDP-served one) from now on: only before serving starts."""
+        if len(self.staging) or self.staging.reserved_pages:
+            raise RuntimeError("the staging arena can only be replaced while it is empty")
+        old, self.staging = self.staging.arena, Staging(arena)
+        old.close()
+
     def tick(self) -> None:
         """Housekeeping, about once a second: drop stale incomplete blocks."""
         self.assembler.expire()
@@ -227,7 +234,8 @@ class PoolStore:
                 "capacity": s.capacity, "evicted_blocks": s.evicted_blocks,
                 "assembling_blocks": len(self.assembler),
                 "assembling_bytes": self.assembler.used,
-                "expired_blocks": self.assembler.expired_blocks, **self.counters}
+                "expired_blocks": self.assembler.expired_blocks, **self.counters,
+                **s.arena.stats()}
 
     # ---- what a store with a backing store overrides -------------------------------------
     def _miss(self, ns: int, key: bytes) -> asyncio.Future:

@@ -170,9 +170,21 @@ def attach_pass_programs(namespaces: list[str], ifname: str = "eth0") -> None:
     """The XDP_PASS program on each node's veth end: frames the switch sends with XDP_TX (or
     redirects) are dropped by a veth whose peer has no XDP program."""
     _, fns = load_xdp(HERE / "pass.c", ("xdp_pass",))
-    for ns in namespaces:
+    for ns in _without_xdp_server(namespaces, ifname):
         with netns.inside(ns):
             attach_xdp(ifname, fns["xdp_pass"])
+
+
+def _without_xdp_server(namespaces: list[str], ifname: str) -> list[str]:
+    """The namespaces whose ``ifname`` carries no generic-mode program: a pool node's XDP GET
+    server (hostagent.xdpserve) runs in that mode, and a native program cannot join it."""
+    import json
+    keep = []
+    for ns in namespaces:
+        links = json.loads(ip("-j", "-d", "link", "show", "dev", ifname, ns=ns).stdout or "[]")
+        if not (links and (links[0].get("xdp") or {}).get("mode") == 2):
+            keep.append(ns)
+    return keep
 
 
 def attach_loss(namespaces: list[str], loss: float, ifname: str = "eth0") -> None:
@@ -186,7 +198,7 @@ def attach_loss(namespaces: list[str], loss: float, ifname: str = "eth0") -> Non
     bpf, fns = load_xdp(HERE / "lossy.c", ("xdp_lossy",))
     table = bpf[b"loss_ppm"]
     table[table.Key(0)] = table.Leaf(int(loss * 1_000_000))
-    for ns in namespaces:
+    for ns in _without_xdp_server(namespaces, ifname):
         with netns.inside(ns):
             attach_xdp(ifname, fns["xdp_lossy"])
 

@@ -1,0 +1,294 @@
+"""A pool node's GETs answered from XDP (xdp/kvserve.c) on its interface.
+
+``ServeProgram`` compiles and loads kvserve.c for an arena of a given size (BCC, a few seconds)
+and maps its memory: the arena (the program's segment array, one contiguous mmap), the chunk
+slots (a numpy structured array over the mmapped slot map) and the block index. ``XdpArena``
+is a ``staging.Arena`` whose buffer *is* that arena, so stores read blocks into the memory XDP
+serves from (no copy), and whose ``publish``/``retract`` hooks keep the slots and the index in
+the order kvserve.c relies on: a published block's slots are written with their generation
+last, then its index entry; a retracted block's index entry is deleted and its generations
+zeroed before its slots or bytes can be reused. ``XdpServer`` attaches the program to the
+interface that holds the bind address in generic mode (replacing a crashed server's program)
+and on close puts back a native program holding no map if one was there (a veth end needs one
+to receive what a switch sends it with XDP_TX). ``start`` is what ``hostagent serve`` calls: an
+``XdpServer``, or None when XDP cannot serve (not root, no interface, another port, no BCC),
+with one log line saying which path answers GETs (HOSTAGENT_XDP_SERVE=0 turns XDP off).
+"""
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import json
+import logging
+import mmap
+import os
+import socket
+import subprocess
+from collections import OrderedDict
+
+import numpy as np
+
+import xdp
+from kvproto import PORT
+from .staging import DEFAULT_PAGE, Arena, Runs, StagedBlock
+
+log = logging.getLogger("hostagent.xdpserve")
+
+SOURCE = "kvserve.c"
+C = xdp.constants(SOURCE)
+SEG_SHIFT = C["KV_SERVE_SEG_SHIFT"]
+SEG = 1 << SEG_SHIFT
+MAX_PAYLOAD = C["KV_MAX_PAYLOAD"]
+STAT_NAMES = {v: n[len("KV_SERVE_STAT_"):].lower() for n, v in C.items()
+              if n.startswith("KV_SERVE_STAT_") and n != "KV_SERVE_STAT_MAX"}
+SLOT_DTYPE = np.dtype([("gen", "<u4"), ("ns", "<u4"), ("key", "u1", 16), ("chunk", "<u4"),
+                       ("nchunks", "<u4"), ("len", "<u4"), ("crc", "<u4"), ("off", "<u8"),
+                       ("last_ns", "<u8")])
+assert SLOT_DTYPE.itemsize == C["KV_SERVE_SLOT_SIZE"], "struct kv_serve_slot and SLOT_DTYPE"
+ENV_SWITCH = "HOSTAGENT_XDP_SERVE"   # 0: never serve from XDP (to measure the difference)
+MIN_CHUNK = 1024          # slots are sized for the arena full of chunks this small (or larger)
+
+
+class NoXdp(RuntimeError):
+    """XDP cannot serve here (the reason is the message)."""
+
+
+def sizes(capacity: int) -> tuple[int, int, int]:
+    """(segments, slots, index entries) of a program for an arena of ``capacity`` bytes."""
+    segs = max(1, -(-capacity // SEG))
+    slots = max(1024, capacity // MIN_CHUNK)
+    return segs, slots, min(max(1024, slots // 8), 1 << 20)
+
+
+class ServeProgram:
+    """kvserve.c loaded (not attached) for an arena of at least ``capacity`` bytes."""
+
+    def __init__(self, capacity: int):
+        from switchd.dataplane import SwitchError, load_xdp
+        self.segs, self.nslots, self.nblocks = sizes(capacity)
+        flags = [f"-DKV_SERVE_SEGS={self.segs}", f"-DKV_SERVE_SLOTS={self.nslots}",
+                 f"-DKV_SERVE_BLOCKS={self.nblocks}"]
+        try:
+            self.bpf, fns = load_xdp(xdp.source(SOURCE), ("kv_serve", "kv_serve_pass"), flags)
+        except SwitchError as exc:
+            raise NoXdp(str(exc)) from None
+        self.fn, self.pass_fn = fns["kv_serve"], fns["kv_serve_pass"]
+        self.fd = self.fn.fd
+        tables = {n: self.bpf.get_table(n.encode())
+                  for n in ("kvs_arena", "kvs_slots", "kvs_index", "kvs_addrs", "kvs_stats")}
+        self.index, self.addrs, self._stats = (tables["kvs_index"], tables["kvs_addrs"],
+                                               tables["kvs_stats"])
+        rw = mmap.PROT_READ | mmap.PROT_WRITE
+        self.arena = mmap.mmap(tables["kvs_arena"].get_fd(), self.segs * SEG, mmap.MAP_SHARED,
+                               rw)
+        self._slots_mm = mmap.mmap(tables["kvs_slots"].get_fd(),
+                                   self.nslots * SLOT_DTYPE.itemsize, mmap.MAP_SHARED, rw)
+        self.slots = np.frombuffer(self._slots_mm, SLOT_DTYPE)
+
+    def index_key(self, ns: int, key: bytes):
+        return self.index.Key(ns, (ctypes.c_ubyte * 16)(*key))
+
+    def set_index(self, ns: int, key: bytes, first: int, nchunks: int) -> None:
+        self.index[self.index_key(ns, key)] = self.index.Leaf(first, nchunks)
+
+    def del_index(self, ns: int, key: bytes) -> None:
+        try:
+            del self.index[self.index_key(ns, key)]
+        except KeyError:
+            pass
+
+    def set_addrs(self, addrs: list[str]) -> None:
+        for a in addrs:
+            raw = int.from_bytes(socket.inet_aton(a), "little")   # as __be32 reads in memory
+            self.addrs[self.addrs.Key(raw)] = self.addrs.Leaf(1)
+
+    def counters(self) -> dict[str, int]:
+        """The data plane's per-CPU counters, summed, by name."""
+        return {name: int(self._stats.sum(self._stats.Key(i)).value)
+                for i, name in sorted(STAT_NAMES.items())}
+
+    def close(self) -> None:
+        self.slots = None
+        for m in (self._slots_mm, self.arena):
+            try:
+                m.close()
+            except BufferError:
+                pass                       # views still alive: the GC unmaps
+        self.bpf.cleanup()
+
+
+class XdpArena(Arena):
+    """A staging arena in kvserve.c's memory, telling the program of every block in it."""
+
+    def __init__(self, prog: ServeProgram, size: int, page: int = DEFAULT_PAGE):
+        super().__init__(size, page, buffer=prog.arena)
+        if self.size > prog.segs * SEG:
+            raise ValueError("the arena is larger than the program's memory")
+        self.prog = prog
+        self.slot_runs = Runs(prog.nslots)
+        self._gen = 0
+        self.counters = {"xdp_published": 0, "xdp_unpublished": 0}
+
+    def _next_gen(self) -> int:
+        self._gen = self._gen % 0xFFFFFFFF + 1          # never 0
+        return self._gen
+
+    def publish(self, block: StagedBlock) -> None:
+        lay, n = block.layout, block.nchunks
+        if lay.chunk_size > MAX_PAYLOAD:
+            self.counters["xdp_unpublished"] += 1
+            return
+        first = self.slot_runs.alloc(n)
+        if first is None:                                # out of slots: Python serves it
+            self.counters["xdp_unpublished"] += 1
+            return
+        s = self.prog.slots[first:first + n]
+        s["gen"] = 0
+        s["ns"] = lay.ns
+        s["key"] = np.frombuffer(lay.key, np.uint8)
+        s["chunk"] = np.arange(n, dtype=np.uint32)
+        s["nchunks"] = n
+        s["len"] = lay.chunk_size
+        s["len"][-1] = lay.payload_len - (n - 1) * lay.chunk_size
+        s["crc"] = np.frombuffer(block.crcs, np.uint32, n)
+        s["off"] = (block.run.start * self.page + lay.payload_off +
+                    np.arange(n, dtype=np.uint64) * lay.chunk_size)
+        s["last_ns"] = 0
+        s["gen"] = self._next_gen()                     # last: now each slot may be served
+        try:
+            self.prog.set_index(lay.ns, lay.key, first, n)
+        except Exception:                                # index full: Python serves it
+            s["gen"] = 0
+            self.slot_runs.release(first, n)
+            self.counters["xdp_unpublished"] += 1
+            return
+        block.meta["xdp_slots"] = first
+        self.counters["xdp_published"] += 1
+
+    def retract(self, block: StagedBlock) -> None:
+        first = block.meta.pop("xdp_slots", None)
+        if first is None:
+            return
+        n = block.nchunks
+        self.prog.del_index(block.layout.ns, block.layout.key)   # first: no new lookups
+        self.prog.slots["gen"][first:first + n] = 0              # then: no copy is sent
+        self.slot_runs.release(first, n)
+
+    def refresh(self, blocks: OrderedDict) -> None:
+        """Blocks whose chunk 0 XDP served since the last look go to the recent end, in the
+        order XDP served them."""
+        last = self.prog.slots["last_ns"]
+        served = []
+        for name, b in blocks.items():
+            first = b.meta.get("xdp_slots")
+            if first is not None and int(last[first]) > b.meta.get("xdp_seen", 0):
+                b.meta["xdp_seen"] = int(last[first])
+                served.append((b.meta["xdp_seen"], name))
+        for _, name in sorted(served):
+            blocks.move_to_end(name)
+
+    def stats(self) -> dict:
+        return {**self.counters, **{f"xdp_{k}": v for k, v in self.prog.counters().items()}}
+
+    def close(self) -> None:
+        super().close()
+
+
+def _ip_json(*args: str) -> list:
+    out = subprocess.run(["ip", "-j", *args], capture_output=True, text=True, check=True).stdout
+    return json.loads(out or "[]")
+
+
+def interface_for(host: str) -> tuple[str, list[str]]:
+    """(interface, its IPv4 addresses GETs may be sent to) serving bind address ``host``:
+    the one non-loopback interface holding it (any: the only non-loopback one with IPv4)."""
+    wild = ipaddress.ip_address(host).is_unspecified
+    found = []
+    for link in _ip_json("-4", "addr", "show"):
+        if "LOOPBACK" in link.get("flags", ()) or link.get("ifname") == "lo":
+            continue
+        addrs = [a["local"] for a in link.get("addr_info", ()) if a.get("family") == "inet"]
+        if wild and addrs:
+            found.append((link["ifname"], addrs))
+        elif host in addrs:
+            found.append((link["ifname"], [host]))
+    if len(found) != 1:
+        raise NoXdp(f"{len(found)} interfaces hold {host} (XDP serves from exactly one)")
+    return found[0]
+
+
+def _xdp_mode(ifname: str) -> str | None:
+    """'native' or 'generic': how a program is attached to ``ifname`` (None: none is)."""
+    links = _ip_json("-d", "link", "show", "dev", ifname)
+    mode = (links[0].get("xdp") or {}).get("mode") if links else None
+    return {1: "native", 2: "generic", None: None}.get(mode, "other")
+
+
+class XdpServer:
+    """kvserve attached to ``ifname``, serving the staging arena it makes for a store.
+
+    Attached in generic (SKB) mode: a reply it sends with XDP_TX then leaves like any frame the
+    stack sends, so it arrives whatever the far end runs (a veth end drops frames sent from
+    native XDP unless its peer carries an XDP program, and a switch port without switchd
+    carries none). A node's native program (the testbed's XDP_PASS) makes way meanwhile."""
+
+    def __init__(self, capacity: int, ifname: str, addrs: list[str]):
+        from switchd.dataplane import attach_xdp, detach_port
+        self.ifname, self.addrs = ifname, addrs
+        self.prog = ServeProgram(capacity)
+        try:
+            self.prog.set_addrs(addrs)
+            self.had_native = _xdp_mode(ifname) == "native"
+            if self.had_native:
+                detach_port(ifname, "native")
+            attach_xdp(ifname, self.prog.fn, "generic")  # replaces a stale server's program
+        except Exception as exc:
+            self.prog.close()
+            raise NoXdp(f"attaching to {ifname}: {exc}") from None
+        self.attached = True
+
+    def arena(self, size: int, page: int = DEFAULT_PAGE) -> XdpArena:
+        return XdpArena(self.prog, size, page)
+
+    def detach(self) -> None:
+        """Take the program off; a native one was there: a map-less passing one goes back."""
+        if not self.attached:
+            return
+        from switchd.dataplane import attach_xdp, detach_port
+        self.attached = False
+        try:
+            detach_port(self.ifname, "generic")
+            if self.had_native:
+                attach_xdp(self.ifname, self.prog.pass_fn)
+        except Exception as exc:                        # the interface went away
+            log.warning("detaching from %s: %s", self.ifname, exc)
+
+    def close(self) -> None:
+        self.detach()
+        self.prog.close()
+
+
+def start(host: str, port: int, store) -> XdpServer | None:
+    """Serve ``store``'s staged blocks from XDP when this process can (its staging arena moves
+    into the program's memory), else None; logs which path answers GETs either way."""
+    try:
+        if os.environ.get(ENV_SWITCH, "1") == "0":
+            raise NoXdp(f"{ENV_SWITCH}=0")
+        if port != PORT:
+            raise NoXdp(f"XDP serves port {PORT} only, not {port}")
+        if os.geteuid() != 0:
+            raise NoXdp("not root")
+        ifname, addrs = interface_for(host)
+        server = XdpServer(store.capacity, ifname, addrs)
+    except (NoXdp, OSError, ValueError, subprocess.CalledProcessError) as exc:
+        log.warning("GETs are answered by the server process (asyncio): no XDP serving (%s)",
+                    exc)
+        return None
+    try:
+        store.use_arena(server.arena(store.capacity, store.staging.arena.page))
+    except Exception:
+        server.close()
+        raise
+    log.warning("GETs for staged blocks are answered by XDP on %s (%s), the rest by the "
+                "server process", ifname, ", ".join(addrs))
+    return server

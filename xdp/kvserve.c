@@ -1,0 +1,209 @@
+/* kvserve.c - a pool node's GET path in XDP (hostagent/xdpserve.py loads it on the node's
+ * interface): GETs for staged blocks are answered at the driver layer, everything else goes up
+ * to `hostagent serve` untouched.
+ *
+ * The pool node's staging arena is this program's memory: kvs_arena, an mmapable array of
+ * KV_SERVE_SEGS segments of KV_SERVE_SEG bytes, contiguous in memory, which the Python server
+ * uses as its arena (stores read whole blocks into it: get_into, put_from, PUT assembly). A
+ * staged block lies in a run of the arena laid out as hostagent/blockfmt.py stores it (any chunk
+ * size): chunk i is `len` bytes at arena offset `off`. For every block that may be served
+ * Python writes (hostagent/xdpserve.py)
+ *
+ *   kvs_slots[first+i]  per chunk, mmapped: the chunk it describes (namespace, key, index), the
+ *                       block's chunk count, the chunk's length, CRC-32 and arena offset, and
+ *                       the slot's generation (unique per staged block, written last; 0: not
+ *                       servable),
+ *   kvs_index[(ns,key)] the block's first slot and chunk count (written after).
+ *
+ * The index only says where to look: a slot is served only if it names the very chunk asked
+ * for, and only if its generation is the same after the copy as before (as the switch checks a
+ * cache entry's owner). When a block leaves (evicted, replaced, a failed write) Python deletes
+ * its index entry and zeroes its slots' generations before its slots or its arena bytes can be
+ * reused, so a chunk freed or rewritten while it was copied is never sent (the half-made reply
+ * is dropped, the asker retransmits). Python's stores are ordered as x86 orders them (TSO).
+ * The verifier must see every copy inside one map value: a chunk starting in the last
+ * KV_MAX_PAYLOAD bytes of a segment is left to the server (one in ~1,000 at 3 KiB chunks).
+ *
+ *  - GET to this node (its IPv4 address, not a broadcast frame), valid UDP checksum, for a chunk
+ *    of a block in kvs_index whose length fits the room the GET carried: the GET becomes the
+ *    GET_REPLY in place (reply.h: payload from kvs_arena, addresses swapped) and goes back out
+ *    with XDP_TX, as `hostagent serve` would have sent it (flags 0: not KV_F_FROM_SWITCH, so a
+ *    switch learns it as a pool reply and clients count it as from the pool).
+ *  - everything else passes untouched: PUTs, GETs for blocks not staged (the server fills them
+ *    from its store, then they are served here), too little room, non-KV and malformed frames.
+ *
+ * Constants are plain `#define KV_<NAME> <integer>` lines so tools can read them (xdp.constants).
+ */
+#include <linux/bpf.h>
+#include "parse.h"
+
+#ifndef KV_SERVE_SEG_SHIFT
+#define KV_SERVE_SEG_SHIFT 22     /* log2 of a segment's bytes: 4 MiB (compile time) */
+#endif
+#ifndef KV_SERVE_SEGS
+#define KV_SERVE_SEGS 4           /* segments in the arena (compile time) */
+#endif
+#ifndef KV_SERVE_SLOTS
+#define KV_SERVE_SLOTS 4096       /* chunk slots (compile time) */
+#endif
+#ifndef KV_SERVE_BLOCKS
+#define KV_SERVE_BLOCKS 1024      /* index entries (compile time) */
+#endif
+#define KV_SERVE_SEG (1 << KV_SERVE_SEG_SHIFT)
+#define KV_SERVE_ADDRS 64         /* IPv4 addresses of this node GETs may be sent to */
+#define KV_SERVE_SLOT_SIZE 56     /* sizeof(struct kv_serve_slot) */
+#define KV_SERVE_BLOCK_SIZE 8     /* sizeof(struct kv_serve_block) */
+
+#define KV_REPLY_MAX KV_MAX_PAYLOAD
+#include "reply.h"
+
+/* per-CPU counters, indexes into kvs_stats */
+#define KV_SERVE_STAT_PACKETS 0     /* frames seen */
+#define KV_SERVE_STAT_HIT 1         /* GETs answered here */
+#define KV_SERVE_STAT_HIT_BYTES 2   /* payload bytes sent with them */
+#define KV_SERVE_STAT_PASSED 3      /* GETs for a block not in the index: passed to the server */
+#define KV_SERVE_STAT_NO_ROOM 4     /* GETs whose room is smaller than the chunk: passed */
+#define KV_SERVE_STAT_BAD_CHUNK 5   /* GETs past the block's last chunk: passed (the server
+                                       answers BAD_REQUEST) */
+#define KV_SERVE_STAT_REUSED 6      /* the slot was freed or rewritten: passed before the copy,
+                                       dropped after it */
+#define KV_SERVE_STAT_NOT_MINE 7    /* GETs to another address or a group address: passed */
+#define KV_SERVE_STAT_BAD_UDP_CSUM 8  /* GETs whose UDP checksum is wrong: passed (the stack
+                                         drops them) */
+#define KV_SERVE_STAT_OTHER_KV 9    /* other KV messages (PUT, ...): passed */
+#define KV_SERVE_STAT_MALFORMED 10  /* KV port but invalid: passed */
+#define KV_SERVE_STAT_NON_KV 11     /* not KV: passed */
+#define KV_SERVE_STAT_FAILED 12     /* the reply could not be made (tail or copy failed) */
+#define KV_SERVE_STAT_SEG_END 13    /* the chunk ends too near its segment's end: passed */
+#define KV_SERVE_STAT_MAX 16
+
+struct kv_serve_seg {
+    __u8 b[KV_SERVE_SEG];
+};
+
+struct kv_serve_slot {             /* per chunk of a staged block, written by Python (mmapped) */
+    __u32 gen;                     /* generation of the staged block it belongs to; 0: none */
+    __u32 ns;                      /* the chunk it describes: namespace (host order), */
+    __u8  key[16];                 /* key (as on the wire) */
+    __u32 chunk;                   /* and index */
+    __u32 nchunks;                 /* chunks in its block */
+    __u32 len;                     /* payload bytes, 1..KV_MAX_PAYLOAD */
+    __u32 crc;                     /* their CRC-32 (the writer's, as on the wire) */
+    __u64 off;                     /* where they are: byte offset in the arena */
+    __u64 last_ns;                 /* chunk 0's slot: when a GET for it was last answered here */
+};
+
+struct kv_serve_key {              /* a block */
+    __u32 ns;                      /* host order */
+    __u8  key[16];                 /* as on the wire */
+};
+
+struct kv_serve_block {            /* where a block is; checked against kvs_slots, never trusted */
+    __u32 first;                   /* slot of chunk 0 */
+    __u32 nchunks;
+};
+
+_Static_assert(sizeof(struct kv_serve_slot) == KV_SERVE_SLOT_SIZE, "KV_SERVE_SLOT_SIZE");
+_Static_assert(sizeof(struct kv_serve_block) == KV_SERVE_BLOCK_SIZE, "KV_SERVE_BLOCK_SIZE");
+_Static_assert(KV_SERVE_SEG > 2 * KV_MAX_PAYLOAD, "a segment holds many chunks");
+
+BPF_F_TABLE("array", __u32, struct kv_serve_seg, kvs_arena, KV_SERVE_SEGS, BPF_F_MMAPABLE);
+BPF_F_TABLE("array", __u32, struct kv_serve_slot, kvs_slots, KV_SERVE_SLOTS, BPF_F_MMAPABLE);
+BPF_HASH(kvs_index, struct kv_serve_key, struct kv_serve_block, KV_SERVE_BLOCKS);
+BPF_HASH(kvs_addrs, __be32, __u32, KV_SERVE_ADDRS);
+BPF_PERCPU_ARRAY(kvs_stats, __u64, KV_SERVE_STAT_MAX);
+
+static __always_inline int count(__u32 idx, __u64 n, int verdict)
+{
+    __u64 *c = kvs_stats.lookup(&idx);
+    if (c)
+        *c += n;
+    return verdict;
+}
+
+static __always_inline __u32 gen_of(struct kv_serve_slot *slot)
+{
+    __u32 g = *(volatile __u32 *)&slot->gen;   /* read again, never a value clang kept */
+    asm volatile("" ::: "memory");             /* and before (after) what follows (precedes) */
+    return g;
+}
+
+/* Whether the slot describes chunk `chunk` of block `bk`. */
+static __always_inline int holds(struct kv_serve_slot *slot, struct kv_serve_key *bk,
+                                 __u32 chunk)
+{
+    const __u32 *a = (const __u32 *)slot->key, *b = (const __u32 *)bk->key;
+    return slot->ns == bk->ns && slot->chunk == chunk && a[0] == b[0] && a[1] == b[1] &&
+           a[2] == b[2] && a[3] == b[3];
+}
+
+static __always_inline int serve_get(struct xdp_md *ctx, struct kv_frame *f)
+{
+    if ((f->eth->h_dest[0] & 1) || !kvs_addrs.lookup(&f->ip->daddr))
+        return count(KV_SERVE_STAT_NOT_MINE, 1, XDP_PASS);
+    if (!kv_get_udp_csum_ok(f))
+        return count(KV_SERVE_STAT_BAD_UDP_CSUM, 1, XDP_PASS);
+    struct kv_serve_key bk = {};
+    bk.ns = bpf_ntohl(f->kv->ns);
+    __builtin_memcpy(bk.key, f->kv->key, sizeof(bk.key));
+    struct kv_serve_block *b = kvs_index.lookup(&bk);
+    if (!b)
+        return count(KV_SERVE_STAT_PASSED, 1, XDP_PASS);
+    __u32 chunk = bpf_ntohl(f->kv->chunk);
+    if (chunk >= b->nchunks)
+        return count(KV_SERVE_STAT_BAD_CHUNK, 1, XDP_PASS);
+    __u32 idx = b->first + chunk;
+    struct kv_serve_slot *slot = kvs_slots.lookup(&idx);
+    if (!slot)
+        return count(KV_SERVE_STAT_REUSED, 1, XDP_PASS);
+    __u32 gen = gen_of(slot);
+    if (!gen || !holds(slot, &bk, chunk))
+        return count(KV_SERVE_STAT_REUSED, 1, XDP_PASS);   /* leaving, or an index in flux */
+    __u32 len = slot->len, nchunks = slot->nchunks, crc = slot->crc;
+    __u64 off = slot->off;
+    if (len == 0 || len > KV_MAX_PAYLOAD)
+        return count(KV_SERVE_STAT_REUSED, 1, XDP_PASS);
+    if (len > f->payload_len)
+        return count(KV_SERVE_STAT_NO_ROOM, 1, XDP_PASS);
+    __u32 seg = off >> KV_SERVE_SEG_SHIFT;
+    __u64 at = off & (KV_SERVE_SEG - 1);
+    if (at > KV_SERVE_SEG - KV_MAX_PAYLOAD)
+        return count(KV_SERVE_STAT_SEG_END, 1, XDP_PASS);
+    struct kv_serve_seg *p = kvs_arena.lookup(&seg);
+    if (!p)
+        return count(KV_SERVE_STAT_REUSED, 1, XDP_PASS);
+    int r = kv_reply_in_place(ctx, p->b + at, len, nchunks, crc, 0, 0);
+    if (r != XDP_TX)
+        return count(KV_SERVE_STAT_FAILED, 1, r);
+    if (gen_of(slot) != gen)       /* freed (and maybe rewritten) while we copied */
+        return count(KV_SERVE_STAT_REUSED, 1, XDP_DROP);
+    if (chunk == 0)
+        slot->last_ns = bpf_ktime_get_ns();   /* recency, for the server's eviction order */
+    count(KV_SERVE_STAT_HIT_BYTES, len, 0);
+    return count(KV_SERVE_STAT_HIT, 1, XDP_TX);
+}
+
+int kv_serve(struct xdp_md *ctx)
+{
+    void *data = (void *)(long)ctx->data;
+    void *data_end = (void *)(long)ctx->data_end;
+    struct kv_frame f = {};
+
+    count(KV_SERVE_STAT_PACKETS, 1, 0);
+    int r = kv_parse(data, data_end, &f);
+    if (r == KV_NOT_KV)
+        return count(KV_SERVE_STAT_NON_KV, 1, XDP_PASS);
+    if (r == KV_BAD)
+        return count(KV_SERVE_STAT_MALFORMED, 1, XDP_PASS);
+    if (f.kv->op != KV_OP_GET || f.udp->dest != bpf_htons(KV_UDP_PORT))
+        return count(KV_SERVE_STAT_OTHER_KV, 1, XDP_PASS);
+    return serve_get(ctx, &f);
+}
+
+
+/* Put back on the interface when the server stops (a veth end needs a program to receive
+ * XDP_TX'd frames; this one holds no map). */
+int kv_serve_pass(struct xdp_md *ctx)
+{
+    return XDP_PASS;
+}
