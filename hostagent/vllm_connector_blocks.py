@@ -42,6 +42,7 @@ class Settings:
     model_id: str | None = None        # names the weights; default: vLLM's model and revision
     block_tokens: int | None = None    # pool block tokens; default: vLLM's block size
     max_pending_save_mib: int = 256    # saves copied out but not yet acknowledged
+    fetch_engine: str = "auto"         # auto: the XDP fetch engine where it can run; off
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
@@ -60,6 +61,8 @@ class Settings:
         for name in ("namespace", "chunk_size", "window", "concurrency", "probe_window"):
             if int(getattr(s, name)) < 1 or int(getattr(s, name)) != getattr(s, name):
                 raise ValueError(f"kvswitch connector: {name} must be a positive integer")
+        if s.fetch_engine not in ("auto", "off"):
+            raise ValueError('kvswitch connector: fetch_engine must be "auto" or "off"')
         if s.namespace > 0xFFFFFFFF:
             raise ValueError("kvswitch connector: namespace must fit in 32 bits")
         return s

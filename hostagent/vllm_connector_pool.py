@@ -13,7 +13,9 @@ is the longest prefix of blocks whose chunk 0 came back (a NACK, a refusal or a 
 deadline ends the prefix). It goes through the switch like any GET, so a hot prefix is probed
 at the switch. Whole-block GETs go through ``getter``: anything with ``KVClient.get_block``'s
 signature returning ``(block, TransferStats)``, the block a buffer or an object with a
-zero-copy ``view`` and ``release()`` (the line-rate fetch engine slots in there).
+zero-copy ``view`` and ``release()``: the XDP fetch engine's client (``hostagent.fetch``),
+opened at the first load, or the asyncio client where the engine cannot run (or with
+``fetch_engine: "off"``).
 """
 from __future__ import annotations
 
@@ -55,11 +57,9 @@ class PoolBackend:
         self._thread.start()
         self.client = KVClient(list(s.pools), s.chunk_size, s.window, s.deadline)
         self._call(self.client.__aenter__(), 10)
-        # Whole-block GETs: the one line the line-rate fetch engine replaces, e.g. with
-        # self._call(AsyncFetchClient(FetchEngine(list(s.pools), s.chunk_size),
-        #                             copy=False).__aenter__())
-        # (its zero-copy blocks are copied into the paged cache, then released: drain_load).
-        self.getter = self.client
+        # Whole-block GETs: the XDP fetch engine where it can run, opened at the first load
+        # (in vLLM's two-process layout the worker loads; the scheduler only probes)
+        self.getter = self.client if s.fetch_engine == "off" else None
         self.totals = {op: TransferStats() for op in ("probe", "load", "save")}
         self.events: collections.deque[dict] = collections.deque(maxlen=4096)
         self.save_refused = self.save_failed = 0
@@ -156,7 +156,9 @@ class PoolBackend:
                     q.put((i, None, None))
                     return
                 try:
-                    data, stats = await self.getter.get_block(ns, keys[i], nchunks=nchunks)
+                    getter = self.getter or await self._open_engine()
+                    get = getattr(getter, "get_block_view", getter.get_block)
+                    data, stats = await get(ns, keys[i], nchunks=nchunks)
                 except Exception as exc:          # reported to vLLM as a load error
                     failed = min(failed, i)
                     q.put((i, exc, None))
@@ -165,6 +167,23 @@ class PoolBackend:
                 q.put((i, data, stats))
 
         await asyncio.gather(*(one(i) for i in range(len(keys))))
+
+    async def _open_engine(self):
+        """The fetch engine's client (zero-copy blocks), else the asyncio client; one log
+        line says which fetches blocks."""
+        if self.getter is None:
+            from hostagent.fetch import AsyncFetchClient, FetchEngine, NoXdp
+            s = self.settings
+            c = AsyncFetchClient(FetchEngine(list(s.pools), s.chunk_size, deadline=s.deadline),
+                                 s.window, s.deadline, owns=True)
+            try:
+                self.getter = await c.__aenter__()
+                log.warning("kvswitch: the XDP fetch engine on %s fetches blocks",
+                            c.engine.ifname)
+            except NoXdp as exc:
+                self.getter = self.client
+                log.warning("kvswitch: the asyncio client fetches blocks (%s)", exc)
+        return self.getter
 
     # ---- saves ---------------------------------------------------------------------------
     def save(self, ns: int, keys: list[bytes], blocks: list[bytes]) -> None:
@@ -263,7 +282,8 @@ _LOCK = threading.Lock()
 def backend_for(settings: Settings) -> PoolBackend:
     """The process's backend for these pools and transfer settings (made on first use)."""
     key = (settings.pools, settings.chunk_size, settings.window, settings.concurrency,
-           settings.probe_window, settings.deadline, settings.max_pending_save_mib)
+           settings.probe_window, settings.deadline, settings.max_pending_save_mib,
+           settings.fetch_engine)
     with _LOCK:
         if key not in _BACKENDS:
             _BACKENDS[key] = PoolBackend(settings)
@@ -281,3 +301,5 @@ def _flush_at_exit() -> None:
     for b in backends():
         if not b.flush(30):
             log.warning("kvswitch: saves still unacknowledged at exit")
+        if b.getter is not None and b.getter is not b.client:     # the engine's program off
+            b._call(b.getter.__aexit__(None, None, None), 10)

@@ -271,4 +271,5 @@ def test_two_vllm_engines_share_a_prefix_through_the_switch(tmp_path):
     assert b["first"]["cached_tokens"] == b["second"]["cached_tokens"] == 384  # 3 whole blocks
     assert b["first"]["load"]["bytes"] == 3 * 128 * 4096                       # over the wire
     assert b["second"]["load"]["from_switch"] == b["second"]["load"]["chunks"] > 0
+    assert b["fetch_path"] == "xdp"                      # loads through the XDP fetch engine
     print(f"vLLM e2e: {seconds:.0f} s")

@@ -199,11 +199,12 @@ def node_b(model_dir, model_id, pools, chunk_size, window, concurrency, block_to
            "ttft": ttft, "ttft_recompute": ttft_recompute,
            "recompute": {k: recompute[k] for k in ("tokens", "logprobs", "cached_tokens")}}
     if negative:
-        eng.backend.getter = _FirstBlockOnly(eng.backend.client)
+        getter, eng.backend.getter = eng.backend.getter, _FirstBlockOnly(eng.backend.client)
         bad = eng.run(tokens, new_tokens)
-        eng.backend.getter = eng.backend.client
+        eng.backend.getter = getter
         out["negative"] = {k: bad[k] for k in ("tokens", "logprobs", "cached_tokens")}
     out["totals"] = eng.backend.snapshot()
+    out["fetch_path"] = "xdp" if hasattr(eng.backend.getter, "engine") else "asyncio"
     return out
 
 
