@@ -212,18 +212,20 @@ def throughput(chunk_sizes, seconds, windows, cores, rate, keys, hit_ratios, swe
 @click.option("--reps", type=click.IntRange(1, 50), default=3, show_default=True,
               help="Repetitions per reader count and mode.")
 @click.option("--chunk-size", type=click.IntRange(64, MAX_CHUNK), default=3072, show_default=True)
-@click.option("--pool-link-mbit", type=click.FloatRange(min=0), default=100, show_default=True,
-              help="Shape the pool node's link to this rate, so that it and not the readers' "
-              "shared CPU is the bottleneck, as in a cluster (0: unshaped veth).")
+@click.option("--pool-link-mbit", type=click.FloatRange(min=0), default=0, show_default=True,
+              help="Shape the pool node's link to this rate (0: an unshaped veth).")
+@click.option("--store", type=click.Choice(["memory", "mooncake"]), default="memory",
+              show_default=True, help="The pool node's store (mooncake: the benchmark runs a "
+                                      "Mooncake master).")
 @json_opt("bench/results/incast.json")
 @click.option("--plot", "plot_path", default="bench/results/incast.png", show_default=True)
-def incast(readers, block_mib, reps, chunk_size, pool_link_mbit, json_path, plot_path):
+def incast(readers, block_mib, reps, chunk_size, pool_link_mbit, store, json_path, plot_path):
     """N readers fetch one block at once: plain bridge vs the switch."""
     from .bench.incast import run_incast
     if readers[-1] > 99:
         raise click.BadParameter("at most 99 readers", param_hint="--readers")
     out = run_incast(readers, block_mib, reps, json_path, plot_path, chunk_size,
-                     pool_link_mbit or None)
+                     pool_link_mbit or None, store)
     click.echo(json.dumps(out["summary"], indent=2))
     click.echo(f"wrote {json_path} and {plot_path}")
 

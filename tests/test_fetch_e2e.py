@@ -17,7 +17,7 @@ from hostagent.fetch.attach import program_on
 from switchd import netns
 from switchd.dataplane import attach_xdp, load_xdp
 from testbed.lab import Lab, attach_loss
-from testbed.lab.topology import python_argv
+from testbed.lab.topology import plain_bridge_ports, python_argv
 
 pytestmark = pytest.mark.e2e
 
@@ -166,6 +166,7 @@ def test_the_asyncio_client_takes_over_when_the_engines_frames_vanish():
                 pool_capacity="64MiB") as bare:
         key, data = random.Random(60).randbytes(16), random.Random(60).randbytes(200_000)
         bare.put("h1", NS, key, data)
+        plain_bridge_ports(bare.topo, False)         # the bare bridge port of old
         bare.topo.run("sw", ["ethtool", "-K", "h1", "gro", "off"])
         lines, out = _cli_get(bare, "h1", key)
         assert lines[0] == f"hostagent.fetch: XDP engine on eth0 in use ({CS}-byte chunks, " \

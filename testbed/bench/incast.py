@@ -1,15 +1,20 @@
 """`testbed bench incast`: N readers in separate namespaces ask for the same KV block at the same
 instant from one pool node, in two modes measured in one run:
 
-  baseline  plain Linux bridge, no XDP program: the pool node sends the block N times;
+  baseline  plain Linux bridge, no switch program: the pool node sends the block N times;
   switch    kvswitch with coalescing and caching on, cache cold at the start of each repetition.
+
+Readers fetch with `hostagent get` (the XDP fetch engine); the pool node is `hostagent serve`
+(its GETs answered from XDP) on the in-memory store or, with ``store="mooncake"``, on Mooncake
+Store (a master in the topology's m1; the pool node stages the block from it at its first GET,
+then serves it from the staging arena).
 
 Pool egress is read from the pool node's interface counters (not computed); completion time is
 each reader's own clock from the common start instant to its last byte; every block is checked
 byte for byte. Writes JSON and a plot.
 
-On one box every reader shares the same two cores, which real inference nodes do not: with
-``pool_link_mbit`` the pool node's link is shaped (tc tbf, queueing rather than dropping) so that,
+On one box every reader shares the same two cores, which real inference nodes do not. By default
+the pool link is an unshaped veth; with ``pool_link_mbit`` the pool node's link is shaped (tc tbf, queueing rather than dropping) so that,
 as in a cluster, the pool's link and not the readers' CPU is the shared bottleneck.
 """
 from __future__ import annotations
@@ -53,12 +58,12 @@ def _measure(lab: Lab, readers: int, key: bytes, block: bytes, reps: int,
 
 def run_incast(readers: list[int], block_mib: float, reps: int, json_path: str | None,
                plot_path: str | None, chunk_size: int = 1024, pool_link_mbit: float | None = None,
-               log=print) -> dict:
+               store: str = "memory", log=print) -> dict:
     block = os.urandom(int(block_mib * (1 << 20)))
     key = os.urandom(16)
     results = []
     with Lab("inc", hosts=max(readers), pools=1, chunk_size=chunk_size, switch=False,
-             pool_capacity="1GiB", cache_entries=max(65536, 2 * len(block) // chunk_size)) as lab:
+             pool_capacity="1GiB", store=store, cache_entries=max(65536, 2 * len(block) // chunk_size)) as lab:
         lab.put("h1", NS, key, block)
         if pool_link_mbit:
             lab.topo.run("p1", ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate",
@@ -82,7 +87,7 @@ def run_incast(readers: list[int], block_mib: float, reps: int, json_path: str |
                     f"p99 {row['completion_s_p99']:.3f}s, retransmits {row['retransmits']}, "
                     f"byte-exact {row['byte_exact']} ({time.monotonic() - t0:.0f}s)")
     out = {"block_bytes": len(block), "chunk_bytes": chunk_size,
-           "pool_link_mbit": pool_link_mbit, "cpus": os.cpu_count(), "results": results,
+           "pool_link_mbit": pool_link_mbit, "store": store, "cpus": os.cpu_count(), "results": results,
            "summary": _summary(results, len(block))}
     write_json(json_path, out)
     if plot_path:
@@ -122,6 +127,7 @@ def plot_incast(out: dict, path: str) -> None:
     ax1.set(xlabel="readers asking at once", ylabel="pool node egress / block size",
             title="Bytes the pool node sends", xscale="log", xticks=n, xticklabels=n)
     link = f", pool link {out['pool_link_mbit']:g} Mbit/s" if out.get("pool_link_mbit") else ""
+    link += f", {out.get('store', 'memory')} store"
     ax2.set(xlabel="readers asking at once", ylabel="seconds", xscale="log", xticks=n,
             xticklabels=n, title=f"Completion, {block / (1 << 20):g} MiB block{link}")
     for ax in (ax1, ax2):

@@ -16,7 +16,7 @@ import time
 
 from .mooncake import MooncakeMaster
 from .tasks import Task, run_task, start_task
-from .topology import Topology, TestbedError, python_argv
+from .topology import Topology, TestbedError, plain_bridge_ports, python_argv
 
 STORES = ("memory", "mooncake")
 
@@ -92,6 +92,8 @@ class Lab:
                 self.start_pool(i)
             if self.want_switch:
                 self.start_switch()
+            else:
+                plain_bridge_ports(self.topo, True)
         except BaseException:
             self.__exit__()
             raise
@@ -161,6 +163,7 @@ class Lab:
                            "--pin-dir", self.topo.pin_dir, *args)
 
     def start_switch(self, *extra: str) -> str:
+        plain_bridge_ports(self.topo, False)
         argv = ["run", "--chunk-size", str(self.chunk_size),
                 "--cache-entries", str(self.cache_entries)]
         for n in self.topo.nodes:

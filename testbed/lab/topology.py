@@ -12,6 +12,7 @@ aside for benchmark networks: hosts .1-.99, pool nodes .101-.199, the master .20
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from switchd import netns
-from switchd.dataplane import attach_xdp, load_xdp
+from switchd.dataplane import attach_xdp, import_bcc, load_xdp, mode_flags
 
 SUBNET = "198.18.0"
 BRIDGE = "br0"
@@ -175,10 +176,26 @@ def attach_pass_programs(namespaces: list[str], ifname: str = "eth0") -> None:
             attach_xdp(ifname, fns["xdp_pass"])
 
 
+def plain_bridge_ports(topo: Topology, on: bool) -> None:
+    """The XDP_PASS program on the switch's side of every port while no switchd runs there
+    (``on``), or off again before one starts (only where it is still the program). A veth
+    whose peer has no XDP program drops what a node's XDP program transmits into it (the fetch
+    engine's GETs), which a real NIC does not; with this, a plain bridge carries them."""
+    fns = load_xdp(HERE / "pass.c", ("xdp_pass",))[1] if on else None
+    with netns.inside(topo.switch_ns):
+        for n in topo.nodes:
+            links = json.loads(ip("-j", "-d", "link", "show", "dev", n.name,
+                                  ns=topo.switch_ns).stdout or "[]")
+            prog = ((links[0].get("xdp") or {}).get("prog") or {}).get("name") if links else None
+            if on and prog is None:
+                attach_xdp(n.name, fns["xdp_pass"])
+            elif not on and prog == "xdp_pass":
+                import_bcc().BPF.remove_xdp(n.name.encode(), mode_flags("native"))
+
+
 def _without_xdp_server(namespaces: list[str], ifname: str) -> list[str]:
     """The namespaces whose ``ifname`` carries no generic-mode program: a pool node's XDP GET
     server (hostagent.xdpserve) runs in that mode, and a native program cannot join it."""
-    import json
     keep = []
     for ns in namespaces:
         links = json.loads(ip("-j", "-d", "link", "show", "dev", ifname, ns=ns).stdout or "[]")
