@@ -70,10 +70,13 @@ def down_cmd(name, everything):
 
 @main.command()
 @click.option("--chunks", type=click.IntRange(64, 65536), default=256, show_default=True)
-def demo(chunks):
+@click.option("--store", type=click.Choice(["memory", "mooncake"]), default="memory",
+              show_default=True, help="The pool node's store (mooncake: the demo runs a "
+                                      "Mooncake master).")
+def demo(chunks, store):
     """Fetch a KV block through the switch from two inference nodes (see `make demo`)."""
     from .demos.basic import run_demo
-    fail_unless(run_demo(chunks))
+    fail_unless(run_demo(chunks, store=store))
 
 
 @main.command("demo-inference")

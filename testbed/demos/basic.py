@@ -21,7 +21,8 @@ from ..lab import Lab
 NS = 1
 
 
-def run_demo(chunks: int = 256, chunk_size: int = 1024, prefix: str = "demo") -> bool:
+def run_demo(chunks: int = 256, chunk_size: int = 1024, prefix: str = "demo",
+             store: str = "memory") -> bool:
     console = Console()
     rng = random.Random(2025)
     tokens = [rng.randrange(128_000) for _ in range(64)]          # a 64-token shared prefix
@@ -31,7 +32,7 @@ def run_demo(chunks: int = 256, chunk_size: int = 1024, prefix: str = "demo") ->
     console.print(f"[bold]block[/] ns={NS} key={key.hex()} {len(block):,} bytes "
                   f"= {chunks} chunks of {chunk_size} B")
 
-    with Lab(prefix, hosts=2, pools=1, chunk_size=chunk_size) as lab:
+    with Lab(prefix, hosts=2, pools=1, chunk_size=chunk_size, store=store) as lab:
         put = lab.put("h1", NS, key, block)
         console.print(f"put from h1 to pool p1: {put['chunks']} chunks acknowledged")
         lab.switchd("cache", "admit", "--ns", str(NS), "--key", key.hex())
