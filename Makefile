@@ -66,6 +66,8 @@ demo-vllm:
 bench:
 	$(VENV)/bin/testbed bench throughput --json bench/results/throughput.json
 	$(VENV)/bin/testbed bench incast --json bench/results/incast.json
+	$(VENV)/bin/testbed bench incast --store mooncake --json bench/results/incast-mooncake.json \
+	  --plot bench/results/incast-mooncake.png
 	$(VENV)/bin/testbed bench loss --json bench/results/loss.json
 	$(VENV)/bin/testbed bench fetch --json bench/results/fetch.json
 	$(VENV)/bin/testbed policy-eval --trace $(TRACE) \

@@ -58,7 +58,8 @@ _lib.bpf_obj_get_info_by_fd.argtypes = [ctypes.c_int, ctypes.c_void_p,
                                         ctypes.POINTER(ctypes.c_uint32)]
 
 
-def _check(ret: int, what: str) -> int:
+def check_ret(ret: int, what: str) -> int:
+    """A libbpf return value, or OSError(errno, "what: reason") for a negative one."""
     if ret < 0:
         err = ctypes.get_errno() or -ret
         raise OSError(err, f"{what}: {os.strerror(err)}")
@@ -69,14 +70,14 @@ def map_info_by_fd(fd: int, what: str = "a map") -> MapInfo:
     """Id, type, key/value size and capacity of an open map."""
     info = MapInfo()
     size = ctypes.c_uint32(ctypes.sizeof(info))
-    _check(_lib.bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size)),
+    check_ret(_lib.bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size)),
            f"reading info of {what}")
     return info
 
 
 def map_info(path: str) -> MapInfo:
     """Id, type, key/value size and capacity of the map pinned at ``path``."""
-    fd = _check(_lib.bpf_obj_get(path.encode()), f"opening pinned map {path}")
+    fd = check_ret(_lib.bpf_obj_get(path.encode()), f"opening pinned map {path}")
     try:
         return map_info_by_fd(fd, path)
     finally:
@@ -97,7 +98,7 @@ def xdp_test_run(prog_fd: int, frame: bytes, *, ifindex: int = 0, repeat: int = 
     if ifindex:
         opts.ctx_in = ctypes.addressof(ctx)
         opts.ctx_size_in = ctypes.sizeof(ctx)
-    _check(_lib.bpf_prog_test_run_opts(prog_fd, ctypes.byref(opts)), "BPF_PROG_TEST_RUN")
+    check_ret(_lib.bpf_prog_test_run_opts(prog_fd, ctypes.byref(opts)), "BPF_PROG_TEST_RUN")
     return opts.retval, data_out.raw[:opts.data_size_out]
 
 
@@ -112,5 +113,5 @@ def live_frames(prog_fd: int, frame: bytes, ifindex: int, repeat: int,
                        data_size_in=len(frame), ctx_in=ctypes.addressof(ctx),
                        ctx_size_in=ctypes.sizeof(ctx), repeat=repeat,
                        flags=BPF_F_TEST_XDP_LIVE_FRAMES, batch_size=batch_size)
-    _check(_lib.bpf_prog_test_run_opts(prog_fd, ctypes.byref(opts)), "BPF_PROG_TEST_RUN (live)")
+    check_ret(_lib.bpf_prog_test_run_opts(prog_fd, ctypes.byref(opts)), "BPF_PROG_TEST_RUN (live)")
     return opts.duration * repeat / 1e9

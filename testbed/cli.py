@@ -91,7 +91,7 @@ def demo(chunks, store):
               help="Greedy tokens generated and compared per prompt.")
 @click.option("--model", type=click.Choice(sorted(DEMO_MODELS)), default="llama3-mini",
               show_default=True)
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="float32",
               show_default=True)
 @click.option("--block-tokens", type=click.IntRange(16, 4096), default=BLOCK_TOKENS,
               show_default=True, help="Tokens per KV block (also the prefill chunk).")

@@ -229,12 +229,23 @@ class FetchEngine:
         base = self._slots.alloc(n)
         if base is not None or n > self.max_slots:
             return base
-        others = [t for t in self._active if t is not alone]
-        if others or (self._ring.queued and self.threaded):
+        if [t for t in self._active if t is not alone] or not self._drained():
             return None
         self._ring.prod = self._ring.cons             # only ``alone``'s retransmissions
         self._rebuild(min(self.max_slots, max(n, 2 * self.slots)))
         return self._slots.alloc(n)
+
+    def _drained(self, timeout: float = 1.0) -> bool:
+        """The sender thread has sent everything queued (at most a call's worth: ``alone``'s
+        GETs), so the ring and the program may be replaced."""
+        end = time.monotonic() + timeout
+        while self.threaded and self._ring.queued and time.monotonic() < end:
+            if self._error is not None or self._thread is None or not self._thread.is_alive():
+                return False
+            self._wake.set()
+            self._progress.wait(0.005)
+            self._progress.clear()
+        return not (self.threaded and self._ring.queued)
 
     def _rebuild(self, slots: int) -> None:
         """Load the program with an arena of ``slots`` and swap it in (idle engine only)."""

@@ -10,7 +10,8 @@ import ctypes
 import ctypes.util
 import os
 
-from switchd.libbpf import BPF_F_TEST_XDP_LIVE_FRAMES, MapInfo, TestRunOpts, XdpMd, map_info_by_fd
+from switchd.libbpf import (BPF_F_TEST_XDP_LIVE_FRAMES, MapInfo, TestRunOpts, XdpMd, check_ret,
+                            map_info_by_fd)
 
 XDP_FLAGS_REPLACE, XDP_FLAGS_DRV_MODE = 1 << 4, 1 << 2
 BPF_PROG_TYPE_XDP = 6
@@ -64,38 +65,31 @@ _lib.bpf_obj_get_info_by_fd.argtypes = [ctypes.c_int, ctypes.c_void_p,
                                         ctypes.POINTER(ctypes.c_uint32)]
 
 
-def _check(ret: int, what: str) -> int:
-    if ret < 0:
-        err = ctypes.get_errno() or -ret
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-    return ret
-
-
 # ---- maps and programs -------------------------------------------------------------------------
 def map_create(name: str, map_type: int, key_size: int, value_size: int, max_entries: int,
                flags: int = 0) -> int:
     opts = _MapCreateOpts(sz=ctypes.sizeof(_MapCreateOpts), map_flags=flags)
-    return _check(_lib.bpf_map_create(map_type, name.encode(), key_size, value_size, max_entries,
+    return check_ret(_lib.bpf_map_create(map_type, name.encode(), key_size, value_size, max_entries,
                                       ctypes.byref(opts)), f"creating map {name}")
 
 
 def prog_load_xdp(name: str, insns: bytes, license: str = "GPL") -> int:
     """Load (and verify) an XDP program from its bytecode, map references already resolved."""
     buf = ctypes.create_string_buffer(insns, len(insns))
-    return _check(_lib.bpf_prog_load(BPF_PROG_TYPE_XDP, name.encode(), license.encode(), buf,
+    return check_ret(_lib.bpf_prog_load(BPF_PROG_TYPE_XDP, name.encode(), license.encode(), buf,
                                      len(insns) // 8, None), f"loading program {name}")
 
 
 def map_lookup(fd: int, key: int, value_size: int) -> bytes:
     """The value under a u32 key (per-CPU maps: every CPU's, value_size rounded up to 8 each)."""
     k, v = ctypes.c_uint32(key), ctypes.create_string_buffer(value_size)
-    _check(_lib.bpf_map_lookup_elem(fd, ctypes.byref(k), v), "reading a map entry")
+    check_ret(_lib.bpf_map_lookup_elem(fd, ctypes.byref(k), v), "reading a map entry")
     return v.raw
 
 
 def map_update(fd: int, key: int, value: bytes) -> None:
     k, v = ctypes.c_uint32(key), ctypes.create_string_buffer(value, len(value))
-    _check(_lib.bpf_map_update_elem(fd, ctypes.byref(k), v, 0), "writing a map entry")
+    check_ret(_lib.bpf_map_update_elem(fd, ctypes.byref(k), v, 0), "writing a map entry")
 
 
 def map_info(fd: int) -> MapInfo:
@@ -103,7 +97,7 @@ def map_info(fd: int) -> MapInfo:
 
 
 def prog_fd_by_id(prog_id: int) -> int:
-    return _check(_lib.bpf_prog_get_fd_by_id(prog_id), f"opening program id {prog_id}")
+    return check_ret(_lib.bpf_prog_get_fd_by_id(prog_id), f"opening program id {prog_id}")
 
 
 def prog_info(fd: int, nmaps: int = 16) -> tuple[str, list[int]]:
@@ -111,7 +105,7 @@ def prog_info(fd: int, nmaps: int = 16) -> tuple[str, list[int]]:
     ids = (ctypes.c_uint32 * nmaps)()
     info = _ProgInfo(nr_map_ids=nmaps, map_ids=ctypes.addressof(ids))
     size = ctypes.c_uint32(ctypes.sizeof(info))
-    _check(_lib.bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size)),
+    check_ret(_lib.bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size)),
            "reading program info")
     return info.name.decode(errors="replace"), list(ids[:min(nmaps, info.nr_map_ids)])
 
@@ -119,7 +113,7 @@ def prog_info(fd: int, nmaps: int = 16) -> tuple[str, list[int]]:
 def prog_map(prog_fd: int, name: str) -> tuple[int, MapInfo] | None:
     """An fd (the caller closes it) and the info of the program's map called ``name``."""
     for mid in prog_info(prog_fd)[1]:
-        fd = _check(_lib.bpf_map_get_fd_by_id(mid), "opening a map by id")
+        fd = check_ret(_lib.bpf_map_get_fd_by_id(mid), "opening a map by id")
         info = map_info_by_fd(fd)
         if info.name.decode(errors="replace") == name:
             return fd, info
@@ -131,7 +125,7 @@ def prog_map(prog_fd: int, name: str) -> tuple[int, MapInfo] | None:
 def attached_id(ifindex: int) -> int:
     """Id of the native-mode XDP program on ``ifindex`` (in this thread's namespace); 0: none."""
     pid = ctypes.c_uint32(0)
-    _check(_lib.bpf_xdp_query_id(ifindex, XDP_FLAGS_DRV_MODE, ctypes.byref(pid)),
+    check_ret(_lib.bpf_xdp_query_id(ifindex, XDP_FLAGS_DRV_MODE, ctypes.byref(pid)),
            "querying XDP")
     return pid.value
 
@@ -166,11 +160,11 @@ def xdp_attach(ifindex: int, prog_fd: int, old_fd: int | None) -> None:
         _lib.libbpf_set_print(ctypes.cast(old, _PRINT_FN) if old else _PRINT_FN())
     why = [m.removeprefix("libbpf: Kernel error message: ") for m in _messages
            if "Kernel error message" in m]
-    _check(ret, "attaching XDP" + (f" ({why[-1]})" if why else ""))
+    check_ret(ret, "attaching XDP" + (f" ({why[-1]})" if why else ""))
 
 
 def xdp_detach(ifindex: int) -> None:
-    _check(_lib.bpf_xdp_detach(ifindex, XDP_FLAGS_DRV_MODE, None), "detaching XDP")
+    check_ret(_lib.bpf_xdp_detach(ifindex, XDP_FLAGS_DRV_MODE, None), "detaching XDP")
 
 
 # ---- running -----------------------------------------------------------------------------------
@@ -192,7 +186,7 @@ def prog_test_run(prog_fd: int, frame: bytes, *, meta: bytes = b"", ifindex: int
     else:
         data_out = ctypes.create_string_buffer(len(buf) + out_room)
         opts.data_out, opts.data_size_out = ctypes.addressof(data_out), len(data_out)
-    _check(_lib.bpf_prog_test_run_opts(prog_fd, ctypes.byref(opts)), "BPF_PROG_TEST_RUN")
+    check_ret(_lib.bpf_prog_test_run_opts(prog_fd, ctypes.byref(opts)), "BPF_PROG_TEST_RUN")
     if live:
         return 0, b""
     return opts.retval, data_out.raw[:opts.data_size_out]

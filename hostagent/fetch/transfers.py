@@ -4,9 +4,9 @@ congestion window per pool node, and loss recovery.
 Loss recovery is RACK-like: a chunk is presumed lost when a chunk asked for after it (send-ring
 order, first asks only: Karn) has come back (replies keep their order on a path) and it is older
 than the reordering window (a quarter of the least recent round trip, at least ``reo_floor``);
-for a transfer the switch answers (at least 90% FROM_SWITCH/REPLICA replies: those come back
+for a transfer the switch answers from its cache (at least 90% FROM_SWITCH replies: those come back
 within the test-run call that sent the GET) when its call has ended and nothing came back for
-``tail_wait``; and always when nothing came back for the retransmission timeout (RFC 6298 per
+``tail_wait`` (first asks only); and always when nothing came back for the retransmission timeout (RFC 6298 per
 transfer, restarted by every delivery, backing off per try). Before a retransmission the
 candidates' slot words are read again: arrived but not yet verified is not lost.
 
@@ -28,6 +28,9 @@ from hostagent.client import TransferStats
 from .program import GEN_MASK, SENDQ
 
 
+INITIAL_RTO = 0.2                       # seconds, before a round trip was measured
+
+
 class Rtt:
     """Round-trip estimator (RFC 6298) and RACK's reordering window, per transfer: chunks the
     switch answers come back within microseconds, the pool node's after its queue."""
@@ -36,7 +39,7 @@ class Rtt:
         self.srtt: float | None = None
         self.rttvar = 0.0
         self.min_rtt = 1.0
-        self.rto = 0.2                  # until there are samples
+        self.rto = INITIAL_RTO          # until there are samples
         self.reo = 0.001                # reordering window of loss detection
 
     def sample(self, rtt: float, floor: float, reo_floor: float) -> None:
@@ -123,20 +126,32 @@ class Transfer:
         return self.next_new - self.nverified
 
 
+def _timers(t: Transfer) -> tuple[bool, float]:
+    """Whether ``t`` is answered by the switch (the tail rule applies) and its retransmission
+    timeout. Until a reply of this transfer came back both are an earlier transfer's guess, and
+    a miss may wait for a pool node's fill (a Mooncake read: tens of milliseconds): no tail
+    rule, and a timeout of at least the initial one."""
+    if t.seen_received:
+        return t.switched, t.rtt.rto
+    return False, max(t.rtt.rto, INITIAL_RTO)
+
+
 def _lost(t: Transfer, ring, meta: np.ndarray, now: float, tail_wait: float,
           share: int) -> np.ndarray:
     """Chunks of ``t`` presumed lost (at most ``share``), by the rules in the module doc."""
-    rtt, fast = t.rtt, t.switched
+    rtt, (fast, rto) = t.rtt, _timers(t)
     lo, hi = t.lo, t.next_new
     seq = t.sent_seq[lo:hi]
     sent = (seq >= 0) & (seq < ring.cons) & ~t.verified[lo:hi]
     age = now - ring.sent_time(seq, t.sent_t[lo:hi])
     backoff = np.exp2(np.minimum(t.tries[lo:hi] - 1, 6))
     lost = ((seq < t.max_recv_seq) & (age > rtt.reo)) | (
-        (age > rtt.rto * backoff) & (now - t.last_delivery > rtt.rto * backoff))
+        (age > rto * backoff) & (now - t.last_delivery > rto * backoff))
     if fast:            # no queue to wait for: a reply comes within the call that sent it
         quiet = now - np.maximum(ring.done_time[seq % SENDQ], t.last_delivery)
-        lost |= quiet > tail_wait
+        # first asks only: a chunk the switch holds for a pool reply (a miss among hits)
+        # would otherwise be asked again at every scan; later tries wait for the timer
+        lost |= (quiet > tail_wait) & (t.tries[lo:hi] == 1)
     idx = np.flatnonzero(sent & lost)
     if not idx.size:
         return idx
@@ -152,9 +167,9 @@ def _scan_due(t: Transfer, ring, now: float, tail_wait: float) -> bool:
     first = int(t.sent_seq[t.lo])
     if first < 0 or first >= ring.cons:
         return False
-    rtt, fast = t.rtt, t.switched
+    rtt, (fast, rto) = t.rtt, _timers(t)
     return (now >= t.next_scan or (first < t.max_recv_seq and now - t.sent_t[t.lo] > rtt.reo)
-            or (now - t.last_delivery > min(rtt.rto, tail_wait if fast else 1.0) and
+            or (now - t.last_delivery > min(rto, tail_wait if fast else 1.0) and
                 now - ring.done_time[first % SENDQ] > (tail_wait if fast else 0)))
 
 
@@ -186,7 +201,7 @@ def fill(active: list[Transfer], ring, meta: np.ndarray, now: float, burst: int,
                 share -= idx.size
                 t.next_scan = now + rtt.reo
             else:
-                t.next_scan = now + max(rtt.rto / 2, 0.002)
+                t.next_scan = now + max(_timers(t)[1] / 2, 0.002)
         left = t.nchunks - t.next_new
         if left > 0 and share > 0:
             m = min(left, share, max(0, int(route.cwnd) - inflight[route.index]))

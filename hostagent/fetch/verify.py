@@ -88,10 +88,11 @@ def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, 
         t.max_recv_seq = max(t.max_recv_seq, int(seqs.max()))
         sent = ring.sent_time(seqs, t.sent_t[clean])
         t.rtt.sample(now - float(sent.mean()), rto_floor, reo_floor)
-    # who answered: the switch (FROM_SWITCH, REPLICA: within the call) or the pool node
+    # who answered: the switch from its cache (FROM_SWITCH: within the call) or the pool node
+    # (directly, or a REPLICA of its reply to a held miss: at the pool's pace)
     src = (words[ok - lo] >> _SHIFT_FLAGS).astype(np.uint8)
     t.switched = not t.no_cache and bool(
-        np.count_nonzero(src & (_FROM_SWITCH | _REPLICA)) * 10 >= 9 * ok.size)
+        np.count_nonzero(src & _FROM_SWITCH) * 10 >= 9 * ok.size)
     t.route.acked(ok.size, max_window)
     v = t.verified[t.lo:t.next_new]              # the lowest chunk still missing
     k = int(v.argmin()) if v.size else 0

@@ -10,11 +10,13 @@ time-to-first-token (TTFT) both ways, greedy tokens (must be identical), KV iden
 blocks must equal the recomputed ones bit for bit) and the bytes moved per cached token.
 
 The model ("llama3-mini") is a scaled-down Llama-3: grouped-query attention with 16 query heads
-and 2 KV heads, a 3.5x SwiGLU MLP, bf16, 8 layers of width 1024 (~0.17 B parameters, 0.21 GFLOP
-per token outside attention), so 4 KiB of KV per token: ~52 kFLOP of prefill per KV byte. That is
-half of Llama-3-8B's ratio (~107 kFLOP/B: 14 GFLOP and 128 KiB per token) and an eighth of
+and 2 KV heads, a 3.5x SwiGLU MLP, fp32, 8 layers of width 1024 (~0.17 B parameters, 0.35 GFLOP
+per token outside attention), so 8 KiB of KV per token: ~42 kFLOP of prefill per KV byte. That is
+below Llama-3-8B's ratio (~107 kFLOP/B in bf16: 14 GFLOP and 128 KiB per token) and a tenth of
 Llama-3-70B's (~420 kFLOP/B), so the fetch path gets no help from the model choice. Prefill runs
-in 512-token chunks (one block each) on both paths; bf16 because this CPU has AMX.
+in 512-token chunks (one block each) on both paths. fp32 by default: this machine's CPU has AVX2
+and no AMX, and torch's CPU build multiplies bf16 about 5x slower than fp32 here
+(``--dtype bfloat16`` still runs).
 
 The orchestrator runs here; the model runs inside the node namespaces (tasks ``node_a`` and
 ``node_b``). B and C fetch through the XDP fetch engine (``hostagent.fetch``; the asyncio client
@@ -195,7 +197,7 @@ def node_b(name: str, pools: list[str], chunk_size: int, window: int, concurrenc
 # ---- the orchestrator ----------------------------------------------------------------------------
 def run_inference_demo(sizes=(1024, 4096, 16384), chunk_size: int = 3072, window: int = 64,
                        concurrency: int = 4, new_tokens: int = 16, model: str = "llama3-mini",
-                       dtype: str = "bfloat16", block_tokens: int = BLOCK_TOKENS,
+                       dtype: str = "float32", block_tokens: int = BLOCK_TOKENS,
                        prefix: str = "inf", json_path: str | None = None,
                        must_win_from: int = 4096) -> bool:
     """Run the demo; True when every check held (fetch must beat recompute at prompt sizes of
