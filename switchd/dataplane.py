@@ -301,6 +301,11 @@ class DataPlane:
             ctypes.memset(ctypes.addressof(cfg.mac), 0, 6)
             cfg.ip = 0
         cfg.role = role
+        inline = len(cfg.ns)
+        ns_list = sorted(set(namespaces or []))
+        cfg.nns = len(ns_list) if len(ns_list) <= inline else inline + 1   # more: kv_port_ns
+        for i in range(inline):
+            cfg.ns[i] = ns_list[i] if i < len(ns_list) else 0
         cfg.flags = ((PF["NS_LIMITED"] if namespaces else 0) |
                      (PF["SECURED"] if secured or source else 0) | bound)
         self.ports[key] = cfg

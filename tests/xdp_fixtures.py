@@ -159,6 +159,16 @@ CASES = [
          port_ns={"host": [6]}, counters={"denied": 1}),
     Case("a limited port may write into its own tenant", bytes(put_frame(ns=6)), XDP.PASS,
          port_ns={"host": [6]}, counters={"other_kv": 1}),
+    Case("a port with more tenants than its config holds: one of them is served",
+         bytes(get_frame(ns=6)), XDP.TX, switch_reply(b"other tenant", ns=6),
+         cached=CACHED + ((6, KEY, 3, b"other tenant", 9),),
+         port_ns={"host": [20, 21, 22, 23, 24, 25, 26, 27, 28, 6]}, cache_unchanged=False),
+    Case("a port with more tenants than its config holds: another is denied",
+         bytes(get_frame(ns=5)), XDP.DROP, port_ns={"host": [20, 21, 22, 23, 24, 25, 26, 27, 28, 6]},
+         counters={"denied": 1}),
+    Case("a port with eight tenants (all its config holds): one is served", bytes(get_frame(ns=6)), XDP.TX,
+         switch_reply(b"other tenant", ns=6), cached=CACHED + ((6, KEY, 3, b"other tenant", 9),),
+         port_ns={"host": [1, 2, 3, 4, 7, 8, 9, 6]}, cache_unchanged=False),
 
     # port security: a secured port's frames carry its bound source
     Case("secured port: its own source is served", bytes(get_frame()), XDP.TX, switch_reply(),

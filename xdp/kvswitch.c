@@ -291,6 +291,14 @@ static __always_inline int ns_allowed(struct xdp_md *ctx, struct kv_port_cfg *po
 {
     if (!port || !(port->flags & KV_PF_NS_LIMITED))
         return 1;
+    __u32 n = port->nns;
+    if (n <= KV_PORT_NS_INLINE) {      /* the usual case: a few tenants, no second lookup */
+#pragma unroll
+        for (int i = 0; i < KV_PORT_NS_INLINE; i++)
+            if (i < n && port->ns[i] == ns)
+                return 1;
+        return 0;
+    }
     struct kv_port_ns_key pk = {};
     pk.ifindex = ctx->ingress_ifindex;
     pk.ns = ns;

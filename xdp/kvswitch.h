@@ -16,6 +16,7 @@
 #endif
 #define KV_ADMIT_ENTRIES 65536
 #define KV_PORT_ENTRIES 256
+#define KV_PORT_NS_INLINE 8        /* namespaces a port's config holds itself */
 
 struct kv_block_key {              /* a block: key of the admit set */
     __u32 ns;                      /* host order */
@@ -62,6 +63,9 @@ struct kv_port_cfg {
     __u8   mac[6];                 /* KV_PF_SECURED: the one source the port's frames may carry, */
     __u16  reserved;               /* Ethernet source and ARP sender hardware address ... */
     __be32 ip;                     /* ... IPv4 source and ARP sender address (once KV_PF_BOUND) */
+    __u32  nns;                    /* KV_PF_NS_LIMITED: how many of ns[] hold its namespaces; more
+                                      than KV_PORT_NS_INLINE: look them up in kv_port_ns */
+    __u32  ns[KV_PORT_NS_INLINE];  /* its namespaces, checked without a map lookup */
 };
 #define KV_PF_NS_LIMITED 1         /* only namespaces in kv_port_ns may be asked for here; and only
                                       frames the data plane can check pass (see kvswitch.c) */
