@@ -134,23 +134,25 @@ def test_switchd_environment_errors(tmp_path):
 
 def test_four_readers_one_upstream_request_per_chunk():
     prefix = f"c{os.getpid() % 100000}"
+    n = 1024                       # chunks: long enough a transfer for the four to overlap
     # a generous round timeout: on a loaded 2-core box a reply can take tens of milliseconds
     with Lab(prefix, hosts=4, pools=1, switchd_args=("--pending-timeout-ms", "1000")) as lab4:
-        key, block = os.urandom(16), os.urandom(200 * 1024)
+        key, block = os.urandom(16), os.urandom(n * 1024)
         lab4.put("h1", NS, key, block)
         lab4.switchd("cache", "admit", "--ns", str(NS), "--key", key.hex())
         gets_before = lab4.pool_counters().get("rx_get", 0)
-        results = lab4.get_many(["h1", "h2", "h3", "h4"], NS, key)
+        # start late enough that all four have their fetch engine loaded (a first compile)
+        results = lab4.get_many(["h1", "h2", "h3", "h4"], NS, key, start_delay=8.0)
         upstream = lab4.pool_counters()["rx_get"] - gets_before
         counters = lab4.stats()
     assert not namespaces_of(prefix)
     assert all(data == block for _, data in results), "every reader byte-exact"
-    assert upstream == 200 + counters["expired"], f"{upstream} GETs for 200 chunks: {counters}"
+    assert upstream == n + counters["expired"], f"{upstream} GETs for {n} chunks: {counters}"
     assert counters["expired"] <= 2
     served = [r["from_pool"] + r["replicas"] + r["from_switch"] for r, _ in results]
-    assert served == [200] * 4
+    assert served == [n] * 4
     assert counters["coalesced"] > 0 and counters["replicas"] > 0
-    assert counters["fill"] == 200
+    assert counters["fill"] == n
 
 
 def _admitted(lab) -> set[str]:
