@@ -20,7 +20,9 @@ NS = 1
 @pytest.fixture(scope="module")
 def lab():
     with leaves_no_namespaces(f"t{os.getpid() % 100000}") as prefix, \
-            Lab(prefix, hosts=2, pools=1, switchd_args=("--port-security",)) as running:
+            Lab(prefix, hosts=2, pools=1,
+                # no speculative fills: the tests count what comes from the pool after an admit
+                switchd_args=("--port-security", "--fill-headroom", "0")) as running:
         yield running
 
 
