@@ -59,6 +59,17 @@ class TransferStats:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def count_reply(self, msg: Message) -> None:
+        """One accepted GET_REPLY: its bytes, and who sent it (by its flags)."""
+        self.chunks += 1
+        self.bytes += len(msg.payload)
+        if msg.flags & _REPLICA:
+            self.replicas += 1
+        elif msg.flags & _FROM_SWITCH:
+            self.from_switch += 1
+        else:
+            self.from_pool += 1
+
 
 def parse_addr(text: str, default_port: int = PORT) -> tuple[str, int]:
     """'10.0.0.1', 'pool-3' or '10.0.0.1:19286' -> (IPv4 address, port); a name is resolved
@@ -315,12 +326,7 @@ class KVClient:
                 raise ProtocolError(f"chunk {i} says the block has {msg.nchunks} chunks, "
                                     f"not {known['n']}")
             parts[i] = msg.payload
-            if msg.flags & _REPLICA:
-                stats.replicas += 1
-            elif msg.flags & _FROM_SWITCH:
-                stats.from_switch += 1
-            else:
-                stats.from_pool += 1
+            stats.count_reply(msg)
             return DONE
 
         start = time.monotonic()

@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import fields
 
-from kvproto import Flag, Message, Op, Status
+from kvproto import Message, Op, Status
 
 from . import client as kvclient
 from .client import BlockNotFound, KVClient, Refused, TransferStats
@@ -38,7 +38,6 @@ from .vllm_connector_blocks import LoadSpec, PoolLayout, Settings, write_block
 log = logging.getLogger("vllm.kvswitch")       # under "vllm": vLLM's handler prints it
 
 PROBE_DEADLINE = 2.0                            # seconds: a probe must not stall the scheduler
-_REPLICA, _FROM_SWITCH = int(Flag.REPLICA), int(Flag.FROM_SWITCH)
 
 
 def add_stats(total: TransferStats, part: TransferStats) -> None:
@@ -123,14 +122,7 @@ class PoolBackend:
             if not msg.checksum_ok():
                 stats.checksum_errors += 1
                 return kvclient.RETRY_BYPASS
-            stats.chunks += 1
-            stats.bytes += len(msg.payload)
-            if msg.flags & _REPLICA:
-                stats.replicas += 1
-            elif msg.flags & _FROM_SWITCH:
-                stats.from_switch += 1
-            else:
-                stats.from_pool += 1
+            stats.count_reply(msg)
             return kvclient.DONE
 
         await kvclient._Transfer(self.client, self.client.pool_for(ns, key), [0], build,
