@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -47,19 +48,47 @@ pool_opt = click.option("--pool", "pools", multiple=True, required=True, metavar
 ns_opt = click.option("--ns", type=click.IntRange(0, 0xFFFFFFFF), default=1, show_default=True,
                       help="Namespace id.")
 key_opt = click.option("--key", required=True, help="Block key, 32 hex digits.")
-chunk_opt = click.option("--chunk-size", type=click.IntRange(1, MAX_PAYLOAD), default=1024,
-                         show_default=True, help="Bytes per chunk (one datagram each).")
+def _chunk_size(ctx, param, value):
+    if value is not None and value % 8:
+        raise click.BadParameter(f"{value} is not a multiple of 8 (the switch and the fetch "
+                                 "engine move chunks in 8-byte words)")
+    return value
+
+
+chunk_opt = click.option("--chunk-size", type=click.IntRange(8, MAX_PAYLOAD), default=1024,
+                         show_default=True, callback=_chunk_size,
+                         help="Bytes per chunk (one datagram each), a multiple of 8.")
 window_opt = click.option("--window", type=click.IntRange(1, 4096), default=64,
                           show_default=True, help="Chunk requests in flight per block.")
-deadline_opt = click.option("--deadline", type=click.FloatRange(min=0, min_open=True),
+deadline_opt = click.option("--deadline", type=click.FloatRange(0, 86400, min_open=True),
                             default=30.0, show_default=True, help="Seconds before giving up.")
 
 
-def _run(coro):
+def _writable(ctx, param, value):
+    """A file to write, checked before the transfer (click opens it only at the first write)."""
+    name = getattr(value, "name", "-")
+    if value is not None and name != "-":
+        where = os.path.dirname(os.path.abspath(name))
+        if not os.path.isdir(where) or not os.access(where, os.W_OK):
+            raise click.BadParameter(f"cannot write into {where}")
+    return value
+
+
+def _finite(ctx, param, value):
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def _run(coro, pools=()):
     try:
         return asyncio.run(coro)
     except (kvclient.BlockNotFound, kvclient.TransferTimeout, kvclient.Refused) as exc:
         click.echo(f"hostagent: error: {exc.args[0] if exc.args else exc}", err=True)
+        sys.exit(1)
+    except OSError as exc:                 # no route, no interface, a refused socket call
+        where = ", ".join(f"{h}:{p}" for h, p in pools) or "the pool"
+        click.echo(f"hostagent: error: cannot reach {where}: {exc.strerror or exc}", err=True)
         sys.exit(1)
 
 
@@ -116,7 +145,7 @@ def _make_store(ctx: click.Context, v: dict):
         for name in ("mooncake_master", "mooncake_metadata", "replicas", "segment"):
             if _given(ctx, v, name):
                 raise click.UsageError(f"--{name.replace('_', '-')} needs --store mooncake")
-        return MemoryStore(v["capacity"], **common)
+        return _allocated(MemoryStore, v["capacity"], **common)
     from .mooncake_store import MooncakeMissing, MooncakeStore, load_mooncake, parse_master
     if not v["mooncake_master"]:
         raise click.UsageError("--store mooncake needs --mooncake-master HOST[:PORT]")
@@ -131,10 +160,20 @@ def _make_store(ctx: click.Context, v: dict):
     except MooncakeMissing as exc:
         raise click.ClickException(str(exc)) from None
     try:
-        return MooncakeStore(v["capacity"], v["mooncake_master"], v["replicas"], v["segment"],
-                             v["mooncake_metadata"], **common)
+        return _allocated(MooncakeStore, v["capacity"], v["mooncake_master"], v["replicas"],
+                          v["segment"], v["mooncake_metadata"], **common)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def _allocated(make, capacity: int, *args, **kw):
+    """``make(capacity, ...)``; memory the machine cannot give is one line, not a traceback."""
+    try:
+        return make(capacity, *args, **kw)
+    except (MemoryError, OSError) as exc:
+        why = getattr(exc, "strerror", None) or exc.__class__.__name__
+        raise click.BadParameter(f"cannot allocate {capacity} bytes of staging memory: {why}",
+                                 param_hint="--capacity") from None
 
 
 @main.command()
@@ -229,7 +268,7 @@ def put(pools, ns, key, path, chunk_size, window, deadline):
         async with kvclient.KVClient(pools, chunk_size, window, deadline) as c:
             return await c.put_block(ns, _key(key), data)
 
-    stats = _run(go())
+    stats = _run(go(), pools)
     click.echo(json.dumps({"op": "put", "ns": ns, "key": key, **stats.as_dict()}))
 
 
@@ -237,9 +276,9 @@ def put(pools, ns, key, path, chunk_size, window, deadline):
 @pool_opt
 @ns_opt
 @key_opt
-@click.option("--out", type=click.File("wb"), help="Write the block here.")
+@click.option("--out", type=click.File("wb"), callback=_writable, help="Write the block here.")
 @click.option("--no-cache", is_flag=True, help="Bypass the switch cache.")
-@click.option("--start-at", type=float, metavar="UNIXTIME",
+@click.option("--start-at", type=float, metavar="UNIXTIME", callback=_finite,
               help="Wait until this wall-clock time before asking (to start many readers at once).")
 @chunk_opt
 @window_opt
@@ -258,7 +297,7 @@ def get(pools, ns, key, out, no_cache, start_at, chunk_size, window, deadline):
                 await asyncio.sleep(max(0.0, start_at - time.time()))
             return await c.get_block(ns, key_bytes, no_cache=no_cache)
 
-    data, stats = _run(go())
+    data, stats = _run(go(), pools)
     if out:
         out.write(data)
     click.echo(json.dumps({"op": "get", "ns": ns, "key": key,
@@ -266,7 +305,7 @@ def get(pools, ns, key, out, no_cache, start_at, chunk_size, window, deadline):
 
 
 @main.command("hash")
-@click.argument("tokens", nargs=-1, type=int, required=True)
+@click.argument("tokens", nargs=-1, type=click.IntRange(0, 0xFFFFFFFF), required=True)
 @click.option("--block-tokens", type=click.IntRange(1), default=DEFAULT_BLOCK_TOKENS,
               show_default=True)
 @click.option("--extra", default="", help="Cache-separating salt (model id, adapter...).")

@@ -53,3 +53,39 @@ def test_switchd_option_errors(args, message):
 ])
 def test_hostagent_errors(args, message):
     assert message in _one_line_error("hostagent", *args)
+
+
+KEY0 = "00" * 16
+
+
+@pytest.mark.parametrize("args, message", [
+    (["get", "--pool", "127.0.0.1", "--key", KEY0, "--chunk-size", "3444"], "not a multiple of 8"),
+    (["get", "--pool", "127.0.0.1", "--key", KEY0, "--chunk-size", "1001"], "not a multiple of 8"),
+    (["put", "--pool", "127.0.0.1", "--key", KEY0, "--file", "/etc/hostname", "--chunk-size",
+      "1001"], "not a multiple of 8"),
+    (["get", "--pool", "127.0.0.1", "--key", KEY0, "--out", "/nonexistent/dir/x"],
+     "cannot write into /nonexistent/dir"),
+    (["get", "--pool", "127.0.0.1", "--key", KEY0, "--deadline", "1e308"], "is not in the range"),
+    (["get", "--pool", "127.0.0.1", "--key", KEY0, "--start-at", "nan"], "is not a finite"),
+    (["hash", "--", "-1", "2", "3"], "-1 is not in the range 0<=x<=4294967295"),
+    (["hash", "4294967296", "1"], "4294967296 is not in the range 0<=x<=4294967295"),
+    (["serve", "--bind", "127.0.0.1", "--port", "19999", "--capacity", "100000GiB"],
+     "cannot allocate 107374182400000 bytes of staging memory"),
+], ids=["chunk 3444", "chunk 1001", "put chunk 1001", "out dir", "deadline", "start-at nan",
+        "negative token", "token too large", "capacity too large"])
+def test_hostagent_bad_values_give_one_line(args, message):
+    assert message in _one_line_error("hostagent", *args)
+
+
+@pytest.mark.parametrize("op", ["get", "put"])
+def test_an_unreachable_pool_is_one_line(op):
+    """In a fresh network namespace (loopback down, no route at all) the kernel refuses the first
+    datagram at once (ENETUNREACH): one error line, no traceback, exit 1; nothing leaves the box."""
+    extra = ["--file", "/etc/hostname"] if op == "put" else []
+    argv = ["unshare", "--net", *python_argv("hostagent", op, "--pool", "10.9.9.9", "--key", KEY0,
+                                           "--deadline", "2", *extra)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("hostagent: error:")]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert errors == ["hostagent: error: cannot reach 10.9.9.9:19286: Network is unreachable"], \
+        r.stderr
