@@ -1,7 +1,9 @@
 """The pool (storage) node: answers GETs and accepts PUTs of chunked blocks over UDP (asyncio),
 in front of a store (``hostagent.store``: in memory, or ``hostagent.mooncake_store``).
 
-Each datagram is one request and gets at most one answer. A datagram that is not a v1 message is
+Each datagram is one request and gets at most one answer; one from UDP source port 0 gets
+none (counted: ``refused_port0``), and one with a bad UDP checksum never gets here (the kernel
+drops it; ``udp_in_csum_errors`` in the stats is its count). A datagram that is not a v1 message is
 answered with ERROR when its header could be read far enough to address a reply, else dropped.
 A GET for a staged block is answered from the staging arena: by XDP before it reaches this
 process where it can (``hostagent.xdpserve``), else here (the header packed, the chunk sent from
@@ -44,7 +46,7 @@ class PoolServer(asyncio.DatagramProtocol):
     def stats(self) -> dict:
         """Counters of the node: GETs answered by XDP count in rx_get and tx_bytes too (their
         own counts are the xdp_ ones)."""
-        out = {**self.counters, **self.store.stats()}
+        out = {**self.counters, **self.store.stats(), **_udp_csum_errors()}
         if "xdp_hit" in out:
             out["rx_get"] = out.get("rx_get", 0) + out["xdp_hit"]
             out["tx_bytes"] = out.get("tx_bytes", 0) + out["xdp_hit_bytes"]
@@ -80,6 +82,9 @@ class PoolServer(asyncio.DatagramProtocol):
 
     # ---- receiving -----------------------------------------------------------------------
     def datagram_received(self, data: bytes, addr):
+        if not addr[1]:                       # source port 0: no reply could be sent to it
+            self.counters["refused_port0"] += 1
+            return
         if len(data) >= HEADER_LEN:           # the common case first: a GET for a staged block
             (magic, version, op, _flags, _status, ns, req_id, key, chunk, _n, length, reserved,
              _csum) = _unpack(data)
@@ -110,7 +115,7 @@ class PoolServer(asyncio.DatagramProtocol):
                     self._answer_get(msg, addr, got)
             elif msg.op == _PUT:
                 done = self.store.put_chunk(msg.ns, msg.key, msg.chunk, msg.nchunks,
-                                            msg.payload, msg.csum)
+                                            msg.payload, msg.csum, addr[0])
                 if isinstance(done, asyncio.Future):
                     self._wait(done, msg, addr, self._answer_put)
                 else:
@@ -242,6 +247,17 @@ async def serve(host: str, port: int, capacity_bytes: int,
         finally:
             if xdp_server is not None:
                 xdp_server.close()
+
+
+def _udp_csum_errors() -> dict:
+    """UDP datagrams this network namespace's kernel dropped for a bad checksum (they never
+    reach the server: /proc/net/snmp's Udp InCsumErrors, for every socket of the namespace)."""
+    try:
+        with open("/proc/net/snmp") as f:
+            rows = [line.split() for line in f if line.startswith("Udp:")]
+        return {"udp_in_csum_errors": int(dict(zip(rows[0], rows[1]))["InCsumErrors"])}
+    except (OSError, IndexError, KeyError, ValueError):
+        return {}
 
 
 async def _tick(store: PoolStore) -> None:

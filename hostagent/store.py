@@ -1,9 +1,10 @@
 """What a pool node stores blocks in, and the in-memory store (the embedded default).
 
 Every store has the same two halves. PUT chunks, one datagram each, are assembled
-(``Assembler``: bounded bytes, an incomplete block is dropped after a timeout) until the block
-is whole; then it is laid out as one object (``hostagent.blockfmt``: header, the writer's CRC of
-every chunk, payload) in the node's staging arena (``hostagent.staging``), from which GETs are
+(``hostagent.assembly``: budgets per namespace and per source, an incomplete block is dropped
+after a timeout) until the block is whole; then it is laid out as one object
+(``hostagent.blockfmt``: header, the writer's CRC of every chunk, payload) in the node's
+staging arena (``hostagent.staging``), from which GETs are
 answered. ``PoolStore`` is that common part and the interface the server uses: ``get`` and
 ``put_chunk`` answer at once or hand back a future when the backing store has to be asked.
 
@@ -15,129 +16,21 @@ stored one is refused; one that matches (a retransmission) is acknowledged again
 from __future__ import annotations
 
 import asyncio
-import time
+import dataclasses
 from array import array
 from collections import Counter
-from dataclasses import dataclass, field
 
 from kvproto import Status, checksum
+from .assembly import (DEFAULT_ASSEMBLY_BYTES, DEFAULT_ASSEMBLY_TIMEOUT, Assembler, PutBudgets,
+                       StoreError)
 from .blockfmt import Layout, write_block
 from .staging import DEFAULT_PAGE, Arena, StagedBlock, Staging, StagingFull
 
+__all__ = ["Assembler", "BlockStore", "MemoryStore", "PoolStore", "PutBudgets", "StoreError",
+           "UNAVAILABLE", "DEFAULT_ASSEMBLY_BYTES", "DEFAULT_ASSEMBLY_TIMEOUT"]
+
 # the status a pool node answers with while its backing store is unreachable
 UNAVAILABLE = Status.UNAVAILABLE
-DEFAULT_ASSEMBLY_BYTES = 256 << 20
-DEFAULT_ASSEMBLY_TIMEOUT = 10.0
-
-
-class StoreError(Exception):
-    """A request the store refuses; ``status`` is the protocol status to answer with."""
-
-    def __init__(self, status: int, reason: str):
-        super().__init__(reason)
-        self.status = status
-
-
-@dataclass
-class Partial:
-    nchunks: int
-    touched: float
-    chunks: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # index -> (payload, crc)
-    nbytes: int = 0
-    chunk_size: int = 0          # set by the first chunk that is not the last (or n == 1)
-    last_len: int = 0
-
-
-class Assembler:
-    """Blocks being PUT, chunk by chunk, until every chunk is in. At most ``budget`` bytes are
-    held; a block no chunk arrived for in ``timeout`` seconds is dropped."""
-
-    def __init__(self, budget: int = DEFAULT_ASSEMBLY_BYTES,
-                 timeout: float = DEFAULT_ASSEMBLY_TIMEOUT, max_block: int | None = None,
-                 clock=time.monotonic):
-        if budget <= 0 or timeout <= 0:
-            raise ValueError("assembly budget and timeout must be positive")
-        self.budget, self.timeout, self.clock = budget, timeout, clock
-        self.max_block = max_block if max_block is not None else budget
-        self.partial: dict[tuple[int, bytes], Partial] = {}
-        self.used = 0
-        self.expired_blocks = 0
-
-    def __contains__(self, name: tuple[int, bytes]) -> bool:
-        return name in self.partial
-
-    def __len__(self) -> int:
-        return len(self.partial)
-
-    def add(self, ns: int, key: bytes, chunk: int, nchunks: int, payload: bytes,
-            crc: int) -> bool:
-        """Take one chunk; True when it completes its block (then ``take`` it)."""
-        if nchunks < 1 or chunk >= nchunks:
-            raise StoreError(Status.BAD_REQUEST, f"chunk {chunk} of a {nchunks}-chunk block")
-        if not payload:
-            raise StoreError(Status.BAD_REQUEST, "a chunk carries at least one byte")
-        size, last = len(payload), chunk == nchunks - 1
-        p = self.partial.get((ns, key))
-        if p is not None and p.nchunks == nchunks and chunk in p.chunks:
-            old_payload, old_crc = p.chunks[chunk]
-            if old_crc != crc or len(old_payload) != size:
-                raise StoreError(Status.BAD_REQUEST, "blocks are immutable: chunk differs")
-            p.touched = self.clock()
-            return False                                # a retransmitted PUT
-        if (size if last else (nchunks - 1) * size + 1) > self.max_block:
-            raise StoreError(Status.NO_SPACE, f"a block of {nchunks} chunks of {size} bytes "
-                             f"is larger than the {self.max_block} bytes this node holds")
-        self._make_room(size)
-        p = self.partial.get((ns, key))                 # (making room may have expired it)
-        if p is not None and p.nchunks != nchunks:
-            raise StoreError(Status.BAD_REQUEST,
-                             f"block has {p.nchunks} chunks, PUT says {nchunks}")
-        known_size, known_last = (p.chunk_size, p.last_len) if p else (0, 0)
-        if last:
-            if known_size and size > known_size:
-                raise StoreError(Status.BAD_REQUEST, "the last chunk is longer than the others")
-        elif (known_size and size != known_size) or known_last > size:
-            raise StoreError(Status.BAD_REQUEST,
-                             "the chunks of a block have one size (the last may be shorter)")
-        if p is None:
-            p = self.partial[(ns, key)] = Partial(nchunks, self.clock())
-        if last:
-            p.last_len = size
-        if not last or nchunks == 1:
-            p.chunk_size = size
-        p.chunks[chunk] = (payload, crc)
-        p.nbytes += size
-        p.touched = self.clock()
-        self.used += size
-        return len(p.chunks) == nchunks
-
-    def take(self, ns: int, key: bytes) -> tuple[int, list[bytes], list[int]]:
-        """(chunk size, payloads, CRCs) of a complete block, which leaves the assembler."""
-        p = self.partial.pop((ns, key))
-        self.used -= p.nbytes
-        items = [p.chunks[i] for i in range(p.nchunks)]
-        return p.chunk_size, [c for c, _ in items], [crc for _, crc in items]
-
-    def drop(self, ns: int, key: bytes) -> None:
-        p = self.partial.pop((ns, key), None)
-        if p is not None:
-            self.used -= p.nbytes
-
-    def expire(self) -> int:
-        """Drop the blocks no chunk arrived for in ``timeout`` seconds; how many."""
-        horizon = self.clock() - self.timeout
-        stale = [name for name, p in self.partial.items() if p.touched < horizon]
-        for name in stale:
-            self.drop(*name)
-        self.expired_blocks += len(stale)
-        return len(stale)
-
-    def _make_room(self, size: int) -> None:
-        if self.used + size > self.budget:
-            self.expire()
-        if self.used + size > self.budget:
-            raise StoreError(Status.NO_SPACE, f"{self.used} bytes of incomplete blocks are "
-                             "waiting for their other chunks")
 
 
 class PoolStore:
@@ -147,13 +40,21 @@ class PoolStore:
     kind = "abstract"
 
     def __init__(self, capacity: int, page: int = DEFAULT_PAGE,
-                 assembly_bytes: int = DEFAULT_ASSEMBLY_BYTES,
-                 assembly_timeout: float = DEFAULT_ASSEMBLY_TIMEOUT):
+                 assembly_bytes: int | None = None, assembly_timeout: float | None = None,
+                 budgets: PutBudgets | None = None, xdp_slots_per_ns: int | None = None):
         if capacity <= 0:
             raise ValueError("capacity must be positive")
+        budgets = budgets or PutBudgets()
+        if assembly_bytes is not None or assembly_timeout is not None:   # the older knobs
+            total = assembly_bytes if assembly_bytes is not None else budgets.total
+            budgets = dataclasses.replace(
+                budgets, total=total, per_ns=min(budgets.per_ns, total),
+                per_source=min(budgets.per_source, total),
+                timeout=assembly_timeout if assembly_timeout is not None else budgets.timeout)
         self.staging = Staging(Arena(max(capacity, page), page))
-        self.assembler = Assembler(min(assembly_bytes, self.staging.capacity), assembly_timeout,
+        self.assembler = Assembler(budgets.capped(self.staging.capacity),
                                    max_block=self.staging.capacity)
+        self.xdp_slots_per_ns = xdp_slots_per_ns    # (what an XDP-served arena lends a tenant)
         self.counters: Counter[str] = Counter()
         self._writing: dict[tuple[int, bytes], asyncio.Future] = {}
 
@@ -188,9 +89,10 @@ class PoolStore:
         return self._miss(ns, key)
 
     def put_chunk(self, ns: int, key: bytes, chunk: int, nchunks: int, payload: bytes,
-                  crc: int) -> bool | asyncio.Future:
-        """Take one PUT chunk: True once its block is stored, False while chunks are missing,
-        a future (of True) while the complete block is being written out. Raises StoreError."""
+                  crc: int, source: str = "") -> bool | asyncio.Future:
+        """Take one PUT chunk from ``source`` (its sender's address: budgets are per source):
+        True once its block is stored, False while chunks are missing, a future (of True) while
+        the complete block is being written out. Raises StoreError."""
         if checksum(payload) != crc:
             raise StoreError(Status.CHECKSUM, "payload does not match its checksum")
         writing = self._writing.get((ns, key))
@@ -201,7 +103,7 @@ class PoolStore:
             _same_chunk(block, chunk, nchunks, payload, crc)
             return True
         self._accepting()
-        if not self.assembler.add(ns, key, chunk, nchunks, payload, crc):
+        if not self.assembler.add(ns, key, chunk, nchunks, payload, crc, source):
             return False
         chunk_size, chunks, crcs = self.assembler.take(ns, key)
         layout = Layout.for_payload(ns, key, sum(map(len, chunks)), chunk_size)
@@ -232,9 +134,7 @@ class PoolStore:
         s = self.staging
         return {"store": self.kind, "staged_blocks": len(s), "staged_bytes": s.used,
                 "capacity": s.capacity, "evicted_blocks": s.evicted_blocks,
-                "assembling_blocks": len(self.assembler),
-                "assembling_bytes": self.assembler.used,
-                "expired_blocks": self.assembler.expired_blocks, **self.counters,
+                **self.assembler.stats(), **self.counters,
                 **s.arena.stats()}
 
     # ---- what a store with a backing store overrides -------------------------------------
