@@ -8,25 +8,33 @@ operation fails with TransferTimeout after ``deadline`` seconds. Every reply is 
 what was asked (sender, namespace, key, chunk) and its payload against its CRC-32; a chunk whose bytes
 are wrong is counted and fetched again with KV_F_NO_CACHE so the switch's copy is bypassed.
 Which pool node owns a block is decided by rendezvous hashing over the configured pools.
+
+Request ids are random (``secrets``) and never reused while a reply to them can arrive: one
+in use or retired less than ``RID_HOLD`` seconds ago is not drawn again, so an off-path host
+cannot predict the next one (issue 26). Blocks of a namespace the client's keyring covers are
+sealed on PUT and their tag checked on GET (hostagent/auth.py); a block failing its tag is
+fetched once more with KV_F_NO_CACHE, then refused with AuthError.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
-import itertools
-import random
+import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from kvproto import MAX_PAYLOAD, PORT, Flag, Message, Op, ProtocolError, Status
+from . import auth as auth_mod
 from .udp import grow_buffers
 
 # plain ints: IntFlag operations are slow on the receive path
 _REPLICA, _FROM_SWITCH = int(Flag.REPLICA), int(Flag.FROM_SWITCH)
 DEFAULT_CHUNK = 1024
 DEFAULT_WINDOW = 64
+RID_HOLD = 300.0          # seconds a retired request id is not drawn again
 
 
 class BlockNotFound(KeyError):
@@ -54,6 +62,7 @@ class TransferStats:
     from_pool: int = 0        # replies sent by the pool node itself
     retransmits: int = 0
     checksum_errors: int = 0
+    auth_failures: int = 0    # tag checks failed (the block was fetched again past the switch)
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
@@ -145,7 +154,7 @@ class _Transfer:
             if self.timer:
                 self.timer.cancel()
             for rid in self.rid_item:
-                self.client._waiters.pop(rid, None)
+                self.client._retire_rid(rid)
 
     def _send(self, item: int, tries: int = 1, flags: int = 0) -> None:
         rid = self.client._next_rid()
@@ -213,7 +222,8 @@ class KVClient:
     """Put and get whole blocks. Use as ``async with KVClient(pools) as c: ...``."""
 
     def __init__(self, pools: Sequence[str | tuple[str, int]], chunk_size: int = DEFAULT_CHUNK,
-                 window: int = DEFAULT_WINDOW, deadline: float = 30.0, bind: str = "0.0.0.0"):
+                 window: int = DEFAULT_WINDOW, deadline: float = 30.0, bind: str = "0.0.0.0",
+                 auth=auth_mod.DEFAULT):
         if not 1 <= chunk_size <= MAX_PAYLOAD:
             raise ValueError(f"chunk size must be 1..{MAX_PAYLOAD} bytes")
         if window < 1:
@@ -226,7 +236,8 @@ class KVClient:
         self.rtt = _RttEstimator()
         self.malformed = 0
         self._waiters: dict[int, _Transfer] = {}
-        self._rids = itertools.count(random.getrandbits(31))
+        self._retired: collections.OrderedDict[int, float] = collections.OrderedDict()
+        self.keyring = auth_mod.resolve(auth)
         self._sock: socket.socket | None = None
 
     # A plain non-blocking socket rather than an asyncio datagram transport: that reads one
@@ -273,7 +284,22 @@ class KVClient:
                 waiter.on_message(msg, sender)
 
     def _next_rid(self) -> int:
-        return next(self._rids) & 0xFFFFFFFF
+        """A random request id neither in use nor retired within RID_HOLD seconds."""
+        now = time.monotonic()
+        while self._retired:
+            rid, when = next(iter(self._retired.items()))
+            if now - when < RID_HOLD:
+                break
+            del self._retired[rid]
+        while True:
+            rid = secrets.randbits(32)
+            if rid not in self._waiters and rid not in self._retired:
+                return rid
+
+    def _retire_rid(self, rid: int) -> None:
+        if self._waiters.pop(rid, None) is not None:
+            self._retired[rid] = time.monotonic()
+            self._retired.move_to_end(rid)
 
     def pool_for(self, ns: int, key: bytes) -> tuple[str, int]:
         return pool_for(self.pools, ns, key)
@@ -283,6 +309,9 @@ class KVClient:
         if not data:
             raise ValueError("a block must not be empty")
         cs = self.chunk_size
+        k = self.keyring.key_for(ns) if self.keyring is not None else None
+        if k is not None:
+            data = auth_mod.seal(k, ns, key, data, cs)
         chunks = [data[i:i + cs] for i in range(0, len(data), cs)]
         stats = TransferStats(chunks=len(chunks), bytes=len(data))
 
@@ -300,7 +329,29 @@ class KVClient:
 
     async def get_block(self, ns: int, key: bytes, nchunks: int | None = None,
                         no_cache: bool = False) -> tuple[bytes, TransferStats]:
-        """Fetch a whole block, byte-exact. ``nchunks`` (if known) saves a first round trip."""
+        """Fetch a whole block, byte-exact. ``nchunks`` (if known) saves a first round trip.
+        A block of a namespace the keyring covers: its data once its tag checked (AuthError)."""
+        k = self.keyring.key_for(ns) if self.keyring is not None else None
+        if k is None:
+            return await self._get_raw(ns, key, nchunks, no_cache)
+        if nchunks is not None:
+            nchunks = auth_mod.sealed_chunks(nchunks, self.chunk_size)
+        data, stats = await self._get_raw(ns, key, nchunks, no_cache)
+        try:
+            return bytes(auth_mod.open_sealed(k, ns, key, data, self.chunk_size)), stats
+        except auth_mod.AuthError as exc:
+            first = exc
+        data, again = await self._get_raw(ns, key, nchunks, True)     # past the switch's cache
+        again.auth_failures = stats.auth_failures = 1
+        try:
+            return bytes(auth_mod.open_sealed(k, ns, key, data, self.chunk_size)), again
+        except auth_mod.AuthError as exc:
+            raise auth_mod.AuthError(
+                f"block {key.hex()} in namespace {ns} failed authentication ({first}; {exc} "
+                "when fetched past the switch's cache): not handed out") from None
+
+    async def _get_raw(self, ns: int, key: bytes, nchunks: int | None,
+                       no_cache: bool) -> tuple[bytes, TransferStats]:
         stats = TransferStats()
         parts: dict[int, bytes] = {}
         known = {"n": nchunks}

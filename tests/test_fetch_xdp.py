@@ -8,9 +8,8 @@ import zlib
 
 import numpy as np
 import pytest
-from scapy.layers.inet import IP, TCP, UDP
+from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import ARP, Ether
-from scapy.packet import Raw
 
 from hostagent.fetch.crcfold import Folder
 from hostagent.fetch.kernel import prog_test_run
@@ -22,20 +21,11 @@ from kvproto import PORT, Flag, Op, Status
 from kvproto.frames import PAYLOAD_OFF, XDP
 from kvproto.scapy_layer import KV
 
+from fetch_fixtures import (BASE, CS, ENGINE_PORT, GEN, IDX, KEY, NCHUNKS, NEVER_WRITTEN, NODE_IP,
+                            NODE_MAC, NONCE, NS, POOL2_IP, POOL2_MAC, POOL_IP, POOL_MAC, SLOTS,
+                            TAIL, chunk, reply)
+
 pytestmark = pytest.mark.bpf
-
-CS, SLOTS = 1024, 64
-ENGINE_PORT = 40555
-NODE_MAC, POOL_MAC = "02:00:00:00:00:01", "02:00:00:00:00:65"
-NODE_IP, POOL_IP = "198.18.0.1", "198.18.0.101"
-KEY = bytes.fromhex("00112233445566778899aabbccddeeff")
-NS, IDX, GEN, BASE, NCHUNKS = 5, 3, 0x123456, 10, 4
-TAIL = 700
-NONCE = 0x1122334455667788
-
-
-def chunk(i: int, n: int = CS) -> bytes:
-    return bytes((i * 31 + j * 7) & 0xFF for j in range(n))
 
 
 @pytest.fixture(scope="module")
@@ -55,18 +45,10 @@ def fp(prog):
     ctl["nonce"], ctl["port"] = NONCE, int.from_bytes(ENGINE_PORT.to_bytes(2, "big"), "little")
     ctl["loss_ppm"], ctl["send_pos"], ctl["send_end"] = 0, 0, 0
     ctl["frame_len"] = PAYLOAD_OFF + CS
+    prog.set_route(0, route_header(NODE_MAC, POOL_MAC, NODE_IP, ENGINE_PORT, POOL_IP, PORT, CS))
+    prog.set_route(1, route_header(NODE_MAC, POOL2_MAC, NODE_IP, ENGINE_PORT, POOL2_IP, PORT, CS))
     prog.set_transfer(IDX, GEN, NS, KEY, NCHUNKS, BASE, NCHUNKS)
     return prog
-
-
-def reply(i=0, payload=None, ns=NS, key=KEY, req_id=(IDX << 24) | GEN, nchunks=NCHUNKS,
-          op=Op.GET_REPLY, status=0, flags=0, dport=ENGINE_PORT, csum=None):
-    if payload is None:
-        payload = chunk(i, TAIL if i == NCHUNKS - 1 else CS)
-    return bytes(Ether(src=POOL_MAC, dst=NODE_MAC) / IP(src=POOL_IP, dst=NODE_IP) /
-                 UDP(sport=PORT, dport=dport, chksum=0) /
-                 KV(op=op, ns=ns, key=key, chunk=i, nchunks=nchunks, req_id=req_id,
-                    flags=flags, status=status, csum=csum) / Raw(payload))
 
 
 def run(prog, frame, meta=b""):
@@ -101,43 +83,38 @@ def test_a_reply_for_the_active_transfer_lands_in_its_slot(fp):
     assert x["received"] == NCHUNKS and x["tail_len"] == TAIL
 
 
-def _never_written():
-    raw = reply(1)
-    kv = PAYLOAD_OFF - 48
-    yield "another transfer", reply(1, req_id=((IDX + 1) << 24) | GEN), XDP.DROP, "stale"
-    yield "an old generation", reply(1, req_id=(IDX << 24) | (GEN - 1)), XDP.DROP, "stale"
-    yield "generation zero", reply(1, req_id=IDX << 24), XDP.DROP, "stale"
-    yield "another key", reply(1, key=KEY[:-1] + b"\x00"), XDP.DROP, "wrong_block"
-    yield "another namespace", reply(1, ns=NS + 1), XDP.DROP, "wrong_block"
-    yield "a chunk past the block", reply(NCHUNKS, payload=chunk(0)), XDP.DROP, "bad_chunk"
-    yield "a chunk past the arena", reply(1 << 20, payload=chunk(0)), XDP.DROP, "bad_chunk"
-    yield "another chunk count", reply(1, nchunks=NCHUNKS + 1), XDP.DROP, "bad_chunk"
-    yield "a short middle chunk", reply(1, payload=chunk(1, CS - 8)), XDP.DROP, "bad_len"
-    yield "a last chunk longer than a chunk", reply(NCHUNKS - 1, payload=chunk(0, CS + 8)), \
-        XDP.DROP, "bad_len"
-    yield "a truncated frame", raw[:-100], XDP.DROP, "malformed"
-    yield "truncated in the kv header", raw[:kv + 20], XDP.DROP, "malformed"
-    yield "a bad ip checksum", raw[:24] + b"\x00\x00" + raw[26:], XDP.DROP, "malformed"
-    yield "a GET_REPLY with a status", reply(1, status=Status.NOT_FOUND), XDP.DROP, "other_op"
-    yield "another port", reply(1, dport=ENGINE_PORT + 1), XDP.PASS, "passed"
-    yield "not UDP", bytes(Ether() / IP(src=POOL_IP, dst=NODE_IP) /
-                           TCP(sport=PORT, dport=ENGINE_PORT) / Raw(raw[kv:])), \
-        XDP.PASS, "passed"
-    yield "ARP", bytes(Ether() / ARP(pdst=NODE_IP)), XDP.PASS, "passed"
-
-
-@pytest.mark.parametrize("name, frame, verdict, counter", list(_never_written()),
-                         ids=[c[0] for c in _never_written()])
-def test_nothing_else_is_ever_written(fp, name, frame, verdict, counter):
+@pytest.mark.parametrize("case", NEVER_WRITTEN, ids=[c.name for c in NEVER_WRITTEN])
+def test_nothing_else_is_ever_written(fp, case):
+    if case.route:
+        fp.set_transfer(IDX, GEN, NS, KEY, NCHUNKS, BASE, NCHUNKS, route=case.route)
     before = fp.counters()
-    assert run(fp, frame)[0] == verdict, name
-    assert not fp.arena.any(), f"{name}: arena written"
-    assert not fp.meta.any(), f"{name}: slot word written"
+    assert run(fp, case.frame)[0] == case.verdict, case.name
+    assert not fp.arena.any(), f"{case.name}: arena written"
+    assert not fp.meta.any(), f"{case.name}: slot word written"
     x = fp.xfers[IDX]
     assert x["received"] == 0 and x["gen"] == GEN
     # a reply saying the block has another size fails the transfer (the engine raises)
-    assert x["status"] == (C["KV_FETCH_XS_NCHUNKS"] if name == "another chunk count" else 0)
-    assert fp.counters()[counter] - before[counter] == 1, name
+    assert x["status"] == case.status
+    assert fp.counters()[case.counter] - before[case.counter] == 1, case.name
+
+
+def test_a_forged_reply_from_the_wrong_source_loses_no_real_one(fp):
+    """A forger that guessed the request id gets nothing written, and the pool's real reply
+    for the same chunk then lands (it is not dropped as a duplicate)."""
+    assert run(fp, reply(1, payload=chunk(9), src_ip="198.18.0.2"))[0] == XDP.DROP
+    assert not fp.meta.any()
+    assert run(fp, reply(1))[0] == XDP.DROP
+    assert bytes(fp.arena[(BASE + 1) * CS:(BASE + 2) * CS]) == chunk(1)
+
+
+def test_transfer_flags_ride_on_every_get_queued_for_it(fp):
+    """A transfer restarted past the switch's cache (set_transfer flags=NO_CACHE) sends its
+    GETs queued before the restart with NO_CACHE too."""
+    queue_sends(fp, [(2, 0)])
+    fp.set_transfer(IDX, GEN, NS, KEY, NCHUNKS, BASE, NCHUNKS, flags=int(Flag.NO_CACHE))
+    verdict, out = run(fp, template(), nonce_meta())
+    assert verdict == XDP.TX and int(Ether(out)[KV].flags) == int(Flag.NO_CACHE)
+    assert Ether(out)[IP].dst == POOL_IP
 
 
 def test_a_late_reply_of_the_previous_transfer_in_the_entry_never_lands(fp):

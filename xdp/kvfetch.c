@@ -5,8 +5,10 @@
  *
  *  receiver   every frame the interface receives. A GET_REPLY addressed to the engine's UDP port
  *             that answers a chunk of an active transfer (request id = transfer index << 24 |
- *             24-bit generation; namespace, key, chunk index, chunk count and payload length all
- *             as the transfer expects) is copied straight into the transfer's slot of kvf_arena,
+ *             24-bit generation, both drawn at random per transfer by the driver; sent from the
+ *             MAC, IPv4 address and UDP port the transfer's GETs went to, to the engine's MAC and
+ *             address; namespace, key, chunk index, chunk count and payload length all as the
+ *             transfer expects) is copied straight into the transfer's slot of kvf_arena,
  *             an mmapable array Python views with numpy; the slot's word in kvf_meta (also
  *             mmapable) then gets the payload's CRC, the generation and the reply flags, and the
  *             transfer's received count goes up. NACK/ERROR for an active transfer set its status.
@@ -73,7 +75,15 @@
 #define KV_FETCH_STAT_PASSED 12      /* frames not for the engine, passed */
 #define KV_FETCH_STAT_LOSS 13        /* KV frames dropped by the test loss stand-in (loss_ppm) */
 #define KV_FETCH_STAT_LOAD_FAIL 14   /* bpf_xdp_load_bytes failed, or no slot */
+#define KV_FETCH_STAT_WRONG_SOURCE 15 /* a reply not from the MAC, IP and port the GET went to */
 #define KV_FETCH_STAT_MAX 16
+
+/* Offsets in a route's header (Ethernet, IPv4, UDP of the GETs it sends) */
+#define KV_FETCH_R_DMAC 0         /* the pool node's (or its gateway's) MAC */
+#define KV_FETCH_R_SMAC 6         /* the engine's MAC */
+#define KV_FETCH_R_SADDR 26       /* the engine's IPv4 address */
+#define KV_FETCH_R_DADDR 30       /* the pool node's IPv4 address */
+#define KV_FETCH_R_DPORT 36       /* the pool node's UDP port */
 
 struct kv_fetch_slot {
     __u8 b[KV_FETCH_CHUNK];
@@ -86,7 +96,8 @@ struct kv_fetch_xfer {            /* one active transfer; 64 bytes */
     __u32 nchunks;                /* 0: unknown (only chunk 0 is accepted, its count recorded) */
     __u32 base;                   /* first arena slot */
     __u32 nslots;                 /* slots reserved: chunk < nslots */
-    __u32 route;                  /* kvf_routes index of the pool node asked */
+    __u32 route;                  /* bits 0-15: kvf_routes index of the pool node asked;
+                                     16-31: GET flags every GET of the transfer carries */
     __u32 status;                 /* KV_FETCH_XS_* */
     __u32 err;                    /* KV status of the last NACK/ERROR */
     __u32 received;               /* chunks written (duplicates racing on two CPUs may add 2) */
@@ -137,6 +148,25 @@ static __always_inline __u64 opaque_len(__u32 len)
     return n;
 }
 
+static __always_inline int mac_equal(const __u8 *a, const __u8 *b)
+{
+    return *(const __u32 *)a == *(const __u32 *)b &&
+           *(const __u16 *)(a + 4) == *(const __u16 *)(b + 4);
+}
+
+/* A reply comes from where its GET went: the switch answers a hit in the pool node's name (its
+ * reply swaps the GET's addresses, reply.h; a replica keeps the pool's source), so the pool
+ * node's (or its gateway's) MAC, its IPv4 address and port, to the engine's MAC and address. */
+static __always_inline int from_route(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
+                                      const struct kv_fetch_route *r)
+{
+    return mac_equal(eth->h_source, r->hdr + KV_FETCH_R_DMAC) &&
+           mac_equal(eth->h_dest, r->hdr + KV_FETCH_R_SMAC) &&
+           ip->saddr == *(const __be32 *)(r->hdr + KV_FETCH_R_DADDR) &&
+           ip->daddr == *(const __be32 *)(r->hdr + KV_FETCH_R_SADDR) &&
+           udp->source == *(const __be16 *)(r->hdr + KV_FETCH_R_DPORT);
+}
+
 static __always_inline int key_equal(const __u8 *a, const __u8 *b)
 {
     const __u64 *x = (const __u64 *)a, *y = (const __u64 *)b;
@@ -166,9 +196,10 @@ static __always_inline int generate(struct xdp_md *ctx, struct kv_fetch_ctl *c)
         count(KV_FETCH_STAT_GEN_BAD);
         return XDP_DROP;
     }
-    __u32 ri = x->route;
+    __u32 ri = x->route & 0xffff;
     struct kv_fetch_route *r = kvf_routes.lookup(&ri);
     __u32 len = (__u32)(ctx->data_end - ctx->data);
+    flags |= x->route >> 16;      /* e.g. NO_CACHE for all of a transfer, queued GETs too */
     if (!r || len != c->frame_len || len != KV_PAYLOAD_OFF + KV_FETCH_CHUNK) {
         count(KV_FETCH_STAT_GEN_BAD);
         return XDP_DROP;
@@ -212,8 +243,7 @@ static __always_inline int receive(struct xdp_md *ctx, struct kv_fetch_ctl *c)
     struct udphdr *udp = (void *)(ip + 1);
     struct kv_frame f = {};
     if ((void *)(udp + 1) > data_end || eth->h_proto != bpf_htons(ETH_P_IP) || ip->ihl != 5 ||
-        ip->protocol != IPPROTO_UDP || udp->dest != (__be16)c->port ||
-        udp->source != bpf_htons(KV_UDP_PORT)) {
+        ip->protocol != IPPROTO_UDP || udp->dest != (__be16)c->port) {
         /* not for the engine; the loss injector this program stands in for drops KV frames */
         if (c->loss_ppm && kv_parse(data, data_end, &f) == KV_OK && lossy(c)) {
             count(KV_FETCH_STAT_LOSS);
@@ -236,6 +266,12 @@ static __always_inline int receive(struct xdp_md *ctx, struct kv_fetch_ctl *c)
     struct kv_fetch_xfer *x = kvf_xfers.lookup(&xi);
     if (!x || !gen || x->gen != gen) {
         count(KV_FETCH_STAT_STALE);
+        return XDP_DROP;
+    }
+    __u32 ri = x->route & 0xffff;
+    struct kv_fetch_route *r = kvf_routes.lookup(&ri);
+    if (!r || !from_route(f.eth, f.ip, f.udp, r)) {
+        count(KV_FETCH_STAT_WRONG_SOURCE);   /* not counted in x->bad: anyone may send it */
         return XDP_DROP;
     }
     if (x->ns != bpf_ntohl(kv->ns) || !key_equal(x->key, kv->key))

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
+from hostagent import auth as auth_mod
 from hostagent.client import KVClient, TransferStats
 from switchd import netns as netns_mod
 
@@ -119,7 +120,8 @@ class AsyncFetchClient:
     async def _socket_client(self) -> KVClient:
         """The asyncio client beside the engine (its socket in the engine's namespace)."""
         if self._socket is None:
-            c = KVClient(self.pools, self.chunk_size, self._window, self._deadline)
+            c = KVClient(self.pools, self.chunk_size, self._window, self._deadline,
+                         auth=self.engine.keyring)
             with _inside(self.engine.netns_name):
                 await c.__aenter__()
             self._socket = c
@@ -146,17 +148,18 @@ def _inside(netns: str | None):
 @contextlib.asynccontextmanager
 async def open_client(pools: Sequence[str | tuple[str, int]], chunk_size: int = 1024,
                       window: int = 64, deadline: float = 30.0, *, netns: str | None = None,
-                      ifname: str = "eth0", arena_bytes: int = 64 << 20,
+                      ifname: str = "eth0", arena_bytes: int = 64 << 20, auth=auth_mod.DEFAULT,
                       **engine_kw) -> AsyncIterator[AsyncFetchClient | KVClient]:
     """The fetch engine's client if the engine can run here, else the asyncio KVClient (both
-    offer get_block and put_block); logs which one is in use."""
+    offer get_block and put_block); logs which one is in use. ``auth``: the keyring (default:
+    the process's, hostagent/auth.py), None to turn authentication off."""
     engine = FetchEngine(pools, chunk_size, ifname=ifname, netns=netns, deadline=deadline,
-                         arena_bytes=arena_bytes, **engine_kw)
+                         arena_bytes=arena_bytes, auth=auth, **engine_kw)
     try:
         engine.open()
     except NoXdp as exc:
         log.warning("asyncio socket client in use (%s)", exc)
-        c = KVClient(pools, chunk_size, window, deadline)
+        c = KVClient(pools, chunk_size, window, deadline, auth=engine.keyring)
         with _inside(netns):
             await c.__aenter__()                     # its socket lives in the node's netns
         try:

@@ -19,7 +19,6 @@ the arena is otherwise empty, the engine loads a larger instance of its program 
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import secrets
@@ -29,21 +28,24 @@ import threading
 import time
 from collections.abc import Sequence
 
-from hostagent.client import BlockNotFound, Refused, TransferTimeout, parse_addr, pool_for
-from kvproto import PORT, ProtocolError, Status
+from hostagent import auth as auth_mod
+from hostagent.client import TransferTimeout, parse_addr, pool_for
+from kvproto import PORT, Flag
 from kvproto.frames import PAYLOAD_OFF
 
-from . import transfers
+from . import authcheck, transfers
 from .attach import Attachment
 from .block import Block, SlotAllocator
 from .crcfold import CRC_IMPL, Folder
+from .ids import RequestIds
 from .netpath import Netns, NoXdp, link, next_hop, route_header
-from .program import C, GEN_MASK, XFERS, FetchProgram
+from .program import GEN_MASK, XFERS, FetchProgram
 from .sendring import EngineStats, SendRing
 from .transfers import Route, Transfer
-from .verify import finish, verify
+from .verify import finish, status_error, verify
 
 log = logging.getLogger("hostagent.fetch")
+_NO_CACHE = int(Flag.NO_CACHE)
 
 
 class NoReply(TransferTimeout):
@@ -65,7 +67,7 @@ class FetchEngine:
                  start_window: int = 1024, max_window: int = 16384, rto_floor: float = 0.001,
                  reo_floor: float = 0.0001, tail_wait: float = 0.0002, fold_from: int = 64,
                  call_frames: int = 1024, poll_interval: float = 50e-6, threaded: bool | None = None,
-                 first_reply_timeout: float = 2.0):
+                 first_reply_timeout: float = 2.0, auth=auth_mod.DEFAULT):
         self.pools = [parse_addr(p) if isinstance(p, str) else tuple(p) for p in pools]
         if not self.pools:
             raise ValueError("no pool nodes configured")
@@ -79,6 +81,7 @@ class FetchEngine:
         if threaded is None:
             threaded = len(os.sched_getaffinity(0)) > 1
         self.threaded, self.first_reply_timeout = threaded, first_reply_timeout
+        self.keyring = auth_mod.resolve(auth)      # namespaces it covers: blocks checked
         self.answered = False            # any reply to any of this engine's GETs, ever
         self.stats = EngineStats()
         self.prog: FetchProgram | None = None
@@ -115,8 +118,7 @@ class FetchEngine:
         self.folder = Folder(self.chunk_size)
         self._template = bytes(PAYLOAD_OFF + self.chunk_size)   # headers written per frame
         self._meta_bytes = struct.pack("<Q", self.nonce)
-        self._gen = secrets.randbelow(GEN_MASK) + 1
-        self._free_idx = collections.deque(range(XFERS))
+        self._ids = RequestIds(XFERS, GEN_MASK)        # random, not reused while replies may come
         self._slots = SlotAllocator(self.slots)
         self._active: list[Transfer] = []
         self._counter_base: dict[str, int] = {}
@@ -212,15 +214,12 @@ class FetchEngine:
     def _route(self, ns: int, key: bytes) -> Route:
         return self._routes[pool_for(self.pools, ns, key)]
 
-    def _next_gen(self) -> int:
-        self._gen = self._gen % GEN_MASK + 1
-        return self._gen
-
     def _activate(self, t: Transfer, nslots: int, known: bool) -> None:
-        t.gen = self._next_gen()
+        self._ids.retire(t.idx, t.gen)
+        t.gen = self._ids.generation(t.idx)
         t.seen_received = 0
         self.prog.set_transfer(t.idx, t.gen, t.ns, t.key, t.nchunks if known else 0, t.base,
-                               nslots, t.route.index)
+                               nslots, t.route.index, _NO_CACHE if t.no_cache else 0)
 
     def _alloc(self, n: int, alone: Transfer | None = None) -> int | None:
         """A range of ``n`` slots; a larger arena if it does not fit and no other transfer
@@ -274,14 +273,17 @@ class FetchEngine:
             raise RuntimeError("engine not open")
         if self._att.suspended:
             raise RuntimeError("engine suspended: resume() first")
+        nchunks = authcheck.stored_hint(self.keyring, ns, nchunks, self.chunk_size)
         t = Transfer(self._route(ns, key), ns, key, nchunks, no_cache, deadline or self.deadline)
-        if not self._free_idx:
+        t.auth = authcheck.check_for(self.keyring, ns, key, self.chunk_size)
+        t.auth_retried = False
+        if not self._ids:
             raise RuntimeError(f"more than {XFERS} transfers at once")
         base = self._alloc(t.nchunks)
         if base is None:
             raise MemoryError(f"no room for {t.nchunks} chunks in the arena ({self.slots} "
                               "slots): release blocks or grow arena_bytes")
-        t.idx, t.base = self._free_idx.popleft(), base
+        t.idx, t.base = self._ids.take_index(), base
         self._activate(t, t.nchunks, t.known)
         self._active.append(t)
         return t
@@ -394,6 +396,11 @@ class FetchEngine:
                 got += verify(t, x, prog.meta, prog.arena_mv, self.chunk_size, self.folder,
                               self.fold_from, self._ring, self.rto_floor, self.reo_floor,
                               self.max_window)
+                try:
+                    authcheck.advance(t, prog.arena_mv, self.chunk_size, int(x["tail_len"]))
+                except auth_mod.AuthError as exc:
+                    self._auth_failed(t, exc)
+                    continue
             if t.done:
                 continue
             if t.nverified == t.nchunks:
@@ -442,6 +449,10 @@ class FetchEngine:
         t.sent_seq[0], t.tries[0], t.next_new = 0, 1, 1
 
     def _finish(self, t: Transfer, x) -> None:
+        try:
+            authcheck.finish(t)
+        except auth_mod.AuthError as exc:
+            return self._auth_failed(t, exc)
         self.prog.xfers[t.idx]["gen"] = 0
         base, n, slots, released = t.base, t.nchunks, self._slots, []
 
@@ -450,21 +461,20 @@ class FetchEngine:
                 released.append(True)
                 slots.release(base, n)        # an older arena's after a rebuild: unused
 
-        t.result = finish(t, x, self.prog.meta, self.prog.arena, self.chunk_size, release)
+        data = (t.auth.data_off, t.auth.data_len) if t.auth is not None else None
+        t.result = finish(t, x, self.prog.meta, self.prog.arena, self.chunk_size, release, data)
         self._retire(t)
 
+    def _auth_failed(self, t: Transfer, exc: auth_mod.AuthError) -> None:
+        """A tag check failed: fetch the block once more past the switch's cache (a forged or
+        damaged copy there, or a forged reply that won a race), then give up on it."""
+        final = authcheck.retry(t, exc, self.keyring, self.chunk_size)
+        if final is not None:
+            return self._fail(t, final)
+        self._activate(t, t.nchunks, True)
+
     def _on_status(self, t: Transfer, status: int, err: int, seen: int) -> None:
-        if status & C["KV_FETCH_XS_NACK"]:
-            try:
-                why = Status(err).name
-            except ValueError:
-                why = str(err)
-            exc = BlockNotFound(f"block {t.key.hex()} in namespace {t.ns}: {why}")
-        elif status & C["KV_FETCH_XS_ERROR"]:
-            exc = Refused(err, f"GET of block {t.key.hex()}")
-        else:
-            exc = ProtocolError(f"the block has {seen} chunks, not {t.nchunks}")
-        self._fail(t, exc)
+        self._fail(t, status_error(t, status, err, seen))
 
     def _fail(self, t: Transfer, exc: BaseException) -> None:
         self.prog.xfers[t.idx]["gen"] = 0
@@ -479,4 +489,6 @@ class FetchEngine:
             t.route.rtts[t.switched] = t.rtt
             t.route.last_switched = t.switched
         self._active.remove(t)
-        self._free_idx.append(t.idx)
+        self.prog.xfers[t.idx]["gen"] = 0
+        self._ids.retire(t.idx, t.gen)
+        self._ids.give_index(t.idx)

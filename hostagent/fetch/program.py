@@ -189,13 +189,14 @@ class FetchProgram:
         kernel.map_update(self.fds["kvf_routes"], index, header.ljust(self._route_size, b"\0"))
 
     def set_transfer(self, idx: int, gen: int, ns: int, key: bytes, nchunks: int, base: int,
-                     nslots: int, route: int = 0) -> None:
-        """Write transfer entry ``idx`` and clear its slot words; the generation goes last."""
+                     nslots: int, route: int = 0, flags: int = 0) -> None:
+        """Write transfer entry ``idx`` and clear its slot words; the generation goes last.
+        ``flags``: GET flags every GET of the transfer carries (those queued already too)."""
         x = self.xfers[idx]
         x["gen"] = 0
         self.meta[base:base + nslots] = 0
         x["ns"], x["key"] = ns, np.frombuffer(key, np.uint8)
-        x["nchunks"], x["base"], x["nslots"], x["route"] = nchunks, base, nslots, route
+        x["nchunks"], x["base"], x["nslots"], x["route"] = nchunks, base, nslots, route | flags << 16
         for f in ("status", "err", "received", "tail_len", "seen_nchunks", "bad"):
             x[f] = 0
         x["gen"] = gen

@@ -17,11 +17,12 @@ import time
 
 import numpy as np
 
-from kvproto import Flag
+from hostagent.client import BlockNotFound, Refused
+from kvproto import Flag, ProtocolError, Status
 
 from .block import Block
 from .crcfold import Folder, crc32
-from .program import GEN_MASK
+from .program import C, GEN_MASK
 from .transfers import Transfer
 
 _FROM_SWITCH, _REPLICA = int(Flag.FROM_SWITCH), int(Flag.REPLICA)
@@ -82,15 +83,19 @@ def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, 
     t.verified[ok] = True
     t.nverified += ok.size
     t.last_delivery = now
-    clean = ok[t.tries[ok] == 1]                 # Karn: unambiguous samples only
-    if clean.size:
-        seqs = t.sent_seq[clean]
-        t.max_recv_seq = max(t.max_recv_seq, int(seqs.max()))
-        sent = ring.sent_time(seqs, t.sent_t[clean])
-        t.rtt.sample(now - float(sent.mean()), rto_floor, reo_floor)
     # who answered: the switch from its cache (FROM_SWITCH: within the call) or the pool node
     # (directly, or a REPLICA of its reply to a held miss: at the pool's pace)
     src = (words[ok - lo] >> _SHIFT_FLAGS).astype(np.uint8)
+    first = t.tries[ok] == 1                     # Karn: unambiguous samples only
+    clean = ok[first]
+    if clean.size:
+        seqs = t.sent_seq[clean]
+        # the pool's path only: a cache hit overtakes a miss held for the pool's reply
+        pool_path = ((src[first] & _FROM_SWITCH) == 0) | ((src[first] & _REPLICA) != 0)
+        if pool_path.any():
+            t.max_recv_seq = max(t.max_recv_seq, int(seqs[pool_path].max()))
+        sent = ring.sent_time(seqs, t.sent_t[clean])
+        t.rtt.sample(now - float(sent.mean()), rto_floor, reo_floor)
     t.switched = not t.no_cache and bool(
         np.count_nonzero(src & _FROM_SWITCH) * 10 >= 9 * ok.size)
     t.route.acked(ok.size, max_window)
@@ -100,8 +105,10 @@ def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, 
     return ok.size
 
 
-def finish(t: Transfer, x, meta: np.ndarray, arena: np.ndarray, cs: int, release) -> Block:
-    """The finished transfer as a Block over its slots, its stats filled in."""
+def finish(t: Transfer, x, meta: np.ndarray, arena: np.ndarray, cs: int, release,
+           data: tuple[int, int] | None = None) -> Block:
+    """The finished transfer as a Block over its slots (``data``: the (offset, length) of the
+    bytes handed out, those of an authenticated block's data), its stats filled in."""
     n, base = t.nchunks, t.base
     tail = int(x["tail_len"])
     flags = (meta[base:base + n] >> _SHIFT_FLAGS).astype(np.uint8)
@@ -112,4 +119,19 @@ def finish(t: Transfer, x, meta: np.ndarray, arena: np.ndarray, cs: int, release
     s.replicas, s.from_switch = int(replica.sum()), int(switch.sum())
     s.from_pool = n - s.replicas - s.from_switch
     s.seconds = time.monotonic() - t.start
-    return Block(t.ns, t.key, n, arena[base * cs:base * cs + s.bytes], s, release)
+    off, s.bytes = data if data is not None else (0, s.bytes)
+    return Block(t.ns, t.key, n - off // cs, arena[base * cs + off:base * cs + off + s.bytes], s,
+                 release)
+
+
+def status_error(t: Transfer, status: int, err: int, seen: int) -> Exception:
+    """What a NACK, an ERROR or another chunk count (the transfer's status bits) means."""
+    if status & C["KV_FETCH_XS_NACK"]:
+        try:
+            why = Status(err).name
+        except ValueError:
+            why = str(err)
+        return BlockNotFound(f"block {t.key.hex()} in namespace {t.ns}: {why}")
+    if status & C["KV_FETCH_XS_ERROR"]:
+        return Refused(err, f"GET of block {t.key.hex()}")
+    return ProtocolError(f"the block has {seen} chunks, not {t.nchunks}")
