@@ -64,6 +64,20 @@ deadline_opt = click.option("--deadline", type=click.FloatRange(0, 86400, min_op
                             default=30.0, show_default=True, help="Seconds before giving up.")
 
 
+auth_opt = click.option("--auth-key-file", type=click.Path(dir_okay=False),
+                        envvar="KVSWITCH_AUTH_KEY_FILE", help="Keyed block authentication "
+                        "(docs/auth.md): blocks of a namespace this file has a key for are "
+                        "sealed on put and checked on get [env KVSWITCH_AUTH_KEY_FILE].")
+
+
+def _keyring(path):
+    from . import auth
+    try:
+        return auth.load_keyring(path) if path else None
+    except auth.KeyFileError as exc:
+        raise click.BadParameter(str(exc), param_hint="--auth-key-file") from None
+
+
 def _writable(ctx, param, value):
     """A file to write, checked before the transfer (click opens it only at the first write)."""
     name = getattr(value, "name", "-")
@@ -258,14 +272,16 @@ def serve(config, **_):
 @chunk_opt
 @window_opt
 @deadline_opt
-def put(pools, ns, key, path, chunk_size, window, deadline):
+@auth_opt
+def put(pools, ns, key, path, chunk_size, window, deadline, auth_key_file):
     """Store a whole block on its pool node."""
     data = path.read()
     if not data:
         raise click.BadParameter("the block is empty", param_hint="--file")
+    ring = _keyring(auth_key_file)
 
     async def go():
-        async with kvclient.KVClient(pools, chunk_size, window, deadline) as c:
+        async with kvclient.KVClient(pools, chunk_size, window, deadline, auth=ring) as c:
             return await c.put_block(ns, _key(key), data)
 
     stats = _run(go(), pools)
@@ -283,21 +299,28 @@ def put(pools, ns, key, path, chunk_size, window, deadline):
 @chunk_opt
 @window_opt
 @deadline_opt
-def get(pools, ns, key, out, no_cache, start_at, chunk_size, window, deadline):
+@auth_opt
+def get(pools, ns, key, out, no_cache, start_at, chunk_size, window, deadline, auth_key_file):
     """Fetch a whole block, byte-exact; prints where its chunks came from. Uses the XDP fetch
     engine where it can run (root, the node's interface free), else the asyncio client; a log
     line says which."""
+    from .auth import AuthError
     from .fetch import open_client
     key_bytes = _key(key)
+    ring = _keyring(auth_key_file)
 
     async def go():
         # the engine's arena starts small and grows to the block once its size is known
-        async with open_client(pools, chunk_size, window, deadline, arena_bytes=4 << 20) as c:
+        async with open_client(pools, chunk_size, window, deadline, arena_bytes=4 << 20,
+                               auth=ring) as c:
             if start_at:
                 await asyncio.sleep(max(0.0, start_at - time.time()))
             return await c.get_block(ns, key_bytes, no_cache=no_cache)
 
-    data, stats = _run(go(), pools)
+    try:
+        data, stats = _run(go(), pools)
+    except AuthError as exc:           # nothing of the block is written
+        raise click.ClickException(str(exc)) from None
     if out:
         out.write(data)
     click.echo(json.dumps({"op": "get", "ns": ns, "key": key,
