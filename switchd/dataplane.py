@@ -31,7 +31,8 @@ MAX_CHUNK = 3424
 STAT_NAMES = {v: n[len("KV_STAT_"):].lower() for n, v in CONSTANTS.items()
               if n.startswith("KV_STAT_") and n != "KV_STAT_MAX"}
 MAP_NAMES = ("kv_cache", "kv_admit", "kv_ports", "kv_stats", "kv_settings", "kv_pending",
-             "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats", "kv_port_ns", "kv_ns_low")
+             "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats", "kv_port_ns", "kv_ns_low",
+             "kv_src_macs", "kv_src_ips")
 SETTINGS = {n[len("KV_SET_"):].lower(): v for n, v in CONSTANTS.items()
             if n.startswith("KV_SET_") and n != "KV_SET_MAX"}
 
@@ -192,6 +193,13 @@ def detach_port(ifname: str, mode: str = "native") -> None:
     import_bcc().BPF.remove_xdp(ifname.encode(), mode_flags(mode))
 
 
+def _name(index: int) -> str:
+    try:
+        return socket.if_indextoname(index)
+    except OSError:
+        return f"ifindex {index}"
+
+
 class DataPlane:
     """The compiled programs and their maps. ``programs=False`` opens just the maps (pinned ones
     when the deployment has a pin directory), for tools that only read or edit them."""
@@ -216,8 +224,8 @@ class DataPlane:
             except Exception as exc:
                 raise SwitchError(f"compiling kvmaps.h failed: {exc}") from None
         (self.cache, self.admit, self.ports, self.stats, self.settings, self.pending,
-         self.waiters, self.sketch, self.recent, self.ns_stats, self.port_ns, self.ns_low) = (
-            self.bpf.get_table(n.encode()) for n in MAP_NAMES)
+         self.waiters, self.sketch, self.recent, self.ns_stats, self.port_ns, self.ns_low,
+         self.src_macs, self.src_ips) = (self.bpf.get_table(n.encode()) for n in MAP_NAMES)
         self.attached: dict[str, int] = {}
 
     @staticmethod
@@ -280,8 +288,9 @@ class DataPlane:
                       secured: bool = False, source: tuple[str, str] | None = None) -> None:
         """A port's role and checks. ``namespaces``: the only ones it may ask for (and only
         frames the data plane can check pass). ``secured``: its frames must carry one source,
-        ``source`` (MAC, IPv4) if given, else the first one it sends (sticky; a binding
-        learned before is kept)."""
+        ``source`` (MAC, IPv4) if given (a port that had it loses it), else the first one it
+        sends that no other port owns (sticky; a binding learned before is kept)."""
+        from . import ports
         index = ifindex(ifname)
         for k in [k for k in self.port_ns.keys() if k.ifindex == index]:
             del self.port_ns[k]
@@ -308,7 +317,15 @@ class DataPlane:
             cfg.ns[i] = ns_list[i] if i < len(ns_list) else 0
         cfg.flags = ((PF["NS_LIMITED"] if namespaces else 0) |
                      (PF["SECURED"] if secured or source else 0) | bound)
+        if source:
+            for other in ports.claim(self, index, *source):
+                print(f"switchd: {_name(other)} lost its binding: {ifname} is bound to "
+                      f"{source[0]} {source[1]}", flush=True)
+        elif not bound:
+            ports.release(self, index)
         self.ports[key] = cfg
+        if bound and not source:
+            ports.sync(self)
         self.set("port_checks", int(any(v.flags for v in self.ports.values())))
 
     def port_sources(self) -> dict[str, tuple[str, str]]:

@@ -2,21 +2,25 @@
 untouched frames for everything else, learning only what it should. No interface needed. The
 single-frame cases are a table (xdp_fixtures.CASES) run by one test; sequences follow it."""
 import ctypes
+import json
 import socket
+import subprocess
 
 import pytest
-from scapy.layers.l2 import Ether
+from scapy.layers.l2 import ARP, Ether
 from scapy.packet import Raw
 
 from kvproto import Flag, checksum
 from kvproto.scapy_layer import KV
 from kvproto.frames import XDP
 from switchd.cache import Cache
-from switchd.dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment
+from switchd import ports
+from switchd.dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment, SwitchError
+from switchd.ports import resolve
 from switchd.libbpf import xdp_test_run
 from testbed.lab.topology import scratch_ports
-from xdp_fixtures import (CASES, HOST_IP, HOST_MAC, KEY, OTHER_IP, PAYLOAD, Case,  # noqa: F401
-                          get_frame, put_frame, reply_frame)
+from xdp_fixtures import (CASES, HOST_IP, HOST_MAC, KEY, OTHER_IP, OTHER_MAC,  # noqa: F401
+                          PAYLOAD, POOL_IP, POOL_MAC, Case, get_frame, put_frame, reply_frame)
 
 pytestmark = pytest.mark.bpf
 
@@ -68,7 +72,8 @@ def test_fixture(dp, cache, case: Case):
     for name in checked:
         port = next(p for p in PORTS if socket.if_indextoname(PORTS[p]) == name)
         dp.set_port_role(name, ROLE_POOL if port == "pool" else ROLE_HOST,
-                         namespaces=case.port_ns.get(port), source=case.secure.get(port))
+                         namespaces=case.port_ns.get(port), secured=port in case.secure,
+                         source=case.secure.get(port))
     try:
         entries, before = cache.entries(), dp.counters()
         verdict, out = run(dp, case.frame, case.port)
@@ -138,10 +143,11 @@ def test_replies_that_must_not_be_learned(dp, cache, case):
         frame[KV].status = 1
     before = dp.counters()
     raw = bytes(frame)
-    assert run(dp, raw, port="host" if case == "host port" else "pool") == (XDP.PASS, raw)
+    verdict = XDP.DROP if case == "host port" else XDP.PASS   # replies come from pool ports
+    assert run(dp, raw, port="host" if case == "host port" else "pool") == (verdict, raw)
     assert cache.get(5, KEY, 3) is None
     if case == "host port":
-        assert dp.counters()["forged"] - before["forged"] == 1
+        assert dp.counters()["not_from_pool"] - before["not_from_pool"] == 1
     if case == "unsolicited":
         assert dp.counters()["unsolicited"] - before["unsolicited"] == 1
 
@@ -164,7 +170,8 @@ def test_speculative_fill_still_learns_only_solicited_pool_replies(dp, cache, ca
     if case != "unsolicited":
         run(dp, get_frame())
     raw = bytes(reply_frame())
-    assert run(dp, raw, port="host" if case == "host port" else "pool") == (XDP.PASS, raw)
+    verdict = XDP.DROP if case == "host port" else XDP.PASS
+    assert run(dp, raw, port="host" if case == "host port" else "pool") == (verdict, raw)
     assert cache.get(5, KEY, 3) is None and dp.get("spec_fill") == 100
 
 
@@ -250,7 +257,7 @@ def test_forged_reply_from_a_host_port_releases_nobody(coalescing):
     run(dp, get_frame(req_id=1))
     run(dp, get_frame(req_id=2, src=HOST2_IP), port="host2")
     reply = bytes(reply_frame())
-    assert run(dp, reply, port="host2") == (XDP.PASS, reply)
+    assert run(dp, reply, port="host2") == (XDP.DROP, reply)
     assert len(dp.pending) == 1 and list(dp.pending.values())[0].waiters == 2
 
 
@@ -283,6 +290,57 @@ def test_a_round_holds_only_gets_addressed_where_it_went(coalescing, elsewhere):
     assert list(dp.pending.values())[0].waiters == 1
 
 
+def test_a_requester_re_arming_an_unanswered_round_holds_others_one_timeout_at_most(coalescing):
+    """The stall of issue 26: a requester whose GETs the pool never answers asks again as soon
+    as its round expires. Once a round has expired unanswered, nobody is held for the chunk
+    until a reply for it passes; then coalescing resumes."""
+    dp = coalescing
+    attacker, victim = (dict(req_id=1, src=HOST2_IP), "host2"), (dict(req_id=2), "host")
+    assert run(dp, get_frame(**attacker[0]), port=attacker[1])[0] == XDP.PASS   # opens a round
+    assert run(dp, get_frame(**victim[0]), port=victim[1])[0] == XDP.DROP       # held in it
+    dp.set("pending_ns", 1)                        # the round's pending timeout passes
+    before = dp.counters()
+    assert run(dp, get_frame(**attacker[0]), port=attacker[1])[0] == XDP.PASS   # re-armed
+    dp.set("pending_ns", 10 ** 9)
+    for _ in range(3):                             # however often it re-arms ...
+        assert run(dp, get_frame(**attacker[0]), port=attacker[1])[0] == XDP.PASS
+        frame = bytes(get_frame(**victim[0]))
+        assert run(dp, frame, port=victim[1]) == (XDP.PASS, frame), "the victim is not held"
+    after = dp.counters()
+    assert after["expired"] - before["expired"] == 1
+    assert after["unheld"] - before["unheld"] == 6 and after["coalesced"] == before["coalesced"]
+    reply = bytes(reply_frame())                   # the pool answers the victim's GET
+    assert run(dp, reply, port="pool") == (XDP.PASS, reply)
+    assert len(dp.pending) == 0, "a reply closes the probation"
+    assert run(dp, get_frame(**victim[0]), port=victim[1])[0] == XDP.PASS
+    assert run(dp, get_frame(**attacker[0]), port=attacker[1])[0] == XDP.DROP, "held again"
+
+
+@pytest.mark.parametrize("bad", ["pseudo-header checksum", "wrong checksum", "port 0"])
+def test_a_get_the_pool_would_not_answer_opens_no_round(coalescing, bad):
+    dp = coalescing
+    if bad == "port 0":
+        frame, verdict = bytes(get_frame(sport=0, src=HOST2_IP)), XDP.DROP
+    else:
+        frame = bytearray(bytes(get_frame(src=HOST2_IP)))
+        frame[40:42] = (_pseudo_sum(frame) if bad == "pseudo-header checksum" else
+                        (int.from_bytes(frame[40:42], "big") ^ 0x0101).to_bytes(2, "big"))
+        frame, verdict = bytes(frame), XDP.PASS
+    for _ in range(3):
+        assert run(dp, frame, port="host2") == (verdict, frame)
+    assert len(dp.pending) == 0 and len(dp.waiters) == 0, "no round, nobody waiting"
+    victim = bytes(get_frame(req_id=2))
+    assert run(dp, victim) == (XDP.PASS, victim), "the victim's GET goes upstream"
+    assert list(dp.pending.values())[0].first_ifindex == PORTS["host"]
+
+
+def _pseudo_sum(frame: bytes) -> bytes:
+    """The partial form a stack leaves for offload: the pseudo-header's folded sum."""
+    from kvproto.frames import ip_checksum
+    pseudo = bytes(frame[26:34]) + b"\0\x11" + bytes(frame[38:40])
+    return (~ip_checksum(pseudo) & 0xFFFF).to_bytes(2, "big")
+
+
 def test_coalescing_off_forwards_every_miss(dp, cache):
     for port, req in (("host", 1), ("host2", 2)):
         frame = bytes(get_frame(req_id=req))
@@ -310,6 +368,95 @@ def test_a_secured_port_binds_to_its_first_source(dp, cache):
         dp.set_port_role(host, ROLE_HOST)
     assert host not in dp.port_sources()
     assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.PASS
+
+
+def _secure(dp, port, source=None):
+    dp.set_port_role(socket.if_indextoname(PORTS[port]),
+                     ROLE_POOL if port == "pool" else ROLE_HOST, secured=True, source=source)
+
+
+def _unsecure(dp, *ports):
+    for port in ports:
+        dp.set_port_role(socket.if_indextoname(PORTS[port]),
+                         ROLE_POOL if port == "pool" else ROLE_HOST)
+
+
+def _arp(mac, ip):
+    return bytes(Ether(src=mac, dst="ff:ff:ff:ff:ff:ff") / ARP(op=2, hwsrc=mac, psrc=ip, pdst=ip))
+
+
+def test_two_ports_never_learn_the_same_source(dp, cache):
+    """h1 spoke first; h2's first frame is an ARP reply with h1's MAC and address (issue 26:
+    the switch bound h2 to h1 and h2 received h1's replies). It is dropped, h2 stays unbound,
+    and binds to its own source when it sends one."""
+    _secure(dp, "host")
+    _secure(dp, "host2")
+    try:
+        assert run(dp, _arp(HOST_MAC, HOST_IP), port="host")[0] == XDP.PASS   # h1 binds
+        before = dp.counters()
+        for frame in (_arp(HOST_MAC, HOST_IP), bytes(get_frame()),
+                      _arp(OTHER_MAC, HOST_IP), bytes(get_frame(src_mac=HOST_MAC, src=HOST2_IP))):
+            assert run(dp, frame, port="host2")[0] == XDP.DROP
+        after = dp.counters()
+        assert after["src_taken"] - before["src_taken"] == 4
+        assert after["src_learned"] == before["src_learned"]
+        host, host2 = (socket.if_indextoname(PORTS[p]) for p in ("host", "host2"))
+        assert dp.port_sources() == {host: (HOST_MAC, HOST_IP)}
+        assert run(dp, _arp(OTHER_MAC, HOST2_IP), port="host2")[0] == XDP.PASS
+        assert dp.port_sources()[host2] == (OTHER_MAC, HOST2_IP)
+        macs, ips = ports.owners(dp)
+        assert sorted(macs.values()) == sorted(ips.values()) == sorted([PORTS["host"],
+                                                                         PORTS["host2"]])
+    finally:
+        _unsecure(dp, "host", "host2")
+    assert ports.owners(dp) == ({}, {}), "unsecured ports own nothing"
+
+
+def test_a_relearn_needs_the_operator(dp, cache):
+    _secure(dp, "host")
+    try:
+        assert run(dp, _arp(HOST_MAC, HOST_IP))[0] == XDP.PASS
+        assert run(dp, _arp(OTHER_MAC, OTHER_IP))[0] == XDP.DROP          # sticky
+        host = socket.if_indextoname(PORTS["host"])
+        assert ports.relearn(dp, host) == (HOST_MAC, HOST_IP)
+        assert host not in dp.port_sources() and ports.owners(dp) == ({}, {})
+        assert run(dp, _arp(OTHER_MAC, OTHER_IP))[0] == XDP.PASS          # binds anew
+        assert dp.port_sources()[host] == (OTHER_MAC, OTHER_IP)
+        assert run(dp, _arp(HOST_MAC, HOST_IP))[0] == XDP.DROP
+    finally:
+        _unsecure(dp, "host")
+
+
+def test_a_pool_port_bound_before_any_frame_cannot_be_claimed(dp, cache):
+    """switchd binds a pool port to its node (the address given, its MAC asked for by ARP
+    out of that port) before attaching; an explicit binding takes a source a port learned."""
+    _secure(dp, "host")
+    try:
+        assert run(dp, _arp(POOL_MAC, POOL_IP))[0] == XDP.PASS      # learned before the pool's
+        _secure(dp, "pool", (POOL_MAC, POOL_IP))                    # binding: the operator wins
+        host, pool = (socket.if_indextoname(PORTS[p]) for p in ("host", "pool"))
+        assert dp.port_sources() == {pool: (POOL_MAC, POOL_IP)}
+        for frame in (_arp(POOL_MAC, POOL_IP), bytes(reply_frame()),
+                      bytes(get_frame(src_mac=POOL_MAC, src=POOL_IP))):
+            assert run(dp, frame)[0] == XDP.DROP
+        assert run(dp, bytes(reply_frame()), port="pool")[0] == XDP.PASS
+        assert host not in dp.port_sources()
+    finally:
+        _unsecure(dp, "host", "pool")
+
+
+def test_a_ports_node_is_found_by_arp_out_of_that_port_alone():
+    """switchd.ports.resolve: an ARP probe out of one port, answered on that port (here by the
+    veth end facing it, holding the address); an address nobody holds is one clear error."""
+    for args in (["link", "set", "host2port", "up"], ["link", "set", "spare", "up"],
+                 ["addr", "replace", "198.18.0.77/32", "dev", "spare"]):
+        subprocess.run(["ip", *args], check=True)
+    mac = json.loads(subprocess.run(["ip", "-j", "link", "show", "spare"], capture_output=True,
+                                    text=True, check=True).stdout)[0]["address"]
+    assert resolve("host2port", "198.18.0.77") == mac
+    with pytest.raises(SwitchError, match="nothing at 198.18.0.78 answered ARP on port "
+                                          "host2port"):
+        resolve("host2port", "198.18.0.78", timeout=0.5)
 
 
 # ---- puts ----------------------------------------------------------------------------------

@@ -18,6 +18,9 @@ KV_MAP("hash", struct kv_cache_key, struct kv_cache_val, kv_cache, KV_CACHE_ENTR
 KV_MAP("hash", struct kv_block_key, struct kv_admit_val, kv_admit, KV_ADMIT_ENTRIES);
 /* port roles by ifindex; a port without an entry is an inference-node port */
 KV_MAP("hash", __u32, struct kv_port_cfg, kv_ports, KV_PORT_ENTRIES);
+/* port security: which port owns a bound source (kvswitch.h, KV_SRC_ENTRIES) */
+KV_MAP("hash", __u64, __u32, kv_src_macs, KV_SRC_ENTRIES);
+KV_MAP("hash", __be32, __u32, kv_src_ips, KV_SRC_ENTRIES);
 /* namespaces a limited port may ask for (KV_PF_NS_LIMITED) */
 KV_MAP("hash", struct kv_port_ns_key, __u32, kv_port_ns, KV_PORT_ENTRIES * 16);
 /* miss coalescing: rounds in flight and who waits on each port (LRU: stale entries age out) */

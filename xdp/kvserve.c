@@ -24,11 +24,13 @@
  * The verifier must see every copy inside one map value: a chunk starting in the last
  * KV_MAX_PAYLOAD bytes of a segment is left to the server (one in ~1,000 at 3 KiB chunks).
  *
- *  - GET to this node (its IPv4 address, not a broadcast frame), valid UDP checksum, for a chunk
+ *  - GET to this node (its IPv4 address, not a broadcast frame), a UDP checksum its kernel
+ *    accepts whatever the skb's offload state (reply.h), from a UDP port other than 0, for a chunk
  *    of a block in kvs_index whose length fits the room the GET carried: the GET becomes the
  *    GET_REPLY in place (reply.h: payload from kvs_arena, addresses swapped) and goes back out
  *    with XDP_TX, as `hostagent serve` would have sent it (flags 0: not KV_F_FROM_SWITCH, so a
  *    switch learns it as a pool reply and clients count it as from the pool).
+ *  - a GET from UDP port 0 is dropped (the server could not answer it either);
  *  - everything else passes untouched: PUTs, GETs for blocks not staged (the server fills them
  *    from its store, then they are served here), too little room, non-KV and malformed frames.
  *
@@ -68,13 +70,15 @@
 #define KV_SERVE_STAT_REUSED 6      /* the slot was freed or rewritten: passed before the copy,
                                        dropped after it */
 #define KV_SERVE_STAT_NOT_MINE 7    /* GETs to another address or a group address: passed */
-#define KV_SERVE_STAT_BAD_UDP_CSUM 8  /* GETs whose UDP checksum is wrong: passed (the stack
-                                         drops them) */
+#define KV_SERVE_STAT_BAD_UDP_CSUM 8  /* GETs whose UDP checksum the stack may drop (wrong, or
+                                         the pseudo-header-only form: reply.h): passed, the stack
+                                         decides */
 #define KV_SERVE_STAT_OTHER_KV 9    /* other KV messages (PUT, ...): passed */
 #define KV_SERVE_STAT_MALFORMED 10  /* KV port but invalid: passed */
 #define KV_SERVE_STAT_NON_KV 11     /* not KV: passed */
 #define KV_SERVE_STAT_FAILED 12     /* the reply could not be made (tail or copy failed) */
 #define KV_SERVE_STAT_SEG_END 13    /* the chunk ends too near its segment's end: passed */
+#define KV_SERVE_STAT_PORT_ZERO 14  /* GETs from UDP port 0, which no reply can reach: dropped */
 #define KV_SERVE_STAT_MAX 16
 
 struct kv_serve_seg {
@@ -141,6 +145,8 @@ static __always_inline int serve_get(struct xdp_md *ctx, struct kv_frame *f)
 {
     if ((f->eth->h_dest[0] & 1) || !kvs_addrs.lookup(&f->ip->daddr))
         return count(KV_SERVE_STAT_NOT_MINE, 1, XDP_PASS);
+    if (!kv_get_answerable(f))
+        return count(KV_SERVE_STAT_PORT_ZERO, 1, XDP_DROP);
     if (!kv_get_udp_csum_ok(f))
         return count(KV_SERVE_STAT_BAD_UDP_CSUM, 1, XDP_PASS);
     struct kv_serve_key bk = {};

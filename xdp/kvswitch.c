@@ -260,6 +260,11 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
     w.req_id = f->kv->req_id;
 
     struct kv_pending *p = kv_pending.lookup(k);
+    if (p && (p->flags & KV_RF_PROBATION)) {
+        count(KV_STAT_UNHELD, 1);  /* its last round went unanswered: nobody waits here until */
+        count(KV_STAT_GET_MISS, 1);  /* a reply for the chunk passes (it closes the round) */
+        return XDP_PASS;
+    }
     if (p && now - p->gen < setting(KV_SET_PENDING_NS))
         return join_round(p, f, &wk, &w);
     if (!p) {
@@ -274,12 +279,16 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
     w.gen = now;
     kv_waiters.update(&wk, &w);
     if (p) {
-        count(KV_STAT_EXPIRED, 1);   /* a stale round: this GET retries it upstream */
+        /* A stale round: its waiters waited one pending timeout for nothing. This GET retries
+         * upstream, and until a reply for the chunk passes nobody is held for it: a requester
+         * that keeps re-arming rounds its pool never answers holds others one timeout at most. */
+        count(KV_STAT_EXPIRED, 1);
+        np.flags = KV_RF_PROBATION;
         kv_pending.update(k, &np);
     } else if (kv_pending.insert(k, &np)) {
         /* another CPU opened a round between our lookup and now: wait in it */
         p = kv_pending.lookup(k);
-        if (p)
+        if (p && !(p->flags & KV_RF_PROBATION))
             return join_round(p, f, &wk, &w);
     }
     count(KV_STAT_GET_MISS, 1);
@@ -333,14 +342,66 @@ static __always_inline int limited_port_may_pass(void *data, void *data_end, int
            udp->dest != bpf_htons(KV_UDP_PORT);
 }
 
-/* Port security: a secured port's frames carry its bound source, or are dropped. A port whose
- * source switchd left unset binds to the source of its first ARP or IPv4 frame (sticky): the
- * CPU that sets KV_PF_BINDING first writes it, the others drop their frames until it is done. */
-static __always_inline int source_ok(struct kv_port_cfg *port, void *data, void *data_end)
+static __always_inline __u64 mac_key(const __u8 *mac)
+{
+    __u64 k = 0;
+    __builtin_memcpy(&k, mac, ETH_ALEN);
+    return k;
+}
+
+/* Whether a source is bound to a port other than `ifindex` (kv_src_macs, kv_src_ips). */
+static __always_inline int mac_taken(__u64 mac, __u32 ifindex)
+{
+    __u32 *owner = kv_src_macs.lookup(&mac);
+    return owner && *owner != ifindex;
+}
+
+static __always_inline int ip_taken(__be32 ip, __u32 ifindex)
+{
+    __u32 *owner = kv_src_ips.lookup(&ip);
+    return owner && *owner != ifindex;
+}
+
+/* Bind an unbound secured port to (mac, ip), unless another port owns either: the owner entries
+ * are claimed first (an insert that fails means someone else has it), then the port's config.
+ * Runs once per port (or once after an operator's relearn), never on the hit path. */
+static __always_inline int bind_port(struct kv_port_cfg *port, __u32 ifindex, const __u8 *src,
+                                     __be32 ip)
+{
+    if (__sync_fetch_and_or(&port->flags, KV_PF_BINDING) & KV_PF_BINDING)
+        return 0;                  /* another CPU is binding it right now */
+    __u64 mk = mac_key(src);
+    int ok = 0;
+    if (kv_src_macs.insert(&mk, &ifindex) && mac_taken(mk, ifindex)) {
+        count(KV_STAT_SRC_TAKEN, 1);
+    } else if (kv_src_ips.insert(&ip, &ifindex) && ip_taken(ip, ifindex)) {
+        count(KV_STAT_SRC_TAKEN, 1);
+        __u32 *owner = kv_src_macs.lookup(&mk);
+        if (owner && *owner == ifindex)
+            kv_src_macs.delete(&mk);
+    } else {
+        __builtin_memcpy(port->mac, src, ETH_ALEN);
+        port->ip = ip;
+        __sync_fetch_and_or(&port->flags, KV_PF_BOUND);
+        count(KV_STAT_SRC_LEARNED, 1);
+        ok = 1;
+    }
+    __sync_fetch_and_and(&port->flags, ~(__u64)KV_PF_BINDING);
+    return ok;
+}
+
+/* Port security: a secured port's frames carry its bound source, or are dropped; every frame
+ * type is checked (its Ethernet source; an ARP's sender too; an IPv4 packet's source too). A
+ * port whose source switchd left unset binds to the source of its first ARP or IPv4 frame with a
+ * sender address, unless another port owns that MAC or address (a pool port is bound before any
+ * frame is seen); until then its frames pass only if their sources belong to nobody else. The
+ * binding is sticky: only the operator unbinds a port (switchd port relearn). */
+static __always_inline int source_ok(struct xdp_md *ctx, struct kv_port_cfg *port, void *data,
+                                     void *data_end)
 {
     struct ethhdr *eth = data;
-    if ((void *)(eth + 1) > data_end)
-        return 0;
+    if ((void *)(eth + 1) > data_end || (eth->h_source[0] & 1))
+        return 0;                  /* no frame comes from a group address */
     __be32 ip = 0;
     int learnable = 0;
     if (eth->h_proto == bpf_htons(ETH_P_IP)) {
@@ -356,34 +417,38 @@ static __always_inline int source_ok(struct kv_port_cfg *port, void *data, void 
             arp->ar_pln != 4 || !mac_eq(sha, eth->h_source))
             return 0;              /* an ARP sender other than the frame's source: a spoof */
         __builtin_memcpy(&ip, sha + ETH_ALEN, 4);
-        learnable = ip != 0;       /* address probes (sender 0.0.0.0) are checked, not learned */
+        learnable = 1;             /* address probes (sender 0.0.0.0) are checked, not learned */
     } else if (eth->h_proto == bpf_htons(ETH_P_8021Q) || eth->h_proto == bpf_htons(ETH_P_8021AD)) {
         return 0;                  /* the inner source cannot be checked here */
     }
-    if (!(port->flags & KV_PF_BOUND)) {
-        if (port->flags & KV_PF_BINDING)
-            return 0;              /* another CPU is binding the port right now */
-        if (!learnable || (eth->h_source[0] & 1) || !ip)
-            return 1;              /* nothing to bind to yet (IPv6, a probe): let it pass */
-        if (__sync_fetch_and_or(&port->flags, KV_PF_BINDING) & KV_PF_BINDING)
+    if (port->flags & KV_PF_BOUND) {
+        if (!mac_eq(eth->h_source, port->mac))
             return 0;
-        __builtin_memcpy(port->mac, eth->h_source, ETH_ALEN);
-        port->ip = ip;
-        __sync_fetch_and_or(&port->flags, KV_PF_BOUND);
-        count(KV_STAT_SRC_LEARNED, 1);
-        return 1;
+        if (eth->h_proto == bpf_htons(ETH_P_IP))
+            return ip == port->ip;
+        return eth->h_proto != bpf_htons(ETH_P_ARP) || ip == port->ip || !ip;
     }
-    if (!mac_eq(eth->h_source, port->mac))
-        return 0;
-    if (eth->h_proto == bpf_htons(ETH_P_IP))
-        return ip == port->ip;
-    return eth->h_proto != bpf_htons(ETH_P_ARP) || ip == port->ip || !ip;
+    if (port->flags & KV_PF_BINDING)
+        return 0;                  /* another CPU is binding the port right now */
+    __u32 ifindex = ctx->ingress_ifindex;
+    __u64 mk = mac_key(eth->h_source);
+    if (mac_taken(mk, ifindex) || (ip && ip_taken(ip, ifindex))) {
+        count(KV_STAT_SRC_TAKEN, 1);
+        return 0;                  /* another port's source: never passed, never learned */
+    }
+    if (!learnable || !ip)
+        return 1;                  /* nothing to bind to yet (IPv6, a probe): its MAC is free */
+    return bind_port(port, ifindex, eth->h_source, ip);
 }
 
 static __always_inline int handle_get(struct xdp_md *ctx, struct kv_frame *f)
 {
+    if (!kv_get_answerable(f)) {
+        count(KV_STAT_PORT_ZERO, 1);       /* no reply can reach UDP port 0: nobody waits for one */
+        return XDP_DROP;
+    }
     if (!kv_get_udp_csum_ok(f)) {
-        count(KV_STAT_BAD_UDP_CSUM, 1);    /* the pool node's stack checks the whole datagram */
+        count(KV_STAT_BAD_UDP_CSUM, 1);    /* the pool node's stack decides: never held here */
         return XDP_PASS;
     }
     if (f->kv->flags & bpf_htons(KV_F_NO_CACHE)) {
@@ -483,19 +548,13 @@ static __always_inline int release_waiters(struct xdp_md *ctx, struct kv_cache_k
     return kv_devmap.redirect_map(0, BPF_F_BROADCAST | BPF_F_EXCLUDE_INGRESS);
 }
 
-/* A reply from a pool node passing through: learn it, then hand it to whoever waits. Replies
- * that did not come in on a pool-node port are forwarded but never learned or replicated. */
+/* A reply from a pool node passing through (kv_ingress drops replies from other ports): learn
+ * it, then hand it to whoever waits. */
 static __always_inline int handle_reply(struct xdp_md *ctx, struct kv_frame *f)
 {
     struct kvhdr *kv = f->kv;
     if (kv->status != 0 || kv->flags & bpf_htons(KV_F_FROM_SWITCH))
         return XDP_PASS;
-    __u32 ifindex = ctx->ingress_ifindex;
-    struct kv_port_cfg *port = kv_ports.lookup(&ifindex);
-    if (!port || port->role != KV_ROLE_POOL) {
-        count(KV_STAT_FORGED, 1);
-        return XDP_PASS;
-    }
     struct kv_cache_key k = {};
     chunk_key(&k, kv);
     if (!kv_pending.lookup(&k)) {
@@ -514,6 +573,28 @@ static __always_inline int handle_reply(struct xdp_md *ctx, struct kv_frame *f)
     return release_waiters(ctx, &k);
 }
 
+/* Whether a KV frame (parsed, or KV_BAD: its UDP header was read) is or may be a reply: it comes
+ * from the KV port, or its op is one only a pool node sends. GETs (the hit path) are neither. */
+static __always_inline int may_be_reply(struct kv_frame *f, int parsed)
+{
+    if (f->udp->source == bpf_htons(KV_UDP_PORT))
+        return 1;
+    if (parsed != KV_OK)
+        return 0;
+    __u8 op = f->kv->op;
+    return op == KV_OP_GET_REPLY || op == KV_OP_PUT_ACK || op == KV_OP_NACK || op == KV_OP_ERROR;
+}
+
+/* Whether the frame came in on a pool-node port (`port`: its config if already looked up). */
+static __always_inline int from_pool_port(struct xdp_md *ctx, struct kv_port_cfg *port)
+{
+    if (!port) {
+        __u32 ifindex = ctx->ingress_ifindex;
+        port = kv_ports.lookup(&ifindex);
+    }
+    return port && port->role == KV_ROLE_POOL;
+}
+
 int kv_ingress(struct xdp_md *ctx)
 {
     void *data = (void *)(long)ctx->data;
@@ -525,12 +606,16 @@ int kv_ingress(struct xdp_md *ctx)
     if (setting(KV_SET_PORT_CHECKS)) {   /* no port has checks: spare the hit path a lookup */
         __u32 ifindex = ctx->ingress_ifindex;
         port = kv_ports.lookup(&ifindex);
-        if (port && (port->flags & KV_PF_SECURED) && !source_ok(port, data, data_end)) {
+        if (port && (port->flags & KV_PF_SECURED) && !source_ok(ctx, port, data, data_end)) {
             count(KV_STAT_SPOOFED, 1);
             return verdict(XDP_DROP);
         }
     }
     int r = kv_parse(data, data_end, &f);
+    if (r != KV_NOT_KV && may_be_reply(&f, r) && !from_pool_port(ctx, port)) {
+        count(KV_STAT_NOT_FROM_POOL, 1);   /* replies come from pool nodes, nowhere else */
+        return verdict(XDP_DROP);
+    }
     if (r != KV_OK && port && (port->flags & KV_PF_NS_LIMITED) &&
         !limited_port_may_pass(data, data_end, r)) {
         count(KV_STAT_UNCHECKED, 1);

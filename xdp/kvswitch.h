@@ -74,6 +74,12 @@ struct kv_port_cfg {
                                       port's first ARP or IPv4 frame (sticky) */
 #define KV_PF_BINDING 8            /* the data plane is binding it on some CPU (transient) */
 
+/* Who owns a source: kv_src_macs (MAC in the low 6 bytes of a u64, as in memory) and kv_src_ips
+ * (IPv4, network order) map a bound source to the ifindex of the one port bound to it. A secured
+ * port never learns, nor sends from, a source another port owns; switchd writes a pool port's and
+ * every --port-bind source before attaching, the data plane a learned one as it binds. */
+#define KV_SRC_ENTRIES 1024
+
 struct kv_port_ns_key {            /* per-port namespace allow-list */
     __u32 ifindex;
     __u32 ns;
@@ -91,7 +97,12 @@ struct kv_pending {                /* a chunk whose GET went upstream and whose 
     __be32 daddr;                  /* where the upstream GET went: only GETs to the same pool */
     __be16 dport;                  /* address (IP, UDP port, MAC) may wait in this round */
     __u8  dmac[6];
+    __u16 flags;                   /* KV_RF_* */
 };
+#define KV_RF_PROBATION 1          /* a round that expired was asked for again: nobody is held
+                                      for this chunk until a reply for it passes (a requester
+                                      re-arming a round nobody answers cannot hold others
+                                      beyond one pending timeout) */
 
 struct kv_waiter_key {
     struct kv_cache_key chunk;
@@ -179,7 +190,8 @@ struct kv_ns_stats {
 #define KV_STAT_FILL_FAIL 7        /* admitted reply that could not be stored (cache full) */
 #define KV_STAT_NO_ROOM 8          /* hit whose request carried too little room: forwarded */
 #define KV_STAT_OTHER_KV 9         /* other KV messages (PUT, ACK, ...) forwarded */
-#define KV_STAT_FORGED 10          /* reply for an admitted block from a non-pool port: not learned */
+#define KV_STAT_FORGED 10          /* no longer counted: replies from non-pool ports are dropped
+                                      (KV_STAT_NOT_FROM_POOL) */
 #define KV_STAT_XDP_ABORTED 11     /* verdict counters: KV_STAT_XDP_ABORTED + XDP_* verdict */
 #define KV_STAT_XDP_DROP 12
 #define KV_STAT_XDP_PASS 13
@@ -202,10 +214,18 @@ struct kv_ns_stats {
 #define KV_STAT_UNCHECKED 28       /* frame from a limited port the data plane cannot fully check
                                       (VLAN tag, IP options or fragment, IPv6 extension header,
                                       invalid KV, other protocol): dropped */
-#define KV_STAT_BAD_UDP_CSUM 29    /* GET whose UDP checksum is wrong: never answered, forwarded */
+#define KV_STAT_BAD_UDP_CSUM 29    /* GET whose UDP checksum fails (the pseudo-header-only form
+                                      included, see reply.h): never held nor answered, forwarded */
 #define KV_STAT_OTHER_DEST 30      /* GET for a chunk whose open round went to another address:
                                       forwarded, not held */
 #define KV_STAT_SRC_LEARNED 31     /* a secured port learned its source from its first frame */
+#define KV_STAT_NOT_FROM_POOL 32   /* reply (GET_REPLY, PUT_ACK, NACK, ERROR, or anything from UDP
+                                      port KV_UDP_PORT) on a port that is not a pool port: dropped */
+#define KV_STAT_SRC_TAKEN 33       /* frame on a secured port carrying a source (MAC or IPv4) bound
+                                      to another port: dropped, never learned (also in spoofed) */
+#define KV_STAT_PORT_ZERO 34       /* GET from UDP port 0 (nobody can be answered there): dropped */
+#define KV_STAT_UNHELD 35          /* GET for a chunk whose round expired unanswered: forwarded,
+                                      not held (KV_RF_PROBATION) */
 #define KV_STAT_MAX 40
 
 #endif /* KVSWITCH_H */

@@ -17,7 +17,7 @@ _Static_assert(KV_HDR_OFF == KV_ETH_LEN + KV_IPV4_LEN + KV_UDP_LEN &&
 
 enum kv_parse_result { KV_NOT_KV = 0, KV_BAD = 1, KV_OK = 2 };
 
-struct kv_frame {
+struct kv_frame {                  /* eth, ip, udp: set when KV_OK or KV_BAD; kv: when KV_OK */
     struct ethhdr *eth;
     struct iphdr *ip;
     struct udphdr *udp;
@@ -57,6 +57,9 @@ static __always_inline int kv_parse(void *data, void *data_end, struct kv_frame 
         return KV_NOT_KV;
     if (udp->dest != bpf_htons(KV_UDP_PORT) && udp->source != bpf_htons(KV_UDP_PORT))
         return KV_NOT_KV;
+    f->eth = eth;                  /* set for KV_BAD too: a caller may look at its ports */
+    f->ip = ip;
+    f->udp = udp;
     struct kvhdr *kv = (void *)(udp + 1);
     if ((void *)(kv + 1) > data_end)
         return KV_BAD;
@@ -69,9 +72,6 @@ static __always_inline int kv_parse(void *data, void *data_end, struct kv_frame 
         payload != ip_len - want || payload > KV_MAX_PAYLOAD ||
         kv->magic != bpf_htons(KV_MAGIC) || kv->version != KV_VERSION || kv->reserved != 0)
         return KV_BAD;             /* lying lengths, bad magic/version, corrupt IP header */
-    f->eth = eth;
-    f->ip = ip;
-    f->udp = udp;
     f->kv = kv;
     f->payload_len = payload;
     return KV_OK;

@@ -35,28 +35,42 @@ static __always_inline void kv_swap_bytes(__u8 *a, __u8 *b, int n)
     }
 }
 
-/* A GET's UDP checksum, when it has one (0: none, as IPv4 allows), over its pseudo-header, UDP
- * and KV headers, its room being the zeros the protocol requires: a GET damaged anywhere, or
- * with anything but zeros in its room, fails it. ~30 additions, not a pass over the room. A
- * sender's stack that leaves the checksum to the NIC (veth does: CHECKSUM_PARTIAL) puts the
- * pseudo-header's sum there; no wire was crossed, so that form is accepted as it stands. */
+/* Whether a GET's UDP checksum is one the receiving kernel accepts, so that what XDP answers or
+ * holds is exactly what the pool node's stack would answer. The kernel (udp4_csum_init) takes a
+ * checksum of 0 as "none" and otherwise sums the whole datagram with its pseudo-header (the
+ * result must fold to 0; 0xffff in the field stands for a computed 0, and sums the same). This
+ * checks the same sum over the pseudo-header, UDP and KV headers, the room counted as the zeros
+ * the protocol requires (a room of other bytes fails it, unless they add up to nothing, and then
+ * the kernel accepts it too): ~30 additions, not a pass over the room.
+ *
+ * Not accepted: a field holding just the pseudo-header's folded sum (what a local stack leaves
+ * for checksum offload, CHECKSUM_PARTIAL on veth) when the full sum fails. A kernel takes that
+ * form only from an skb still marked partial, which XDP cannot see; the same bytes crafted on a
+ * raw socket are dropped by the pool's stack. Accepting it let a tenant open rounds the pool
+ * never answered (issue 26). Senders on veth use checksum 0 (the XDP fetch engine, the asyncio
+ * client with SO_NO_CHECK) or a full one; partial GETs still reach the pool's stack, which
+ * answers the genuine ones. */
 static __always_inline int kv_get_udp_csum_ok(struct kv_frame *f)
 {
     if (!f->udp->check)
         return 1;
     __u16 *w = (__u16 *)&f->ip->saddr;    /* saddr and daddr: 4 words */
-    __u32 pseudo = bpf_htons(IPPROTO_UDP) + f->udp->len;
+    __u32 sum = bpf_htons(IPPROTO_UDP) + f->udp->len;
 #pragma unroll
     for (int i = 0; i < 4; i++)
-        pseudo += w[i];
-    if (f->udp->check == (__u16)~kv_csum_fold(pseudo))
-        return 1;                          /* partial: left for offload */
-    __u32 sum = pseudo;
+        sum += w[i];
     w = (__u16 *)f->udp;                   /* the UDP header, then the KV header */
 #pragma unroll
     for (int i = 0; i < (KV_UDP_LEN + KV_HDR_LEN) / 2; i++)
         sum += w[i];
     return kv_csum_fold(sum) == 0;
+}
+
+/* Whether a GET can be answered at all: the kernel delivers a datagram from UDP port 0, but no
+ * reply can be sent to it (sendmsg fails), so XDP answers and holds none either. */
+static __always_inline int kv_get_answerable(struct kv_frame *f)
+{
+    return f->udp->source != 0;
 }
 
 /* Turn the GET in ctx (parsed, its room at least len bytes, 1 <= len <= KV_REPLY_MAX) into the
