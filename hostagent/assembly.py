@@ -46,8 +46,8 @@ class PutBudgets:
     incomplete block is dropped; ``chunk_size``: the size every chunk but a block's last must
     have (0: the block's own, set by its first full chunk)."""
     total: int = DEFAULT_ASSEMBLY_BYTES
-    per_ns: int = DEFAULT_ASSEMBLY_BYTES // 4
-    per_source: int = DEFAULT_ASSEMBLY_BYTES // 4
+    per_ns: int = DEFAULT_ASSEMBLY_BYTES // 2
+    per_source: int = DEFAULT_ASSEMBLY_BYTES // 2
     blocks: int = 4096
     blocks_per_ns: int = 256
     blocks_per_source: int = 256

@@ -23,7 +23,7 @@ from .hashing import DEFAULT_BLOCK_TOKENS, block_hashes
 from kvproto import MAX_PAYLOAD, PORT
 from kvproto.cli import SizeType, one_line_errors
 from .server import serve as serve_forever
-from .store import MemoryStore
+from .store import MemoryStore, PutBudgets
 
 def _key(text: str) -> bytes:
     try:
@@ -152,9 +152,17 @@ def _make_store(ctx: click.Context, v: dict):
     """The store ``hostagent serve`` was asked for; one-line errors for what cannot work."""
     if v["capacity"] <= 0:
         raise click.BadParameter("capacity must be positive", param_hint="--capacity")
-    common = {"assembly_bytes": v["assembly"], "assembly_timeout": v["assembly_timeout"]}
-    if v["assembly"] <= 0:
-        raise click.BadParameter("must be positive", param_hint="--assembly")
+    for name in ("assembly", "assembly_per_ns", "assembly_per_source"):
+        if v[name] <= 0:
+            raise click.BadParameter("must be positive", param_hint=f"--{name.replace('_', '-')}")
+    if v["pool_chunk_size"] and v["pool_chunk_size"] % 8:
+        raise click.BadParameter(f"{v['pool_chunk_size']} is not a multiple of 8",
+                                 param_hint="--chunk-size")
+    budgets = PutBudgets(v["assembly"], min(v["assembly_per_ns"], v["assembly"]),
+                         min(v["assembly_per_source"], v["assembly"]), v["incomplete_blocks"],
+                         v["incomplete_per_ns"], v["incomplete_per_source"],
+                         v["assembly_timeout"], v["pool_chunk_size"] or 0)
+    common = {"budgets": budgets, "xdp_slots_per_ns": v["xdp_slots_per_ns"]}
     if v["store_kind"] == "memory":
         for name in ("mooncake_master", "mooncake_metadata", "replicas", "segment"):
             if _given(ctx, v, name):
@@ -211,15 +219,34 @@ def _allocated(make, capacity: int, *args, **kw):
 @click.option("--segment", type=SizeType(), default="512MiB", show_default=True,
               help="Memory this node lends the Mooncake cluster (mooncake).")
 @click.option("--assembly", type=SizeType(), default="256MiB", show_default=True,
-              help="Bytes of incomplete PUT blocks held at most.")
-@click.option("--assembly-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0,
-              show_default=True, help="Seconds an incomplete block waits for its next chunk.")
+              help="Bytes of incomplete PUT blocks held at most (payload and per-chunk "
+                   "overhead, as they take memory).")
+@click.option("--assembly-per-ns", type=SizeType(), default="128MiB", show_default=True,
+              help="... of them one namespace may hold.")
+@click.option("--assembly-per-source", type=SizeType(), default="128MiB", show_default=True,
+              help="... of them one source address may hold.")
+@click.option("--incomplete-blocks", type=click.IntRange(1, 1 << 20), default=4096,
+              show_default=True, help="Incomplete PUT blocks held at most.")
+@click.option("--incomplete-per-ns", type=click.IntRange(1, 1 << 20), default=256,
+              show_default=True, help="... of them one namespace may hold.")
+@click.option("--incomplete-per-source", type=click.IntRange(1, 1 << 20), default=256,
+              show_default=True, help="... of them one source address may hold.")
+@click.option("--assembly-timeout", type=click.FloatRange(0, 86400, min_open=True),
+              default=10.0, show_default=True,
+              help="Seconds an incomplete block waits for a new chunk (a re-sent one does not "
+                   "count).")
+@click.option("--chunk-size", "pool_chunk_size", type=click.IntRange(0, MAX_PAYLOAD), default=0,
+              show_default=True, help="Bytes every chunk but a block's last must have "
+                                      "(0: the block's first full chunk sets it).")
+@click.option("--xdp-slots-per-ns", type=click.IntRange(0), default=None,
+              help="Chunk slots for blocks of chunks under 1 KiB one namespace may take in "
+                   "XDP serving [default: a quarter of them].")
 @click.option("--stats-file", type=click.Path(dir_okay=False),
               help="Write the request counters here as JSON on SIGUSR1 and on exit.")
 def serve(config, **_):
     """Run a pool (storage) node until interrupted."""
     ctx = click.get_current_context()
-    v = _with_config(ctx, config, {"store": "store_kind"})
+    v = _with_config(ctx, config, {"store": "store_kind", "chunk_size": "pool_chunk_size"})
     bind, port, stats_file = v["bind"], v["port"], v["stats_file"]
     if stats_file:
         where = os.path.dirname(os.path.abspath(stats_file))

@@ -7,7 +7,9 @@ is a ``staging.Arena`` whose buffer *is* that arena, so stores read blocks into 
 serves from (no copy), and whose ``publish``/``retract`` hooks keep the slots and the index in
 the order kvserve.c relies on: a published block's slots are written with their generation
 last, then its index entry; a retracted block's index entry is deleted and its generations
-zeroed before its slots or bytes can be reused. ``XdpServer`` attaches the program to the
+zeroed before its slots or bytes can be reused. A block's slots lie where its pages do (no
+tenant can take another's); blocks of small chunks share a few dense slots, a namespace's share
+at most (issue #26: one block of 64,000 one-byte chunks used to take 64,000 of 65,536). ``XdpServer`` attaches the program to the
 interface that holds the bind address in generic mode (replacing a crashed server's program)
 and on close puts back a native program holding no map if one was there (a veth end needs one
 to receive what a switch sends it with XDP_TX). ``start`` is what ``hostagent serve`` calls: an
@@ -24,7 +26,7 @@ import mmap
 import os
 import socket
 import subprocess
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import numpy as np
 
@@ -53,11 +55,22 @@ class NoXdp(RuntimeError):
     """XDP cannot serve here (the reason is the message)."""
 
 
+DENSE_SHARE = 4          # a quarter more slots, for blocks of small chunks ...
+DENSE_PER_NS = 4         # ... a quarter of them per namespace by default
+
+
+def mapped_slots(capacity: int) -> int:
+    """Slots that map the arena, one per MIN_CHUNK bytes (the rest are the dense ones)."""
+    return max(1024, capacity // MIN_CHUNK)
+
+
 def sizes(capacity: int) -> tuple[int, int, int]:
-    """(segments, slots, index entries) of a program for an arena of ``capacity`` bytes."""
+    """(segments, slots, index entries) of a program for an arena of ``capacity`` bytes: a slot
+    per MIN_CHUNK bytes of arena (where a block's run is, its slots are), a quarter more for
+    blocks of smaller chunks, an index entry per page (a block takes one at least), up to 1M."""
     segs = max(1, -(-capacity // SEG))
-    slots = max(1024, capacity // MIN_CHUNK)
-    return segs, slots, min(max(1024, slots // 8), 1 << 20)
+    mapped = mapped_slots(capacity)
+    return segs, mapped + mapped // DENSE_SHARE, min(max(1024, capacity // DEFAULT_PAGE), 1 << 20)
 
 
 class ServeProgram:
@@ -66,6 +79,7 @@ class ServeProgram:
     def __init__(self, capacity: int):
         from switchd.dataplane import SwitchError, load_xdp
         self.segs, self.nslots, self.nblocks = sizes(capacity)
+        self.mapped_slots = mapped_slots(capacity)
         flags = [f"-DKV_SERVE_SEGS={self.segs}", f"-DKV_SERVE_SLOTS={self.nslots}",
                  f"-DKV_SERVE_BLOCKS={self.nblocks}"]
         try:
@@ -118,16 +132,56 @@ class ServeProgram:
 
 
 class XdpArena(Arena):
-    """A staging arena in kvserve.c's memory, telling the program of every block in it."""
+    """A staging arena in kvserve.c's memory, telling the program of every block in it.
 
-    def __init__(self, prog: ServeProgram, size: int, page: int = DEFAULT_PAGE):
+    A block's chunk slots come with its pages: slot ``off // MIN_CHUNK`` for every arena offset
+    ``off`` its run covers, so a block of chunks of MIN_CHUNK bytes or more always has them and
+    no tenant can take another's (the staging area's LRU decides whose blocks stay). A block of
+    more chunks than its run has slots (small chunks) takes a run of the dense slots, at most
+    ``dense_per_ns`` of them per namespace; past that it is served by the server process. Index
+    entries are one per page (up to 1M, a 4 GiB arena); a larger arena's are shared out per
+    namespace the same way."""
+
+    def __init__(self, prog: ServeProgram, size: int, page: int = DEFAULT_PAGE,
+                 dense_per_ns: int | None = None):
         super().__init__(size, page, buffer=prog.arena)
-        if self.size > prog.segs * SEG:
+        if self.size > prog.segs * SEG or self.size // MIN_CHUNK > prog.mapped_slots:
             raise ValueError("the arena is larger than the program's memory")
         self.prog = prog
-        self.slot_runs = Runs(prog.nslots)
+        self.dense = Runs(prog.nslots - prog.mapped_slots)
+        ndense = prog.nslots - prog.mapped_slots
+        self.dense_per_ns = ndense // DENSE_PER_NS if dense_per_ns is None else dense_per_ns
+        self.index_per_ns = (prog.nblocks if prog.nblocks >= self.pages
+                             else prog.nblocks // DENSE_PER_NS)
+        self.ns_dense: Counter = Counter()
+        self.ns_index: Counter = Counter()
         self._gen = 0
-        self.counters = {"xdp_published": 0, "xdp_unpublished": 0}
+        self.counters = Counter(xdp_published=0, xdp_unpublished=0)
+
+    def _slots_for(self, block: StagedBlock) -> tuple[int, bool] | None:
+        """(first slot, dense?) for ``block``, or None: it is left to the server process."""
+        n, ns, run = block.nchunks, block.layout.ns, block.run
+        lo = -(-run.start * self.page // MIN_CHUNK)
+        hi = (run.start + run.npages) * self.page // MIN_CHUNK
+        if n <= hi - lo:
+            return lo, False
+        if self.ns_dense[ns] + n > self.dense_per_ns:
+            self.counters["xdp_dense_refused"] += 1
+            return None
+        first = self.dense.alloc(n)
+        if first is None:
+            self.counters["xdp_dense_full"] += 1
+            return None
+        self.ns_dense[ns] += n
+        return self.prog.mapped_slots + first, True
+
+    def _free_slots(self, block: StagedBlock, first: int) -> None:
+        if block.meta.pop("xdp_dense", False):
+            ns, n = block.layout.ns, block.nchunks
+            self.dense.release(first - self.prog.mapped_slots, n)
+            self.ns_dense[ns] -= n
+            if not self.ns_dense[ns]:
+                del self.ns_dense[ns]
 
     def _next_gen(self) -> int:
         self._gen = self._gen % 0xFFFFFFFF + 1          # never 0
@@ -135,13 +189,15 @@ class XdpArena(Arena):
 
     def publish(self, block: StagedBlock) -> None:
         lay, n = block.layout, block.nchunks
-        if lay.chunk_size > MAX_PAYLOAD:
+        if lay.chunk_size > MAX_PAYLOAD or self.ns_index[lay.ns] >= self.index_per_ns:
             self.counters["xdp_unpublished"] += 1
             return
-        first = self.slot_runs.alloc(n)
-        if first is None:                                # out of slots: Python serves it
+        got = self._slots_for(block)
+        if got is None:                                  # out of slots: Python serves it
             self.counters["xdp_unpublished"] += 1
             return
+        first, dense = got
+        block.meta["xdp_dense"] = dense
         s = self.prog.slots[first:first + n]
         s["gen"] = 0
         s["ns"] = lay.ns
@@ -159,20 +215,24 @@ class XdpArena(Arena):
             self.prog.set_index(lay.ns, lay.key, first, n)
         except Exception:                                # index full: Python serves it
             s["gen"] = 0
-            self.slot_runs.release(first, n)
+            self._free_slots(block, first)
             self.counters["xdp_unpublished"] += 1
             return
         block.meta["xdp_slots"] = first
+        self.ns_index[lay.ns] += 1
         self.counters["xdp_published"] += 1
 
     def retract(self, block: StagedBlock) -> None:
         first = block.meta.pop("xdp_slots", None)
         if first is None:
             return
-        n = block.nchunks
-        self.prog.del_index(block.layout.ns, block.layout.key)   # first: no new lookups
+        n, ns = block.nchunks, block.layout.ns
+        self.prog.del_index(ns, block.layout.key)                # first: no new lookups
         self.prog.slots["gen"][first:first + n] = 0              # then: no copy is sent
-        self.slot_runs.release(first, n)
+        self._free_slots(block, first)
+        self.ns_index[ns] -= 1
+        if not self.ns_index[ns]:
+            del self.ns_index[ns]
 
     def refresh(self, blocks: OrderedDict) -> None:
         """Blocks whose chunk 0 XDP served since the last look go to the recent end, in the
@@ -188,7 +248,8 @@ class XdpArena(Arena):
             blocks.move_to_end(name)
 
     def stats(self) -> dict:
-        return {**self.counters, **{f"xdp_{k}": v for k, v in self.prog.counters().items()}}
+        return {**self.counters, "xdp_dense_slots_used": sum(self.ns_dense.values()),
+                **{f"xdp_{k}": v for k, v in self.prog.counters().items()}}
 
     def close(self) -> None:
         super().close()
@@ -247,8 +308,9 @@ class XdpServer:
             raise NoXdp(f"attaching to {ifname}: {exc}") from None
         self.attached = True
 
-    def arena(self, size: int, page: int = DEFAULT_PAGE) -> XdpArena:
-        return XdpArena(self.prog, size, page)
+    def arena(self, size: int, page: int = DEFAULT_PAGE,
+              dense_per_ns: int | None = None) -> XdpArena:
+        return XdpArena(self.prog, size, page, dense_per_ns)
 
     def detach(self) -> None:
         """Take the program off; a native one was there: a map-less passing one goes back."""
@@ -285,7 +347,8 @@ def start(host: str, port: int, store) -> XdpServer | None:
                     exc)
         return None
     try:
-        store.use_arena(server.arena(store.capacity, store.staging.arena.page))
+        store.use_arena(server.arena(store.capacity, store.staging.arena.page,
+                                     getattr(store, "xdp_slots_per_ns", None)))
     except Exception:
         server.close()
         raise

@@ -500,6 +500,11 @@ def test_mooncake_missing_says_how_to_install(monkeypatch):
     ([], 'store = "mooncake"', "--store mooncake needs --mooncake-master"),
     ([], "bogus = 1", "unknown key 'bogus'"),
     ([], 'capacity = "lots"', "capacity: 'lots' is not a size"),
+    (["--chunk-size", "1001"], None, "1001 is not a multiple of 8"),
+    ([], "chunk_size = 1001", "1001 is not a multiple of 8"),
+    (["--assembly-per-source", "0"], None, "--assembly-per-source: must be positive"),
+    (["--incomplete-per-ns", "0"], None, "0 is not in the range"),
+    (["--assembly-timeout", "inf"], None, "is not in the range"),
 ])
 def test_serve_option_and_config_errors(tmp_path, args, config, message):
     if config is not None:

@@ -225,6 +225,43 @@ def test_recency_from_xdp_hits_orders_eviction(prog, staging):
     assert staging.get(NS, keys[1], touch=False) is None
 
 
+def test_a_blocks_slots_come_with_its_pages(prog, staging):
+    """Slots are where the block's run is (arena offset / 1 KiB): no allocator to exhaust."""
+    arena = staging.arena
+    first = stage(staging, payload(3 * CS), key=b"\x01" * 16)
+    second = stage(staging, payload(8 * CS), key=b"\x02" * 16)
+    for b in (first, second):
+        assert b.meta["xdp_slots"] == -(-b.run.start * arena.page // 1024)
+        assert not b.meta["xdp_dense"]
+
+
+def test_tiny_chunks_take_dense_slots_within_a_namespaces_share(prog, staging):
+    """A block of 64,000 one-byte chunks (issue #26 took 64,000 of 65,536 slots with one) gets
+    no slots: it is answered by the server process; small-chunk blocks take dense slots up to a
+    namespace's share; another namespace's blocks are still served from XDP."""
+    arena = staging.arena
+    share = arena.dense_per_ns
+    assert share == (prog.nslots - prog.mapped_slots) // 4
+    hog = stage(staging, payload(64_000), ns=2, key=b"\x0a" * 16, cs=1)
+    assert "xdp_slots" not in hog.meta and arena.counters["xdp_dense_refused"] == 1
+    small = share // 2 + 1                             # two of these do not fit one share
+    tiny = stage(staging, payload(small * 8), ns=2, key=b"\x0b" * 16, cs=8)
+    assert tiny.meta["xdp_dense"] and arena.ns_dense[2] == small
+    verdict, out, _ = run(prog, get_frame(ns=2, key=b"\x0b" * 16, chunk=small - 1, room=8))
+    assert verdict == XDP.TX and out[-8:] == payload(small * 8)[-8:]
+    again = stage(staging, payload(small * 8, seed=2), ns=2, key=b"\x0c" * 16, cs=8)
+    assert "xdp_slots" not in again.meta and arena.counters["xdp_dense_refused"] == 2
+    theirs = stage(staging, payload(small * 8, seed=3), ns=NS, key=b"\x0d" * 16, cs=8)
+    assert theirs.meta["xdp_dense"]                    # another namespace: its own share
+    data = payload(300 * CS, seed=4)
+    block = stage(staging, data)                       # full-size chunks: slots of its own
+    assert not block.meta["xdp_dense"]
+    for i in (0, 150, 299):
+        verdict, out, _ = run(prog, get_frame(chunk=i))
+        assert verdict == XDP.TX and out == reply(data[i * CS:(i + 1) * CS], i, 300)
+    assert staging.remove(2, b"\x0b" * 16) and 2 not in arena.ns_dense   # given back
+
+
 @pytest.mark.e2e
 def test_a_pool_node_serves_gets_from_xdp_and_a_restarted_one_too():
     """`hostagent serve` in a testbed: GETs are answered by its XDP program (its hit counter),
