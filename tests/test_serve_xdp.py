@@ -286,3 +286,30 @@ def test_a_pool_node_serves_gets_from_xdp_and_a_restarted_one_too():
         stats, data = lab.get("h1", NS, key)
         assert data == block and lab.pool_counters()["xdp_hit"] > 0
     assert not namespaces_of(prefix)
+
+
+@pytest.mark.e2e
+def test_a_put_hog_in_one_namespace_leaves_another_its_puts_and_xdp_serving():
+    """Issue #26's PUT abuse from h2 (namespace 2) against a pool node with small budgets, while
+    h1 (namespace 1) PUTs and GETs: h1's PUTs all succeed, byte-exact, its chunks are answered by
+    the pool's XDP program; the hog is refused past its budgets, its slot-hogging block is left
+    to the server process, its re-sent chunk 0s keep nothing alive, and the pool's memory grows
+    by about what the assembler charges."""
+    import os
+    from pool_abuse import run_scenario
+    from testbed.lab.topology import namespaces_of
+    prefix = f"pa{os.getpid() % 100000}"
+    r = run_scenario(prefix, ("--assembly", "96MiB", "--assembly-per-ns", "48MiB",
+                              "--assembly-per-source", "48MiB", "--assembly-timeout", "6"),
+                     seconds=10, bulk_blocks=4, bulk_chunks=16384, incomplete=400,
+                     tiny=50_000, rounds=3)
+    assert not namespaces_of(prefix)
+    other, end = r["other_tenant"], r["end"]
+    assert other["puts"] == other["gets"] == other["byte_exact"] == 3, r
+    assert other["xdp_share"] >= 0.98, r                  # (a chunk at a segment's end: Python)
+    assert end["refused_ns"] > 0 and end["xdp_dense_refused"] >= 1, r
+    assert r["peak"]["assembling_bytes"] <= 48 << 20, r
+    assert end["resent_chunks"] > 0 and end["expired_blocks"] >= 5, r   # 4 bulk, 1 tiny
+    assert end["assembling_payload_bytes"] < 1 << 20, r  # re-sent chunk 0s kept nothing alive
+    # (an upper bound: the heap BCC's compile left behind is reused first)
+    assert r["rss_per_charged_byte"] < 1.5, r
