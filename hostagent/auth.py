@@ -59,6 +59,12 @@ class AuthError(ValueError):
     sealed with another key)."""
 
 
+def refused(ns: int, key: bytes, why: AuthError) -> AuthError:
+    """The error a reader fails with once the block failed its check past the switch too."""
+    return AuthError(f"block {key.hex()} in namespace {ns} failed authentication ({why}), also "
+                     "when fetched past the switch's cache: not handed out")
+
+
 class KeyFileError(ValueError):
     """The key file cannot be used; the message says why."""
 

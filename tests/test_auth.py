@@ -3,6 +3,7 @@ key, namespace and block key it was sealed for and nothing else; any change to i
 or header is rejected; the streaming check agrees with the one-shot one; key files and the
 process's keyring; request ids of the fetch engine and the asyncio client are random and not
 reused."""
+import asyncio
 import os
 import secrets
 
@@ -185,3 +186,44 @@ def test_asyncio_client_request_ids_are_random_and_not_reused():
         assert c._next_rid() == 12345
     finally:
         secrets.randbits = real
+
+
+# ---- the asyncio client over loopback (a real pool server, no kernel tier) --------------------
+def _with_pool(body):
+    from hostagent.server import PoolServer
+    from hostagent.store import BlockStore
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(
+            lambda: PoolServer(BlockStore(16 << 20)), local_addr=("127.0.0.1", 0))
+        try:
+            return await body(transport.get_extra_info("sockname"))
+        finally:
+            transport.close()
+
+    return asyncio.run(go())
+
+
+def test_asyncio_client_seals_checks_and_refuses_a_forged_block():
+    ring = auth.Keyring({NS: K})
+
+    async def body(addr):
+        async with KVClient([addr], CS, deadline=10, auth=ring) as c, \
+                KVClient([addr], CS, deadline=10, auth=None) as raw:
+            await c.put_block(NS, KEY, DATA)
+            stored, _ = await raw.get_block(NS, KEY)
+            assert stored[:4] == auth.MAGIC and stored[CS:] == DATA     # sealed at the pool
+            got, stats = await c.get_block(NS, KEY, nchunks=-(-len(DATA) // CS))
+            assert got == DATA and stats.auth_failures == 0
+            other = bytes(16)                                          # another namespace:
+            await c.put_block(NS + 1, other, DATA)                     # not sealed
+            assert (await raw.get_block(NS + 1, other))[0] == DATA
+            forged = bytearray(stored)
+            forged[CS + 10] ^= 0xFF                                     # CRC made to match
+            key2 = bytes(range(16))
+            await raw.put_block(NS, key2, bytes(forged))
+            with pytest.raises(AuthError, match="also when fetched past the switch"):
+                await c.get_block(NS, key2)
+
+    _with_pool(body)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from hostagent.auth import AuthError, Keyring, StreamCheck, header_chunks
+from hostagent.auth import AuthError, Keyring, StreamCheck, header_chunks, refused
 
 log = logging.getLogger("hostagent.fetch")
 
@@ -60,8 +60,7 @@ def retry(t, exc: AuthError, keyring: Keyring, cs: int) -> AuthError | None:
     with."""
     t.stats.auth_failures += 1
     if t.auth_retried or not t.known:
-        return AuthError(f"block {t.key.hex()} in namespace {t.ns} failed authentication "
-                         f"({exc}), also when fetched past the switch's cache: not handed out")
+        return refused(t.ns, t.key, exc)
     log.warning("block %s in namespace %d failed authentication (%s): fetching it again past "
                 "the switch's cache", t.key.hex(), t.ns, exc)
     t.auth_retried, t.no_cache = True, True
