@@ -339,16 +339,14 @@ class KVClient:
         data, stats = await self._get_raw(ns, key, nchunks, no_cache)
         try:
             return bytes(auth_mod.open_sealed(k, ns, key, data, self.chunk_size)), stats
-        except auth_mod.AuthError as exc:
-            first = exc
+        except auth_mod.AuthError:
+            pass
         data, again = await self._get_raw(ns, key, nchunks, True)     # past the switch's cache
         again.auth_failures = stats.auth_failures = 1
         try:
             return bytes(auth_mod.open_sealed(k, ns, key, data, self.chunk_size)), again
         except auth_mod.AuthError as exc:
-            raise auth_mod.AuthError(
-                f"block {key.hex()} in namespace {ns} failed authentication ({first}; {exc} "
-                "when fetched past the switch's cache): not handed out") from None
+            raise auth_mod.refused(ns, key, exc) from None
 
     async def _get_raw(self, ns: int, key: bytes, nchunks: int | None,
                        no_cache: bool) -> tuple[bytes, TransferStats]:
