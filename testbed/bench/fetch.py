@@ -11,9 +11,14 @@ every path measured in one run, on one testbed per chunk size (h1 reads, p1 hold
                 its master (testbed.lab.mooncake) runs in the topology's m1;
   switch hit    the switch's hit rate as `bench throughput` measures it (live-frames GET
                 generator, replies counted and dropped by an XDP program on h1: no copy, no
-                check, no Python) over the block's chunks: the ceiling.
+                check, no Python) over the block's chunks: the ceiling;
+  xdp-auth      the engine fetching the same data sealed with a namespace key (hostagent/auth.py:
+                one header chunk more, its AES-GMAC tag checked over the arena as the fetch
+                goes), from the switch and past it: the cost of keyed authentication.
 
-The hit path and the engine (each loss rate) are measured in interleaved rounds (the engine
+The hit path and the engine (each loss rate, and with authentication right after the loss-free
+fetch of the same round) are measured in interleaved rounds (the engine
+
 steps aside with suspend()/resume() while the generator's counter holds h1's interface; the loss
 conditions rotate), so load from other work falls on all alike; ratios are medians of per-round
 ratios. The other paths follow once. switchd runs with --no-coalesce --policy off (the cache
@@ -26,6 +31,9 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
+
+from hostagent import auth
 from hostagent.fetch import FetchEngine
 from switchd.cache import Cache
 from switchd.dataplane import DataPlane, pinned_deployment
@@ -36,10 +44,12 @@ from .generator import Generator, check_kv_reply, endpoint, kv_get, payload
 from .throughput import fill_cache
 
 PREFIX = "ffb"
-NS = 11
+NS, NS_AUTH = 11, 12                       # NS_AUTH's blocks are sealed with AUTH_KEY
+AUTH_KEY = bytes(range(32))
 MIB = 1 << 20
 TARGETS = {"xdp_switch_gbytes_per_s": 2.0, "xdp_vs_hit_path": 0.5, "xdp_vs_mooncake_bridge": 1.0,
-           "loss_0.01_vs_loss_free": 0.8, "loss_0.05_vs_loss_free": 0.5}
+           "loss_0.01_vs_loss_free": 0.8, "loss_0.05_vs_loss_free": 0.5,
+           "auth_vs_no_auth": 0.9}
 
 
 def _key(tag: str) -> bytes:
@@ -64,13 +74,13 @@ def _row(path: str, source: str, cs: int, nbytes: int, seconds: list[float], exa
 
 # ---- the paths ---------------------------------------------------------------------------------
 def _engine(e: FetchEngine, key: bytes, n: int, expect: bytes, reps: int,
-            no_cache: bool = False, loss: float = 0.0) -> dict:
+            no_cache: bool = False, loss: float = 0.0, ns: int = NS) -> dict:
     out = {"seconds": [], "retransmits": 0, "checksum_errors": 0, "exact": True, "cpu": 0.0}
     e.loss_ppm = int(loss * 1e6)
     try:
         for _ in range(reps):
             cpu0 = e.stats.step_cpu
-            b = e.get_block(NS, key, n, no_cache=no_cache)
+            b = e.get_block(ns, key, n, no_cache=no_cache)
             out["seconds"].append(b.stats.seconds)
             out["retransmits"] += b.stats.retransmits
             out["checksum_errors"] += b.stats.checksum_errors
@@ -217,29 +227,36 @@ def bench_chunk(cs: int, sizes_mib: list[int], rounds: int, reps: int, losses: l
     nch = {m: -(-(m * MIB) // cs) for m in sizes_mib}
     conds = [0.0] + list(losses)
     lab = Lab(PREFIX, hosts=1, pools=1, chunk_size=cs, pool_capacity="1GiB",
-              cache_entries=max(65536, 1 << (sum(nch.values()) - 1).bit_length()),
+              cache_entries=max(65536, 1 << (2 * sum(nch.values()) + 1).bit_length()),
               switchd_args=("--no-coalesce", "--policy", "off"))
     lab.topo = Topology(PREFIX, 1, 1, mtu=lab.topo.mtu, master=mooncake)   # + m1, the master
     rows, hits = [], []
     with lab:
         dp = DataPlane(pinned_deployment(lab.topo.pin_dir), programs=False)
-        blocks = {}
+        blocks, akeys = {}, {}
         try:
             for m in sizes_mib:
                 key, data = _key(f"b{m}-{cs}"), _block(nch[m], cs)
                 blocks[m] = (key, nch[m], data)
                 fill_cache(Cache(dp), NS, key, 0, nch[m], nch[m])
                 lab.put("h1", NS, key, data)
+                akeys[m] = _key(f"a{m}-{cs}")                  # the same data, sealed
+                sealed = auth.seal(AUTH_KEY, NS_AUTH, akeys[m], data, cs)
+                Cache(dp).put_chunks(NS_AUTH, akeys[m], 0, np.frombuffer(sealed, np.uint8)
+                                     .reshape(-1, cs), len(sealed) // cs)
+                lab.put("h1", NS_AUTH, akeys[m], sealed)
         finally:
             dp.bpf.cleanup()
         e = FetchEngine(lab.pool_addrs, cs, netns=lab.topo.node("h1").netns,
-                        arena_bytes=2 * sum(n for n in nch.values()) * cs)
+                        arena_bytes=2 * sum(n + 1 for n in nch.values()) * cs,
+                        auth=auth.Keyring({NS_AUTH: AUTH_KEY}))
         e.open()
         hit = {m: [] for m in sizes_mib}
-        runs = {(m, c): [] for m in sizes_mib for c in conds}
+        runs = {(m, c): [] for m in sizes_mib for c in conds + ["auth"]}
         try:
             for m in sizes_mib:                                  # warm
                 e.get_block(NS, blocks[m][0], nch[m]).release()
+                e.get_block(NS_AUTH, akeys[m], nch[m]).release()
             for r in range(rounds):
                 e.suspend()                                      # the counter takes eth0
                 for m in sizes_mib:
@@ -252,12 +269,19 @@ def bench_chunk(cs: int, sizes_mib: list[int], rounds: int, reps: int, losses: l
                     k = reps if n * cs <= 8 * MIB else 1
                     for c in conds[r % len(conds):] + conds[:r % len(conds)]:     # rotating
                         runs[(m, c)].append(_engine(e, key, n, data, k, loss=c))
+                        if c == 0.0:                             # the same data, sealed
+                            runs[(m, "auth")].append(_engine(e, akeys[m], n, data, k,
+                                                             ns=NS_AUTH))
                 log(f"  {cs} B: round {r + 1}/{rounds}: " + ", ".join(
                     f"{m} MiB hit {hit[m][-1]['gbps']:.2f} engine "
                     f"{m * MIB / statistics.median(runs[(m, 0.0)][-1]['seconds']) / 1e9:.2f}"
+                    f" with auth "
+                    f"{m * MIB / statistics.median(runs[(m, 'auth')][-1]['seconds']) / 1e9:.2f}"
                     for m in sizes_mib) + " GB/s")
             pool = {m: _engine(e, blocks[m][0], nch[m], blocks[m][2], 1, no_cache=True)
                     for m in sizes_mib}
+            apool = {m: _engine(e, akeys[m], nch[m], blocks[m][2], 1, no_cache=True,
+                                ns=NS_AUTH) for m in sizes_mib}
         finally:
             e.close()
         for m in sizes_mib:
@@ -269,7 +293,7 @@ def bench_chunk(cs: int, sizes_mib: list[int], rounds: int, reps: int, losses: l
                          "gbytes_per_s": round(statistics.median(hr), 4),
                          "byte_exact": all(h["exact"] for h in hit[m])})
             per_round = {c: [nbytes / statistics.median(p["seconds"]) / 1e9 for p in runs[(m, c)]]
-                         for c in conds}
+                         for c in conds + ["auth"]}
             for c in conds:
                 s = _merge(runs[(m, c)])
                 extra = ({"vs_hit_path": round(statistics.median(
@@ -280,14 +304,23 @@ def bench_chunk(cs: int, sizes_mib: list[int], rounds: int, reps: int, losses: l
                                  retransmits=s["retransmits"],
                                  checksum_errors=s["checksum_errors"],
                                  cpu_ms_per_fetch=s["cpu_ms_per_fetch"], **extra))
+            s = _merge(runs[(m, "auth")])
+            rows.append(_row("xdp-auth", "switch", cs, nbytes, s["seconds"], s["exact"],
+                             loss=0.0, retransmits=s["retransmits"],
+                             cpu_ms_per_fetch=s["cpu_ms_per_fetch"], vs_no_auth=round(
+                                 statistics.median([a / b for a, b in zip(per_round["auth"],
+                                                                           per_round[0.0])]), 3)))
             s = _merge([pool[m]])
             rows.append(_row("xdp", "pool", cs, nbytes, s["seconds"], s["exact"], loss=0.0,
+                             retransmits=s["retransmits"]))
+            s = _merge([apool[m]])
+            rows.append(_row("xdp-auth", "pool", cs, nbytes, s["seconds"], s["exact"], loss=0.0,
                              retransmits=s["retransmits"]))
             a = lab.task("h1", f"{__name__}:asyncio_get", lab.pool_addrs, cs, key.hex(), n,
                          3 if nbytes <= 8 * MIB else 1)
             rows.append(_row("asyncio", "switch", cs, nbytes, a["seconds"], a["exact"],
                              loss=0.0))
-            for r in rows[-(len(conds) + 2):]:
+            for r in rows[-(len(conds) + 4):]:
                 log(f"  {cs} B, {m} MiB: {r['path']}/{r['source']} loss {r['loss']:g}: "
                     f"{r['gbytes_per_s']:.3f} GB/s, byte-exact {r['byte_exact']}")
         if mooncake:
@@ -317,6 +350,8 @@ def _targets(out: dict) -> dict:
             lr = _find(rows, path="xdp", source="switch", chunk_bytes=cs, block_bytes=nb,
                        loss=loss)
             vals[f"loss_{loss:g}_vs_loss_free"] = lr and lr["vs_loss_free"]
+        ar = _find(rows, path="xdp-auth", source="switch", chunk_bytes=cs, block_bytes=nb)
+        vals["auth_vs_no_auth"] = ar and ar["vs_no_auth"]
         t[f"{nb >> 20}MiB"] = {k: {"value": v, "goal": TARGETS[k],
                                    "met": v is not None and v >= TARGETS[k]}
                                for k, v in vals.items()}
