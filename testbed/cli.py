@@ -16,7 +16,7 @@ from switchd.policy import POLICIES
 from .demos.inference import BLOCK_TOKENS, MODELS as DEMO_MODELS
 from .demos.vllm import MODELS_DIR as DEMO_MODEL_DIR
 from .lab.topology import TestbedError, Topology, down, namespaces_of
-from .options import (capacity_value, cluster_options, cpu_list, fail_unless, float_list,
+from .options import (capacity_value, link_options, link_spec, cluster_options, cpu_list, fail_unless, float_list,
                       int_list, json_opt, numbers, percent_list, policy_list, sim_errors,
                       trace_opt)
 
@@ -36,13 +36,17 @@ def main():
 @click.option("--store", type=click.Choice(["memory", "mooncake"]), default="memory",
               show_default=True, help="mooncake: also run a Mooncake master (node m1) for the "
                                       "pool nodes' `hostagent serve --store mooncake`.")
-def up(name, hosts, pools, mtu, store):
+@link_options
+def up(name, hosts, pools, mtu, store, link_gbit, pool_link_gbit, link_delay_us):
     """Build a switch namespace with a bridge, inference nodes h1.. and pool nodes p1.."""
-    t = Topology(name, hosts, pools, mtu, master=store == "mooncake").up()
+    links = link_spec(link_gbit, pool_link_gbit, link_delay_us)
+    t = Topology(name, hosts, pools, mtu, master=store == "mooncake", links=links).up()
     click.echo(f"testbed {name}: switch netns {t.switch_ns} (bridge ports "
                f"{', '.join(t.ports)}), pin dir {t.pin_dir}")
     for n in t.nodes:
-        click.echo(f"  {n.name:4} {n.role:5} netns {n.netns:10} {n.ip}")
+        rate = links.rate(n.role) if links else None
+        click.echo(f"  {n.name:4} {n.role:5} netns {n.netns:10} {n.ip}" +
+                   (f"  link {rate:g} Gbit/s via netns {name}-l{n.name}" if rate else ""))
     if store == "mooncake":
         from .lab.mooncake import MooncakeMaster
         log = f"/tmp/kvswitch-{name}-mooncake-master.log"

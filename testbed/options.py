@@ -134,3 +134,32 @@ def sim_errors(fn):
         return fn()
     except (TraceError, SimError) as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def _rate(ctx, param, value):
+    if value is not None and not value > 0:
+        raise click.BadParameter(f"must be > 0 Gbit/s, got {value:g}")
+    return value
+
+
+link_options = option_group(
+    click.option("--link-gbit", type=float, callback=_rate,
+                 help="Rate of every inference node's link, both directions (default: an "
+                      "unshaped veth). Every frame queues at it, XDP-sent ones too."),
+    click.option("--pool-link-gbit", type=float, callback=_rate,
+                 help="Rate of every pool node's link (default: --link-gbit's)."),
+    click.option("--link-delay-us", type=click.FloatRange(min=0), default=0.0,
+                 show_default=True, help="One-way delay of shaped links (needs netem)."))
+
+
+def link_spec(link_gbit, pool_link_gbit, link_delay_us):
+    """A testbed.lab.links.LinkSpec from the link options (None: no shaped link). The pool
+    links follow --link-gbit unless given."""
+    from .lab.links import LinkSpec
+    pool = pool_link_gbit if pool_link_gbit is not None else link_gbit
+    if link_gbit is None and pool is None:
+        if link_delay_us:
+            raise click.BadParameter("needs --link-gbit or --pool-link-gbit",
+                                     param_hint="--link-delay-us")
+        return None
+    return LinkSpec(link_gbit, pool, link_delay_us)

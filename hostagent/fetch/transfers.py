@@ -2,17 +2,26 @@
 congestion window per pool node, and loss recovery.
 
 Loss recovery is RACK-like: a chunk is presumed lost when a chunk asked for after it (send-ring
-order, first asks only: Karn) has come back (replies keep their order on a path) and it is older
-than the reordering window (a quarter of the least recent round trip, at least ``reo_floor``);
-for a transfer the switch answers from its cache (at least 90% FROM_SWITCH replies: those come back
-within the test-run call that sent the GET) when its call has ended and nothing came back for
-``tail_wait`` (first asks only); and always when nothing came back for the retransmission timeout (RFC 6298 per
-transfer, restarted by every delivery, backing off per try). Before a retransmission the
-candidates' slot words are read again: arrived but not yet verified is not lost.
+order, first asks only: Karn) has come back on the pool's path (the pool node's reply or the
+switch's replica of one: replies keep their order on a path; a hit from the switch's cache
+overtakes a miss the switch holds for the pool's reply, so hits never mark a chunk lost) and it
+is older than the reordering window (a quarter of the least recent round trip, at least
+``reo_floor``); for a transfer the switch answers from its cache (at least 90% FROM_SWITCH
+replies) with a round trip under ``SYNC_RTT`` (its replies come back within the test-run call
+that sent the GET: no link queue in between) when its call has ended and nothing came back for
+``tail_wait`` or eight gaps between deliveries at the measured rate (first asks only); and always when nothing came back for the retransmission
+timeout (RFC 6298 per transfer, following the measured round trip as a link's queue grows, at
+least ``DRAIN_GAIN`` x the time the chunks in flight take at the measured delivery rate,
+restarted by every delivery, backing off per try; the oldest ``TIMEOUT_BATCH`` chunks per scan). Before a retransmission the candidates' slot
+words are read again: arrived but not yet verified is not lost.
 
-The window per pool node starts at ``start_window``, grows as TCP's (slow start, then
-congestion avoidance) and halves once per round trip on loss towards the pool node (a queue
-overflowed); loss where the switch answers is not congestion (no queue) and leaves it alone.
+The window per pool node starts at ``INITIAL_WINDOW`` (at most ``start_window``), grows as
+TCP's (slow start, then congestion avoidance) and halves once per round trip on loss towards
+the pool node (a queue overflowed); loss where the switch answers from its cache leaves it
+alone. It is also held to ``BDP_GAIN`` x the measured delivery rate x the least round trip +
+``BDP_HEADROOM`` chunks (as BBR does): over a shaped link the queue in front of it stays short
+instead of filling until it drops (a GET carries room for its reply, so GETs load the link
+towards the pool as much as the replies load the way back).
 Transfers are filled in the order they were submitted, each as far as the room goes, so a step
 verifies one or two transfers rather than all and a prefix of blocks is usable from its start.
 """
@@ -29,6 +38,11 @@ from .program import GEN_MASK, SENDQ
 
 
 INITIAL_RTO = 0.2                       # seconds, before a round trip was measured
+INITIAL_WINDOW = 64                     # chunks in flight per pool node before any reply
+SYNC_RTT = 0.002                        # seconds: a switch answering within the sending call
+BDP_GAIN, BDP_HEADROOM = 2.0, 64        # window <= gain x delivery rate x min RTT + headroom
+DRAIN_GAIN = 2.0                        # timeout >= this x (chunks in flight / delivery rate)
+TIMEOUT_BATCH = 16                      # chunks presumed lost by a timeout per scan
 
 
 class Rtt:
@@ -36,6 +50,7 @@ class Rtt:
     switch answers come back within microseconds, the pool node's after its queue."""
 
     def __init__(self):
+        self.route: Route | None = None  # told of every sample (its least round trip)
         self.srtt: float | None = None
         self.rttvar = 0.0
         self.min_rtt = 1.0
@@ -52,6 +67,8 @@ class Rtt:
         self.min_rtt = min(rtt, self.min_rtt + (rtt - self.min_rtt) / 64)
         self.reo = max(reo_floor, self.min_rtt / 4)
         self.rto = min(1.0, max(floor, self.srtt + 4 * self.rttvar))
+        if self.route is not None:
+            self.route.rtt_sample(rtt)
 
 
 class Route:
@@ -59,12 +76,39 @@ class Route:
 
     def __init__(self, index: int, addr: tuple[str, int], start_window: int):
         self.index, self.addr = index, addr
-        self.cwnd, self.ssthresh = float(start_window), 1e9
+        self.cwnd, self.ssthresh = float(min(start_window, INITIAL_WINDOW)), 1e9
         self.last_cut = 0.0
         self.rtts: dict[bool, Rtt] = {}    # the last transfer's estimator, by who answered
         self.last_switched = False
+        self.min_rtt = 1.0                 # least round trip (drifting up slowly), seconds
+        self.bw = 0.0                      # delivery rate, chunks/s (max filter, decaying)
+        self._acc, self._t0 = 0, time.monotonic()
+
+    def rtt_sample(self, rtt: float) -> None:
+        self.min_rtt = min(rtt, self.min_rtt + (rtt - self.min_rtt) / 1024)
+
+    def window(self) -> int:
+        """Chunks this route may have in flight: the congestion window, held to the measured
+        bandwidth-delay product (times the gain, plus headroom) once there is a rate."""
+        if self.bw <= 0:
+            return int(self.cwnd)
+        return int(min(self.cwnd, BDP_GAIN * self.bw * self.min_rtt + BDP_HEADROOM))
+
+    def _deliveries(self, n: int, now: float) -> None:
+        """A delivery-rate sample per round trip (at least 1 ms); a long pause is idle time,
+        not a rate."""
+        span = max(self.min_rtt, 0.001)
+        el = now - self._t0
+        if el > 20 * span:
+            self._acc, self._t0 = n, now
+            return
+        self._acc += n
+        if el >= span:
+            self.bw = max(self._acc / el, self.bw * 0.8)
+            self._acc, self._t0 = 0, now
 
     def acked(self, n: int, max_window: int) -> None:
+        self._deliveries(n, time.monotonic())
         if self.cwnd < self.ssthresh:
             self.cwnd = min(max_window, self.cwnd + n)              # slow start
         else:
@@ -98,6 +142,7 @@ class Transfer:
         # a transfer starts from the last one's round trips (the switch's, unless bypassed)
         last = route.rtts.get(not no_cache) or route.rtts.get(False)
         self.rtt = copy.copy(last) if last is not None else Rtt()
+        self.rtt.route = route
         self.seen_received = 0
         self.reset(self.nchunks)
         self.switched = not no_cache and route.last_switched
@@ -131,22 +176,38 @@ def _timers(t: Transfer) -> tuple[bool, float]:
     timeout. Until a reply of this transfer came back both are an earlier transfer's guess, and
     a miss may wait for a pool node's fill (a Mooncake read: tens of milliseconds): no tail
     rule, and a timeout of at least the initial one."""
+    rto = t.rtt.rto
+    if t.route.bw > 0:                  # what is in flight takes this long at the measured rate
+        rto = max(rto, DRAIN_GAIN * t.inflight / t.route.bw)
     if t.seen_received:
-        return t.switched, t.rtt.rto
-    return False, max(t.rtt.rto, INITIAL_RTO)
+        # answers within the call: a short round trip, and a measured delivery rate (its gaps
+        # set the tail rule's wait, see _tail_wait); else a link queue is in between
+        sync = t.rtt.srtt is not None and t.rtt.srtt < SYNC_RTT and t.route.bw > 0
+        return t.switched and sync, rto
+    return False, max(rto, INITIAL_RTO)
+
+
+def _tail_wait(t: Transfer, tail_wait: float) -> float:
+    """The tail rule's wait: ``tail_wait``, or eight gaps between deliveries at the measured
+    rate if longer (a link's pace, not a loss)."""
+    return max(tail_wait, 8 / t.route.bw) if t.route.bw > 0 else tail_wait
 
 
 def _lost(t: Transfer, ring, meta: np.ndarray, now: float, tail_wait: float,
           share: int) -> np.ndarray:
     """Chunks of ``t`` presumed lost (at most ``share``), by the rules in the module doc."""
     rtt, (fast, rto) = t.rtt, _timers(t)
+    tail_wait = _tail_wait(t, tail_wait)
     lo, hi = t.lo, t.next_new
     seq = t.sent_seq[lo:hi]
     sent = (seq >= 0) & (seq < ring.cons) & ~t.verified[lo:hi]
     age = now - ring.sent_time(seq, t.sent_t[lo:hi])
     backoff = np.exp2(np.minimum(t.tries[lo:hi] - 1, 6))
-    lost = ((seq < t.max_recv_seq) & (age > rtt.reo)) | (
-        (age > rto * backoff) & (now - t.last_delivery > rto * backoff))
+    timed_out = (age > rto * backoff) & (now - t.last_delivery > rto * backoff)
+    # a timeout says little about which chunks are gone: the oldest few are asked again (their
+    # replies restart the timer); a stall of the receiver itself must not resend a window
+    timed_out[np.flatnonzero(timed_out)[TIMEOUT_BATCH:]] = False
+    lost = ((seq < t.max_recv_seq) & (age > rtt.reo)) | timed_out
     if fast:            # no queue to wait for: a reply comes within the call that sent it
         quiet = now - np.maximum(ring.done_time[seq % SENDQ], t.last_delivery)
         # first asks only: a chunk the switch holds for a pool reply (a miss among hits)
@@ -168,6 +229,7 @@ def _scan_due(t: Transfer, ring, now: float, tail_wait: float) -> bool:
     if first < 0 or first >= ring.cons:
         return False
     rtt, (fast, rto) = t.rtt, _timers(t)
+    tail_wait = _tail_wait(t, tail_wait)
     return (now >= t.next_scan or (first < t.max_recv_seq and now - t.sent_t[t.lo] > rtt.reo)
             or (now - t.last_delivery > min(rto, tail_wait if fast else 1.0) and
                 now - ring.done_time[first % SENDQ] > (tail_wait if fast else 0)))
@@ -204,7 +266,7 @@ def fill(active: list[Transfer], ring, meta: np.ndarray, now: float, burst: int,
                 t.next_scan = now + max(_timers(t)[1] / 2, 0.002)
         left = t.nchunks - t.next_new
         if left > 0 and share > 0:
-            m = min(left, share, max(0, int(route.cwnd) - inflight[route.index]))
+            m = min(left, share, max(0, route.window() - inflight[route.index]))
             if m > 0:
                 ring.queue(t, np.arange(t.next_new, t.next_new + m), now)
                 t.next_new += m

@@ -2,7 +2,8 @@
 with helpers to drive the host agents and switchd as a user would (their CLIs, in namespaces)
 and to run Python tasks in the nodes (testbed.lab.tasks). With ``store="mooncake"`` the pool
 nodes keep blocks in a Mooncake Store cluster whose master (testbed.lab.mooncake) the lab starts
-in a namespace of its own. Used by the demos, the end-to-end tests and the benchmarks; always
+in a namespace of its own. With ``link_gbit``/``pool_link_gbit`` every inference/pool node's link
+queues at that rate both ways (testbed.lab.links). Used by the demos, the end-to-end tests and the benchmarks; always
 tears down what it started."""
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import subprocess
 import tempfile
 import time
 
+from .links import LinkSpec
 from .mooncake import MooncakeMaster
 from .tasks import Task, run_task, start_task
 from .topology import Topology, TestbedError, plain_bridge_ports, python_argv
@@ -43,16 +45,21 @@ def _await_log_line(proc: subprocess.Popen, path: str, offset: int, marker: str,
 
 
 def _await_line(proc: subprocess.Popen, stream, marker: str, timeout: float, what: str) -> str:
-    deadline = time.monotonic() + timeout
+    """The first line with ``marker`` on ``stream`` (a pipe nobody has read from): read from
+    its file descriptor, so no line waits unseen in a reader's buffer."""
+    deadline, fd, pending = time.monotonic() + timeout, stream.fileno(), b""
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([stream], [], [], max(0.0, deadline - time.monotonic()))
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
         if not ready:
             break
-        line = stream.readline()
-        if not line:
+        data = os.read(fd, 65536)
+        if not data:
             break
-        if marker in line:
-            return line.strip()
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if marker.encode() in line:
+                return line.decode(errors="replace").strip()
     proc.kill()
     out, err = proc.communicate(timeout=5)
     raise TestbedError(f"{what} did not start: {(err or out or '').strip()[-800:]}")
@@ -63,12 +70,16 @@ class Lab:
                  chunk_size: int = 1024, cache_entries: int = 65536,
                  pool_capacity: str = "512MiB", switch: bool = True,
                  switchd_args: tuple[str, ...] = (), store: str = "memory", replicas: int = 1,
-                 segment: str = "256MiB", pool_args: tuple[str, ...] = ()):
+                 segment: str = "256MiB", pool_args: tuple[str, ...] = (),
+                 link_gbit: float | None = None, pool_link_gbit: float | None = None,
+                 link_delay_us: float = 0.0, link_buffer_ms: float = 50.0):
         if store not in STORES:
             raise TestbedError(f"store must be one of {', '.join(STORES)}, not {store!r}")
         # the MTU fits the chunk (IPv4 + UDP + KV header = 76 bytes), never below Ethernet's 1500
+        links = (LinkSpec(link_gbit, pool_link_gbit, link_delay_us, link_buffer_ms)
+                 if (link_gbit, pool_link_gbit) != (None, None) or link_delay_us else None)
         self.topo = Topology(prefix, hosts, pools, mtu=max(1500, chunk_size + 76),
-                             master=store == "mooncake")
+                             master=store == "mooncake", links=links)
         self.chunk_size, self.cache_entries = chunk_size, cache_entries
         self.pool_capacity, self.want_switch = pool_capacity, switch
         self.switchd_args = switchd_args
@@ -166,8 +177,10 @@ class Lab:
         plain_bridge_ports(self.topo, False)
         argv = ["run", "--chunk-size", str(self.chunk_size),
                 "--cache-entries", str(self.cache_entries)]
-        for n in self.topo.nodes:
-            argv += ["--pool-port" if n.role == "pool" else "--port", n.name]
+        for n in self.topo.nodes:   # a pool port is bound to its node before any frame
+            argv += (["--pool-port", f"{n.name}={n.ip}",
+                      "--port-bind", f"{n.name}={self.mac(n.name)},{n.ip}"]
+                     if n.role == "pool" else ["--port", n.name])
         self.switch = subprocess.Popen(self.switchd_argv(*argv, *self.switchd_args, *extra),
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True)

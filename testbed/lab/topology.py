@@ -4,7 +4,8 @@ node, inference-node namespaces (h1, h2, ...) and pool-node namespaces (p1, ...)
 not a switch port: switchd never attaches to it, its traffic is plain TCP).
 
 Every object a testbed makes is named from its prefix: namespaces ``<prefix>-sw``,
-``<prefix>-h<i>``, ``<prefix>-p<j>``, ``<prefix>-m1`` and the pin directory
+``<prefix>-h<i>``, ``<prefix>-p<j>``, ``<prefix>-m1``, with shaped links (testbed.lab.links) a
+link namespace ``<prefix>-l<node>`` per node, and the pin directory
 ``/sys/fs/bpf/kvswitch-<prefix>``, so ``down`` finds and removes all of it (and any processes
 left in it), also after a crash. Addresses come from 198.18.0.0/24, the range RFC 2544 sets
 aside for benchmark networks: hosts .1-.99, pool nodes .101-.199, the master .200.
@@ -25,6 +26,8 @@ from pathlib import Path
 
 from switchd import netns
 from switchd.dataplane import attach_xdp, import_bcc, load_xdp, mode_flags
+
+from .links import LinkSpec, build_link
 
 SUBNET = "198.18.0"
 BRIDGE = "br0"
@@ -61,6 +64,7 @@ class Topology:
     pools: int = 1
     mtu: int = 1500
     master: bool = False
+    links: LinkSpec | None = None               # shaped links (testbed.lab.links), None: veths
     nodes: list[Node] = field(init=False)       # the switch's ports: hosts and pool nodes
     master_node: Node | None = field(init=False)
 
@@ -123,11 +127,17 @@ class Topology:
         ip("link", "set", "lo", "up", ns=sw)
         ip("link", "add", BRIDGE, "type", "bridge", ns=sw)
         ip("link", "set", BRIDGE, "up", ns=sw)
+        pass_fn = None
         for n in self.all_nodes:
             ip("netns", "add", n.netns)
             _quiet_namespace(n.netns)
-            ip("link", "add", n.name, "type", "veth", "peer", "name", "eth0", "netns", n.netns,
-               ns=sw)
+            gbit = self.links.rate(n.role) if self.links else None
+            if gbit:
+                pass_fn = pass_fn or load_xdp(HERE / "pass.c", ("xdp_pass",))[1]["xdp_pass"]
+                build_link(self, n, gbit, self.links, pass_fn, ip, _quiet_namespace)
+            else:
+                ip("link", "add", n.name, "type", "veth", "peer", "name", "eth0", "netns",
+                   n.netns, ns=sw)
             ip("link", "set", n.name, "mtu", str(self.mtu), "master", BRIDGE, "up", ns=sw)
             ip("link", "set", "eth0", "mtu", str(self.mtu), "up", ns=n.netns)
             ip("link", "set", "lo", "up", ns=n.netns)
