@@ -141,3 +141,49 @@ def test_server_answers_garbage_with_error_or_silence():
     reply, malformed = asyncio.run(_with_server(PoolServer, body))
     assert reply.status == Status.BAD_VERSION and reply.req_id == 9
     assert malformed == 2
+
+
+def _snmp_udp_csum_errors() -> int:
+    rows = [line.split() for line in open("/proc/net/snmp") if line.startswith("Udp:")]
+    return int(dict(zip(rows[0], rows[1]))["InCsumErrors"])
+
+
+def test_gets_the_server_cannot_answer_are_refused_and_counted():
+    """A GET from UDP source port 0 (no reply can go there: its sendmsg failed, #26) is dropped
+    and counted; one with a bad UDP checksum never reaches the server (the kernel drops it; the
+    server's stats report the count); the block is then fetched as ever. Crafted with a raw
+    socket over loopback (root)."""
+    import socket
+    import struct
+    from hostagent.server import serve
+    from kvproto import Message, Op
+
+    async def body():
+        ready, stop, handle = asyncio.Event(), asyncio.Event(), {}
+        task = asyncio.create_task(serve("127.0.0.1", 0, 1 << 20, ready, stop, handle))
+        await ready.wait()
+        proto = handle["protocol"]
+        addr = proto.transport.get_extra_info("sockname")
+        data = os.urandom(5000)
+        async with KVClient([addr], chunk_size=1024) as c:
+            await c.put_block(1, KEY, data)
+        raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
+        get = Message(Op.GET, 1, KEY, 0, req_id=5, room=1024).encode()
+        csum_errors = _snmp_udp_csum_errors()
+        for sport, csum in ((0, 0), (0, 0), (40000, 0x1234)):     # (0: no checksum, valid)
+            raw.sendto(struct.pack("!HHHH", sport, addr[1], 8 + len(get), csum) + get,
+                       ("127.0.0.1", 0))
+        raw.close()
+        await asyncio.sleep(0.3)
+        stats = proto.stats()
+        async with KVClient([addr], chunk_size=1024) as c:
+            got, _ = await c.get_block(1, KEY)
+        stop.set()
+        await task
+        return stats, got == data, csum_errors
+
+    stats, exact, csum_errors = asyncio.run(body())
+    assert stats["refused_port0"] == 2 and not stats.get("tx_errors"), stats
+    assert stats.get("rx_get", 0) == 0, stats                      # neither reached a GET
+    assert stats["udp_in_csum_errors"] >= csum_errors + 1, stats
+    assert exact
