@@ -36,7 +36,7 @@ def test_switchd_config_errors(tmp_path, config, message):
     (["--cache-entries", "0"], "cache entries must be between"),
     (["--port-ns", "h1=99999999999"], "give namespaces 0..4294967295"),
     (["--port-ns", "h9=1"], "is not PORT=NS[,NS...] for one of the ports"),
-    (["--port-bind", "h1=zz,1.2.3.4"], "give a MAC and an IPv4 address"),
+    (["--port-bind", "h1=zz,1.2.3.4"], "give [MAC,]IPv4"),
     (["--policy", "fifo"], "'fifo' is not one of"),
 ])
 def test_switchd_option_errors(args, message):
