@@ -43,3 +43,28 @@ def block_hashes(tokens: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS
         parent = hashlib.sha256(DOMAIN + parent + extra_field + block).digest()[:16]
         keys.append(parent)
     return keys
+
+
+# Position-independent passage keys (CacheBlend, hostagent/blend.py): a passage's KV computed at
+# positions 0.. is stored under keys of its tokens alone, wherever it appears in a prompt.
+#     digest = SHA-256(PASSAGE_DOMAIN || len(extra) || extra || len(tokens) || tokens)
+#     key_i  = SHA-256(PASSAGE_DOMAIN || digest || i)[:16]       (i: the passage's i-th block)
+# Every hashed input starts with PASSAGE_DOMAIN, which differs from DOMAIN at byte 7, so a
+# passage key equals a prefix key only if SHA-256 collides.
+PASSAGE_DOMAIN = b"kvpool/passage/v1"
+
+
+def passage_keys(tokens: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 extra: bytes = b"") -> list[bytes]:
+    """The keys of a passage's blocks (the last one may be partial: it is padded)."""
+    if block_tokens < 1:
+        raise ValueError("block_tokens must be at least 1")
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError("a passage is a non-empty flat sequence of integers")
+    if arr.min() < 0 or arr.max() > 0xFFFFFFFF:
+        raise ValueError("token ids must fit in 32 bits unsigned")
+    digest = hashlib.sha256(PASSAGE_DOMAIN + len(extra).to_bytes(4, "little") + extra +
+                            arr.size.to_bytes(4, "little") + arr.astype("<u4").tobytes()).digest()
+    return [hashlib.sha256(PASSAGE_DOMAIN + digest + i.to_bytes(4, "little")).digest()[:16]
+            for i in range(-(-arr.size // block_tokens))]

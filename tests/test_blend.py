@@ -1,0 +1,154 @@
+"""CacheBlend (hostagent/blend.py, hostagent/blend_store.py): RoPE re-rotation, token selection,
+the fused prefill, passage keys, passages missing from every tier. Fast cases on a tiny
+random-weight Llama; the re-rotation also on the real model (SmolLM2-135M, which must be
+installed: the failure says how)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from hostagent import blend
+from hostagent.blend_store import LocalClient, PassageStore
+from hostagent.hashing import block_hashes, passage_keys
+from hostagent.kvconnector import BlockLayout, KVConnector
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=4096, rope_theta=10000.0,
+                      attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _toks(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 300, (n,), generator=g).tolist()
+
+
+def _layer0_keys_moved(model, tokens, p):
+    at0 = blend.passage_kv(model, tokens, 0)
+    atp = blend.passage_kv(model, tokens, p)
+    return blend.rerotate(model, at0[0][0], p), atp[0][0]
+
+
+@pytest.mark.parametrize("p", [1, 37, 500, 1900])
+def test_rerotated_keys_equal_keys_computed_there(tiny, p):
+    moved, there = _layer0_keys_moved(tiny, _toks(40, 1), p)
+    assert torch.allclose(moved, there, atol=1e-4, rtol=1e-4)
+    if p > 1:          # not a no-op: the keys at 0 differ from the keys at p
+        assert not torch.allclose(blend.passage_kv(tiny, _toks(40, 1))[0][0], there, atol=1e-2)
+
+
+def test_rerotation_on_the_real_model():
+    from testbed.demos.realmodel import ModelMissing, load, texts
+    try:
+        model, tok, _ = load()
+    except ModelMissing as exc:
+        pytest.fail(str(exc))
+    tokens = tok(texts()["GPL-3"]).input_ids[100:164]
+    for p in (64, 1000):
+        moved, there = _layer0_keys_moved(model, tokens, p)
+        err = (moved - there).abs().max() / there.abs().max()
+        assert err < 1e-4, (p, float(err))
+
+
+@pytest.mark.parametrize("dev,cand,count,want", [
+    ([0, 5, 1, 9, 3], [1, 1, 1, 1, 1], 2, [1, 3]),
+    ([0, 5, 1, 9, 3], [1, 1, 1, 0, 1], 2, [1, 4]),       # non-candidates never picked
+    ([2, 2, 2, 2], [1, 1, 1, 1], 2, [0, 1]),             # ties: earlier position
+    ([1, 2, 3], [1, 1, 1], 0, []),
+    ([1, 2, 3], [1, 0, 1], 5, [0, 2]),                   # at most the candidates
+    ([7, 0, 0, 0, 8, 0], [0, 1, 1, 1, 1, 1], 1, [4]),
+])
+def test_select_picks_largest_deviation(dev, cand, count, want):
+    got = blend.select(torch.tensor(dev, dtype=torch.float), torch.tensor(cand, dtype=torch.bool),
+                       count)
+    assert got.tolist() == want
+
+
+def test_deviation_is_per_token():
+    k, v = torch.zeros(1, 2, 4, 3), torch.zeros(1, 2, 4, 3)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, 1, 2, 0], v2[0, 0, 3, 1] = 2.0, 1.0
+    assert blend.deviation(k2, v2, k, v).tolist() == [0.0, 0.0, 4.0, 1.0]
+
+
+def _prompt():
+    return _toks(12, 2), [_toks(30, 3), _toks(25, 4)], _toks(6, 5)
+
+
+def test_full_recompute_equals_prefill_and_exact_reuse_is_kept(tiny):
+    sys_, passages, q = _prompt()
+    tokens = sys_ + sum(passages, []) + q
+    with torch.inference_mode():
+        full = tiny(input_ids=torch.tensor([tokens])).logits[0, -1]
+    exact = blend.passage_kv(tiny, tokens)          # the prompt's own KV, as if reused
+    R = len(tokens) - len(q)
+    reused = [(k[:, :, :R], v[:, :, :R]) for k, v in exact]
+    cand = torch.ones(R, dtype=torch.bool)
+    for ratio in (1.0, 0.0, 0.3):
+        b = blend.blend_prefill(tiny, tokens, reused, cand, ratio)
+        assert torch.allclose(b.logits, full, atol=1e-4), ratio
+        assert len(b.selected) == round(ratio * R) and b.recomputed == len(b.selected) + len(q)
+        assert b.cache.get_seq_length() == len(tokens)
+    logits, cache = blend.reuse_prefill(tiny, tokens, reused)
+    assert torch.allclose(logits, full, atol=1e-4)
+
+
+def test_blend_recovers_what_plain_reuse_loses(tiny):
+    sys_, passages, q = _prompt()
+    tokens = sys_ + sum(passages, []) + q
+    with torch.inference_mode():
+        full = tiny(input_ids=torch.tensor([tokens])).logits[0, -1]
+    R = len(tokens) - len(q)
+    parts, off = [], 0
+    for seg in [sys_] + passages:
+        parts.append(blend.move(tiny, blend.passage_kv(tiny, seg), off))
+        off += len(seg)
+    reused = [tuple(torch.cat([p[i][j] for p in parts], 2) for j in (0, 1))
+              for i in range(len(parts[0]))]
+    cand = torch.ones(R, dtype=torch.bool)
+    err = [float((blend.blend_prefill(tiny, tokens, reused, cand, r).logits - full).abs().max())
+           for r in (0.0, 0.5, 1.0)]
+    plain = float((blend.reuse_prefill(tiny, tokens, reused)[0] - full).abs().max())
+    assert plain > 1e-3 and err[2] < 1e-4 and err[1] < err[0]
+
+
+def test_passage_keys_never_collide_with_prefix_keys():
+    tokens, extra = _toks(64, 6), b"model|layout"
+    pk = passage_keys(tokens, 16, extra)
+    assert len(pk) == 4 and len(set(pk)) == 4 and all(len(k) == 16 for k in pk)
+    assert not set(pk) & set(block_hashes(tokens, 16, extra))
+    assert not set(pk) & set(block_hashes(tokens[:16], 16, extra))
+    assert passage_keys(tokens[:63], 16, extra)[0] != pk[0]          # the length is covered
+    assert passage_keys(tokens, 16, b"other")[0] != pk[0]
+    assert passage_keys(tokens, 16, extra) == pk                       # deterministic
+    assert len(passage_keys(tokens[:17], 16, extra)) == 2             # partial tail block
+    with pytest.raises(ValueError):
+        passage_keys([], 16, extra)
+
+
+def test_missing_passage_is_prefilled_and_stored(tiny):
+    layout = BlockLayout.of(tiny.config, torch.float32, 16)
+    client = LocalClient()
+    store = PassageStore(KVConnector(client, 3, layout, "tiny", tiny.config), tiny)
+    p1, p2 = _toks(40, 7), _toks(20, 8)
+
+    async def run():
+        first = await store.fused_kv([p1, p2])
+        second = await store.fused_kv([p2, p1])
+        return first, second
+    first, second = asyncio.run(run())
+    assert (first.misses, first.hits) == (2, 0) and (second.misses, second.hits) == (0, 2)
+    assert len(client.blocks) == 3 + 2
+    assert second.stats.bytes == 5 * layout.block_bytes
+    # p1 moved to offset 20 in the second prompt equals p1's KV computed there
+    there = blend.passage_kv(tiny, p1, 20)
+    assert torch.allclose(second.kv[0][0][:, :, 20:], there[0][0], atol=1e-4)
+    assert torch.equal(second.kv[2][1][:, :, 20:], first.kv[2][1][:, :, :40])
