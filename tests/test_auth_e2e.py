@@ -88,6 +88,19 @@ def test_a_forged_chunk_injected_with_the_pools_addresses_is_never_handed_out(la
         assert blk.tobytes() == data and blk.nchunks == n_data
         assert blk.stats.auth_failures == 1 and blk.stats.checksum_errors == 0
         blk.release()
+        # a damaged chunk (its bytes do not match the CRC it carries; CRCs are not checked on
+        # the way for an authenticated block): the tag fails, the CRCs find it, it alone is
+        # asked again, and the block comes out byte-exact without a second fetch
+        t = e.submit(NS, key, nchunks=n_data)
+        damaged = Message(Op.GET_REPLY, NS, key, 7, t.nchunks, (t.idx << 24) | t.gen,
+                          payload=forged, csum=12345)
+        inject(lab, [ipv4_frame(route.mac, e._mac, lab.pool_addrs[0], route.src, PORT, e.port,
+                                damaged.encode(), ip_id=0)])
+        e.wait([t])
+        assert t.error is None, t.error
+        assert t.result.tobytes() == data and not t.auth_retried
+        assert t.result.stats.auth_failures == 1 and t.result.stats.checksum_errors == 1
+        t.result.release()
         # the same frame from another host's address never lands at all
         t = e.submit(NS, key, nchunks=n_data)
         spoof = ipv4_frame("02:00:00:00:99:99", e._mac, "198.18.0.99", route.src, PORT, e.port,

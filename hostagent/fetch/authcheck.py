@@ -1,14 +1,20 @@
 """Keyed authentication in the fetch engine (hostagent/auth.py has the format): a transfer of a
-namespace the engine's keyring covers gets a ``StreamCheck``; as its verified prefix grows the
+namespace the engine's keyring covers gets a ``StreamCheck``; as its arrived prefix grows the
 header is parsed and the data fed to GHASH straight from the arena (a memoryview: no copy), so
-the tag check overlaps the fetch; when the last chunk is verified the tag decides. On a failure
-the engine fetches the block once more past the switch's cache, then fails it with AuthError:
-no byte of a block that fails its tag is handed out."""
+the tag check overlaps the fetch; when the last chunk is in the tag decides. The tag covers
+every byte, so such a transfer skips the per-chunk CRC checks on the way (GHASH costs about what
+ISA-L's CRC does: authentication then costs the engine next to nothing); the CRCs its replies
+carried (kept in the slot words) are checked only when the tag fails, to tell damage from
+forgery: damaged chunks are asked again and the check starts over; if every CRC holds, the
+block was forged (or stored forged): the engine fetches it once more past the switch's cache,
+then fails it with AuthError. No byte of a block that fails its tag is handed out."""
 from __future__ import annotations
 
 import logging
 
 from hostagent.auth import AuthError, Keyring, StreamCheck, header_chunks, refused
+
+from .verify import ask_again
 
 log = logging.getLogger("hostagent.fetch")
 
@@ -53,12 +59,26 @@ def finish(t) -> None:
         t.auth.finish()
 
 
+def repair(t, damaged, meta, keyring: Keyring, cs: int) -> bool:
+    """After a failed check: if chunks fail their CRC (``damaged``, found by
+    verify.crc_damaged), they are asked again and the check starts over once they are in;
+    True. Else (every CRC holds: forged, not damaged) False."""
+    t.stats.auth_failures += 1
+    if not len(damaged):
+        return False
+    ask_again(t, damaged, meta)
+    t.verified[damaged] = False
+    t.nverified -= len(damaged)
+    t.lo = min(t.lo, int(damaged.min()))
+    t.auth = check_for(keyring, t.ns, t.key, cs)
+    return True
+
+
 def retry(t, exc: AuthError, keyring: Keyring, cs: int) -> AuthError | None:
     """After a failed check: ready ``t`` to be fetched again past the switch's cache (a forged
     or damaged copy there, or a forged reply that won a race) and return None (the engine
     activates it with a new generation), or, if that was done already, the error to fail it
     with."""
-    t.stats.auth_failures += 1
     if t.auth_retried or not t.known:
         return refused(t.ns, t.key, exc)
     log.warning("block %s in namespace %d failed authentication (%s): fetching it again past "

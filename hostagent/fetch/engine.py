@@ -42,7 +42,7 @@ from .netpath import Netns, NoXdp, link, next_hop, route_header
 from .program import GEN_MASK, XFERS, FetchProgram
 from .sendring import EngineStats, SendRing
 from .transfers import Route, Transfer
-from .verify import finish, status_error, verify
+from .verify import crc_damaged, finish, status_error, verify
 
 log = logging.getLogger("hostagent.fetch")
 _NO_CACHE = int(Flag.NO_CACHE)
@@ -466,9 +466,13 @@ class FetchEngine:
         self._retire(t)
 
     def _auth_failed(self, t: Transfer, exc: auth_mod.AuthError) -> None:
-        """A tag check failed: fetch the block once more past the switch's cache (a forged or
-        damaged copy there, or a forged reply that won a race), then give up on it."""
-        final = authcheck.retry(t, exc, self.keyring, self.chunk_size)
+        """A tag check failed: chunks failing their CRC are asked again, else the block is
+        fetched once more past the switch's cache, then refused (authcheck)."""
+        p, cs = self.prog, self.chunk_size
+        bad = crc_damaged(t, p.xfers[t.idx], p.meta, p.arena_mv, cs, self.folder, self.fold_from)
+        if authcheck.repair(t, bad, p.meta, self.keyring, cs):
+            return
+        final = authcheck.retry(t, exc, self.keyring, cs)
         if final is not None:
             return self._fail(t, final)
         self._activate(t, t.nchunks, True)

@@ -67,13 +67,13 @@ def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, 
         return 0
     crcs = (words[idx] & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     idx += lo
-    bad = _bad_chunks(t, idx, crcs, x, arena_mv, cs, folder, fold_from)
+    # an authenticated block's tag covers every byte: its CRCs are read only to find damaged
+    # chunks once the tag failed (authcheck.repair), not on the way
+    bad = [] if getattr(t, "auth", None) is not None else _bad_chunks(
+        t, idx, crcs, x, arena_mv, cs, folder, fold_from)
     if bad:
         b = np.array(bad)
-        meta[base + b] = 0                       # the program takes it again
-        t.bypass[b] = True
-        t.sent_t[b] = -1e9                       # due at once
-        t.stats.checksum_errors += len(bad)
+        ask_again(t, b, meta)
         ok = np.setdiff1d(idx, b, assume_unique=True)
     else:
         ok = idx
@@ -103,6 +103,24 @@ def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, 
     k = int(v.argmin()) if v.size else 0
     t.lo += k if v.size and not v[k] else v.size
     return ok.size
+
+
+def ask_again(t: Transfer, b: np.ndarray, meta: np.ndarray) -> None:
+    """Chunks ``b`` of ``t`` failed their CRC: cleared, asked again at once past the switch."""
+    meta[t.base + b] = 0                         # the program takes it again
+    t.bypass[b] = True
+    t.sent_t[b] = -1e9                           # due at once
+    t.stats.checksum_errors += b.size
+
+
+def crc_damaged(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder,
+                fold_from: int) -> np.ndarray:
+    """The verified chunks of ``t`` whose bytes fail the CRC their reply carried."""
+    idx = np.flatnonzero(t.verified)
+    if not idx.size:
+        return idx
+    crcs = (meta[t.base + idx] & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return np.array(_bad_chunks(t, idx, crcs, x, arena_mv, cs, folder, fold_from), np.int64)
 
 
 def finish(t: Transfer, x, meta: np.ndarray, arena: np.ndarray, cs: int, release,
