@@ -10,6 +10,9 @@ tells the whole story; each module owns one concern:
     engine    FetchEngine: lifecycle, the send ring and its test-run calls, the step loop
     transfers per-transfer state, round trips, windows, loss recovery
     verify    CRC checks of what arrived (crcfold), finished transfers as Blocks
+    authcheck keyed authentication of sealed blocks over the arena (hostagent/auth.py)
+    ids       random transfer indexes and generations (request ids), not reused while
+              replies may come
     block     Block (a zero-copy view of the arena) and the slot allocator
     crcfold   many chunk CRCs checked with one CRC call
     client    AsyncFetchClient (KVClient's interface) and open_client, the automatic choice
