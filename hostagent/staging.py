@@ -196,8 +196,10 @@ class Staging:
         self.reserved_pages -= run.npages
         self.arena.release(run.start, run.npages)
 
-    def commit(self, run: Run, layout: Layout, crcs: array, pins: int = 0) -> StagedBlock:
-        """Make a reserved run, now holding ``layout``'s object, the staged copy of its block."""
+    def commit(self, run: Run, layout: Layout, crcs: array, pins: int = 0,
+               meta: dict | None = None) -> StagedBlock:
+        """Make a reserved run, now holding ``layout``'s object, the staged copy of its block
+        (``meta``: what the arena may know of it, e.g. the source that PUT it)."""
         if layout.size > run.npages * self.arena.page:
             raise ValueError("the block does not fit its run")
         self.reserved_pages -= run.npages
@@ -205,7 +207,7 @@ class Staging:
         old = self.blocks.pop(name, None)
         if old is not None:
             self._free(old)
-        block = self.blocks[name] = StagedBlock(layout, run, crcs, pins)
+        block = self.blocks[name] = StagedBlock(layout, run, crcs, pins, dict(meta or {}))
         self.arena.publish(block)
         return block
 

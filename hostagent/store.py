@@ -112,7 +112,7 @@ class PoolStore:
         except StagingFull as exc:
             raise StoreError(Status.NO_SPACE, str(exc)) from None
         write_block(run.view, layout, chunks, crcs)
-        block = self.staging.commit(run, layout, array("I", crcs))
+        block = self.staging.commit(run, layout, array("I", crcs), meta={"source": source})
         self.counters["blocks_put"] += 1
         return self._persist(block)
 

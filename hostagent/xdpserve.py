@@ -138,7 +138,8 @@ class XdpArena(Arena):
     ``off`` its run covers, so a block of chunks of MIN_CHUNK bytes or more always has them and
     no tenant can take another's (the staging area's LRU decides whose blocks stay). A block of
     more chunks than its run has slots (small chunks) takes a run of the dense slots, at most
-    ``dense_per_ns`` of them per namespace; past that it is served by the server process. Index
+    ``dense_per_ns`` of them per namespace and as many per source that PUT them; past that it
+    is served by the server process. Index
     entries are one per page (up to 1M, a 4 GiB arena); a larger arena's are shared out per
     namespace the same way."""
 
@@ -154,6 +155,7 @@ class XdpArena(Arena):
         self.index_per_ns = (prog.nblocks if prog.nblocks >= self.pages
                              else prog.nblocks // DENSE_PER_NS)
         self.ns_dense: Counter = Counter()
+        self.src_dense: Counter = Counter()
         self.ns_index: Counter = Counter()
         self._gen = 0
         self.counters = Counter(xdp_published=0, xdp_unpublished=0)
@@ -165,7 +167,9 @@ class XdpArena(Arena):
         hi = (run.start + run.npages) * self.page // MIN_CHUNK
         if n <= hi - lo:
             return lo, False
-        if self.ns_dense[ns] + n > self.dense_per_ns:
+        src = block.meta.get("source")                   # (None: read from a backing store)
+        if self.ns_dense[ns] + n > self.dense_per_ns or \
+                (src is not None and self.src_dense[src] + n > self.dense_per_ns):
             self.counters["xdp_dense_refused"] += 1
             return None
         first = self.dense.alloc(n)
@@ -173,15 +177,20 @@ class XdpArena(Arena):
             self.counters["xdp_dense_full"] += 1
             return None
         self.ns_dense[ns] += n
+        if src is not None:
+            self.src_dense[src] += n
         return self.prog.mapped_slots + first, True
 
     def _free_slots(self, block: StagedBlock, first: int) -> None:
         if block.meta.pop("xdp_dense", False):
             ns, n = block.layout.ns, block.nchunks
             self.dense.release(first - self.prog.mapped_slots, n)
-            self.ns_dense[ns] -= n
-            if not self.ns_dense[ns]:
-                del self.ns_dense[ns]
+            src = block.meta.get("source")
+            for counter, name in ((self.ns_dense, ns), (self.src_dense, src)):
+                if name is not None:
+                    counter[name] -= n
+                    if counter[name] <= 0:
+                        del counter[name]
 
     def _next_gen(self) -> int:
         self._gen = self._gen % 0xFFFFFFFF + 1          # never 0

@@ -48,14 +48,15 @@ def staging(prog):
     return Staging(XdpArena(prog, ARENA))
 
 
-def stage(staging, data: bytes, ns=NS, key=KEY, cs=CS, crcs=None):
+def stage(staging, data: bytes, ns=NS, key=KEY, cs=CS, crcs=None, source=None):
     chunks = [data[i:i + cs] for i in range(0, len(data), cs)]
     crcs = crcs or [zlib.crc32(c) for c in chunks]
     layout = Layout.for_payload(ns, key, len(data), cs)
     run = staging.reserve(layout.size)
     write_block(run.view, layout, chunks, crcs)          # straight into the program's memory
     from array import array
-    return staging.commit(run, layout, array("I", crcs))
+    return staging.commit(run, layout, array("I", crcs),
+                          meta=None if source is None else {"source": source})
 
 
 def reply(data: bytes, chunk: int, nchunks: int, crc=None, ns=NS, req_id=0xABCD) -> bytes:
@@ -260,6 +261,18 @@ def test_tiny_chunks_take_dense_slots_within_a_namespaces_share(prog, staging):
         verdict, out, _ = run(prog, get_frame(chunk=i))
         assert verdict == XDP.TX and out == reply(data[i * CS:(i + 1) * CS], i, 300)
     assert staging.remove(2, b"\x0b" * 16) and 2 not in arena.ns_dense   # given back
+
+
+def test_one_source_gets_one_share_of_dense_slots_whatever_its_namespaces(prog, staging):
+    arena = staging.arena
+    small = arena.dense_per_ns // 2 + 1
+    first = stage(staging, payload(small * 8), ns=2, key=b"\x0b" * 16, cs=8, source="h2")
+    assert first.meta["xdp_dense"] and arena.src_dense["h2"] == small
+    other_ns = stage(staging, payload(small * 8), ns=3, key=b"\x0c" * 16, cs=8, source="h2")
+    assert "xdp_slots" not in other_ns.meta                       # h2's share is spent
+    other_src = stage(staging, payload(small * 8), ns=4, key=b"\x0d" * 16, cs=8, source="h4")
+    assert other_src.meta["xdp_dense"]
+    assert staging.remove(2, b"\x0b" * 16) and "h2" not in arena.src_dense
 
 
 @pytest.mark.e2e
