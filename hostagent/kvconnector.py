@@ -25,6 +25,11 @@ block is the same bits whether a node computed it or fetched it, and greedy gene
 fetched prefix is token-for-token (and logit-for-logit) that of a full recompute. Pool blocks
 are immutable: a node whose bits differed would have its PUTs refused.
 
+Codecs. ``KVConnector(kv_codec=...)`` codes blocks with ``hostagent.codec`` (none, int8, fp8,
+int4): encoded where saved, decoded where loaded (each block straight into the cache's tensor as
+it arrives, in a worker thread, while later blocks are fetched); the pool and the switch carry
+the coded bytes. The codec's tag joins ``extra``, so a reader with another codec misses.
+
 Finding the prefix. Blocks are fetched in chain order, ``concurrency`` at a time; a missing block
 answers NACK (``BlockNotFound``) within one round trip, and the search stops there: blocks after
 the first missing one are cancelled or dropped. The fetch is the probe, so a present block is
@@ -243,12 +248,14 @@ class KVConnector:
         total.seconds = time.monotonic() - start
         return total
 
-    async def fetch_prefix(self, keys: Sequence[bytes], views: bool = False
+    async def fetch_prefix(self, keys: Sequence[bytes], views: bool = False, sink=None
                            ) -> tuple[list, int | None, TransferStats]:
         """The blocks of the longest available prefix of ``keys``, the index of the first missing
         block (None if none was), and the transfer stats summed over every block moved (a block
         in flight past a gap still counts, though it is not kept). ``views``: with the fetch
-        engine's client, zero-copy Blocks (the caller releases them) instead of bytes."""
+        engine's client, zero-copy Blocks (the caller releases them) instead of bytes.
+        ``sink``: ``await sink(i, block)`` as each block arrives (outside the concurrency
+        slot, so the next fetch runs meanwhile); it owns the block from then on."""
         getter = (self.client.get_block_view if views and hasattr(self.client, "get_block_view")
                   else self.client.get_block)
         got: list = [None] * len(keys)
@@ -269,6 +276,9 @@ class KVConnector:
                         t.cancel()
                     return
                 _add(total, stats)
+            if sink is not None and i < missing:
+                block, got[i] = got[i], True
+                await sink(i, block)
 
         tasks.extend(asyncio.create_task(one(i)) for i in range(len(keys)))
         results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -287,6 +297,8 @@ class KVConnector:
         """The cache of the longest prefix of ``tokens`` whose blocks are available. It never
         covers the last token, whose logits the caller must compute (``prefill``)."""
         keys = self.keys(list(tokens)[:-1])
+        if self.codec.name != "none":
+            return await self._load_decoding(keys)
         blocks, missing_at, stats = await self.fetch_prefix(keys, views=True)
         start = time.monotonic()
         try:
@@ -296,3 +308,30 @@ class KVConnector:
                 _release(b)
         return Loaded(cache, len(blocks) * self.layout.block_tokens, len(blocks), len(keys),
                       missing_at, stats, time.monotonic() - start)
+
+    async def _load_decoding(self, keys: list[bytes]) -> Loaded:
+        """``load`` with a codec: each block is decoded into the cache's tensor as it arrives,
+        in a worker thread (the decode loops release the GIL), while later blocks are fetched."""
+        L, _, H, bt, D = self.layout.shape
+        kv = torch.empty((L, 2, H, len(keys) * bt, D), dtype=self.layout.dtype)
+        loop, busy = asyncio.get_running_loop(), [0.0]
+
+        def decode(i: int, block) -> None:
+            t0 = time.monotonic()
+            try:
+                self.codec.decode_into(block.numpy() if hasattr(block, "numpy") else block,
+                                       kv, i * bt)
+            finally:
+                _release(block)
+            busy[0] += time.monotonic() - t0
+
+        async def sink(i: int, block) -> None:
+            await loop.run_in_executor(None, decode, i, block)
+
+        got, missing_at, stats = await self.fetch_prefix(keys, views=True, sink=sink)
+        n = len(got)
+        if n < len(keys):                  # a shorter prefix: its own, contiguous tensor
+            kv = kv[:, :, :, :n * bt].contiguous()
+        cache = (DynamicCache([(kv[i, 0][None], kv[i, 1][None]) for i in range(L)],
+                              config=self.config) if n else DynamicCache(config=self.config))
+        return Loaded(cache, n * bt, n, len(keys), missing_at, stats, busy[0])

@@ -144,6 +144,40 @@ def test_blocks_have_the_pool_layout_and_round_trip(dtype):
         write_block(raw[:-2], fresh, layout, [(0, 0)])
 
 
+@pytest.mark.parametrize("codec", ["int8", "fp8", "int4"])
+def test_coded_blocks_round_trip_through_the_paged_cache(codec):
+    """kv_codec: read_block encodes, write_block decodes into the paged cache (bounded error);
+    the coded block is smaller and its keys are the codec's own."""
+    from hostagent import codec as codecs
+    layout = PoolLayout(L, H, D, torch.float32, 8, 4, codec)
+    raw_layout = _layout(8, 4)
+    torch.manual_seed(0)
+    caches = [torch.randn(6, H, 4, 2 * D) for _ in range(L)]
+    coded = read_block(caches, layout, [3, 1])
+    assert len(coded) == layout.coded_bytes < layout.block_bytes
+    assert layout.nchunks(64) == -(-layout.coded_bytes // 64)
+    fresh = [torch.zeros_like(c) for c in caches]
+    write_block(coded, fresh, layout, [(0, 5), (1, 0)])
+    exact = torch.frombuffer(bytearray(read_block(caches, raw_layout, [3, 1])),
+                             dtype=torch.float32).view(raw_layout.shape)
+    bound = codecs.max_abs_error_bound(codec, exact, 8)
+    for li in range(L):
+        assert (fresh[li][5] - caches[li][3]).abs().max() <= bound
+        assert (fresh[li][0] - caches[li][1]).abs().max() <= bound
+        assert not fresh[li][1:5].any()
+    tokens = list(range(3, 30))
+    assert layout.keys(tokens, "m") != raw_layout.keys(tokens, "m")
+    with pytest.raises(ValueError, match="bytes"):
+        write_block(coded[:-1], fresh, layout, [(0, 0)])
+
+
+def test_settings_refuse_an_unknown_codec_in_one_line():
+    assert Settings.from_extra({"pools": ["a"], "kv_codec": "int4"}).kv_codec == "int4"
+    with pytest.raises(ValueError, match="unknown KV codec 'zstd'") as e:
+        Settings.from_extra({"pools": ["a"], "kv_codec": "zstd"})
+    assert "\n" not in str(e.value)
+
+
 def test_a_failed_block_ends_the_load_there():
     layout = _layout(8, 4)
     caches = [torch.zeros(6, H, 4, 2 * D) for _ in range(L)]

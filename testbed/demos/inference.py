@@ -1,6 +1,6 @@
 """`testbed demo-inference`: a real transformer's prefix KV cache moved through the switch.
 
-Three inference nodes run the same seeded-random decoder on the CPU (nothing is downloaded).
+Three inference nodes run the same decoder on the CPU (nothing is downloaded).
 For each prompt size, node A (h1) prefills a long shared prompt plus its own question and puts
 the prompt's KV blocks on the pool node; the orchestrator admits those blocks to the switch; node
 B (h2) asks the same prompt with another question, loads the longest available prefix (every
@@ -9,8 +9,12 @@ and is answered by the switch. B and C each also recompute the whole prompt and 
 time-to-first-token (TTFT) both ways, greedy tokens (must be identical), KV identity (the fetched
 blocks must equal the recomputed ones bit for bit) and the bytes moved per cached token.
 
-The model ("llama3-mini") is a scaled-down Llama-3: grouped-query attention with 16 query heads
-and 2 KV heads, a 3.5x SwiGLU MLP, fp32, 8 layers of width 1024 (~0.17 B parameters, 0.35 GFLOP
+The default model is the real SmolLM2-135M-Instruct (``testbed.demos.realmodel``, installed by
+``make setup``) on real text (Debian's license texts): with every KV codec in ``codecs``
+(``hostagent.codec``) the same prompts' blocks move again, coded (their own keys); codec none
+must give greedy tokens and KV identical to recompute, the others report their greedy agreement
+with it. The seeded-random models stay for fast runs and tests: "llama3-mini" is a scaled-down
+Llama-3: grouped-query attention with 16 query heads and 2 KV heads, a 3.5x SwiGLU MLP, fp32, 8 layers of width 1024 (~0.17 B parameters, 0.35 GFLOP
 per token outside attention), so 8 KiB of KV per token: ~42 kFLOP of prefill per KV byte. That is
 below Llama-3-8B's ratio (~107 kFLOP/B in bf16: 14 GFLOP and 128 KiB per token) and a tenth of
 Llama-3-70B's (~420 kFLOP/B), so the fetch path gets no help from the model choice. Prefill runs
@@ -45,6 +49,17 @@ MODELS = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  max_position_embeddings=32768, rope_theta=500000.0),
 }
+REAL = "smollm2"                  # the real trained model (testbed.demos.realmodel)
+MODEL_CHOICES = [REAL, *MODELS]
+
+
+def real_prompt(tok, size: int, node: str) -> list[int]:
+    """Real English text: a ``size``-token shared prefix (Debian's license texts, in order),
+    then a per-node question from another place of the same texts."""
+    from .realmodel import texts
+    ids = [t for text in texts().values() for t in tok(text)["input_ids"]]
+    start = size + 97 * (1 + sum(map(ord, node)) % 50)
+    return ids[:size] + ids[start:start + QUESTION_TOKENS]
 
 
 def prompt(size: int, node: str) -> list[int]:
@@ -62,16 +77,24 @@ class _Node:
         from hostagent.kvconnector import BlockLayout      # first: it keeps transformers offline
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
-        torch.manual_seed(SEED)
-        self.config = LlamaConfig(**MODELS[model], attn_implementation="sdpa")
         self.dtype = getattr(torch, dtype)
-        self.model = LlamaForCausalLM(self.config).to(self.dtype).eval()
+        self.tok = None
+        if model == REAL:
+            from .realmodel import load
+            self.model, self.tok, self.model_id = load(dtype)
+            self.config = self.model.config
+        else:
+            torch.manual_seed(SEED)
+            self.config = LlamaConfig(**MODELS[model], attn_implementation="sdpa")
+            self.model = LlamaForCausalLM(self.config).to(self.dtype).eval()
+            self.model_id = f"{model}/seed{SEED}"
         self.layout = BlockLayout.of(self.config, self.dtype, block_tokens)
-        self.model_id = f"{model}/seed{SEED}"
         self.vocab = self.config.vocab_size
         self.params = sum(p.numel() for p in self.model.parameters())
 
     def tokens(self, size: int, node: str) -> list[int]:
+        if self.tok is not None:
+            return real_prompt(self.tok, size, node)
         return [t % self.vocab for t in prompt(size, node)]
 
     def recompute(self, tokens: list[int]):
@@ -98,7 +121,8 @@ class _Node:
         opened = (open_client(**client_args, arena_bytes=fetch_blocks * self.layout.block_bytes)
                   if fetch_blocks else KVClient(**client_args))
         async with opened as client:
-            yield KVConnector(client, NS, self.layout, self.model_id, self.config, concurrency)
+            yield lambda codec="none": KVConnector(client, NS, self.layout, self.model_id,
+                                                   self.config, concurrency, kv_codec=codec)
 
     def info(self) -> dict:
         return {"model": self.model_id, "params": self.params,
@@ -116,61 +140,72 @@ def _link_bytes() -> tuple[int, int]:
     return read("rx"), read("tx")
 
 
-async def _node_a(node: _Node, name: str, sizes, client_args: dict, concurrency: int) -> dict:
+async def _node_a(node: _Node, name: str, sizes, client_args: dict, concurrency: int,
+                  codecs=("none",)) -> dict:
     out = []
-    async with node.connector(client_args, concurrency) as conn:
+    async with node.connector(client_args, concurrency) as connector:
         for size in sizes:
             tokens = node.tokens(size, name)
             _, cache, seconds = node.recompute(tokens)
-            put = await conn.save(tokens, cache)
-            out.append({"size": size, "ttft_recompute": round(seconds, 4),
-                        "keys": [k.hex() for k in conn.keys(tokens)], "put": put.as_dict()})
+            for codec in codecs:
+                conn = connector(codec)
+                put = await conn.save(tokens, cache)
+                out.append({"size": size, "codec": codec, "ttft_recompute": round(seconds, 4),
+                            "keys": [k.hex() for k in conn.keys(tokens)], "put": put.as_dict()})
     return {"node": name, **node.info(), "sizes": out}
 
 
 async def _node_b(node: _Node, name: str, sizes, client_args: dict, concurrency: int,
-                  new_tokens: int) -> dict:
+                  new_tokens: int, codecs=("none",)) -> dict:
     from hostagent.kvconnector import greedy, prefill
     import torch
     out = []
     # the largest prefix's blocks are held together (the cache is built from them in place)
     blocks = max(sizes) // node.layout.block_tokens + concurrency + 1
-    async with node.connector(client_args, concurrency, fetch_blocks=blocks) as conn:
+    async with node.connector(client_args, concurrency, fetch_blocks=blocks) as connector:
         for size in sizes:
             tokens = node.tokens(size, name)
-            rx0, tx0 = _link_bytes()
-            start = time.perf_counter()
-            loaded = await conn.load(tokens)
-            fetched = time.perf_counter()
-            rx1, tx1 = _link_bytes()
-            logits = prefill(node.model, tokens, loaded.cache, node.layout.block_tokens)
-            ttft_fetch = time.perf_counter() - start
-            fetched_kv = [(layer.keys[..., :loaded.tokens, :].clone(),
-                           layer.values[..., :loaded.tokens, :].clone())
-                          for layer in loaded.cache.layers] if loaded.tokens else []
-            via_fetch = greedy(node.model, logits, loaded.cache, new_tokens)
-
             logits_r, cache_r, ttft_recompute = node.recompute(tokens)
-            kv_identical = all(
-                torch.equal(k, layer.keys[..., :loaded.tokens, :]) and
-                torch.equal(v, layer.values[..., :loaded.tokens, :])
-                for (k, v), layer in zip(fetched_kv, cache_r.layers))
             via_recompute = greedy(node.model, logits_r, cache_r, new_tokens)
-            s = loaded.stats
-            out.append({
-                "size": size, "prompt_tokens": len(tokens), "cached_tokens": loaded.tokens,
-                "blocks": loaded.blocks, "probed": loaded.probed, "missing_at": loaded.missing_at,
-                "ttft_fetch": round(ttft_fetch, 4), "ttft_recompute": round(ttft_recompute, 4),
-                "fetch_seconds": round(fetched - start, 4),
-                "rebuild_seconds": round(loaded.rebuild_seconds, 4),
-                "suffix_prefill_seconds": round(ttft_fetch - (fetched - start), 4),
-                "chunks": s.chunks, "from_switch": s.from_switch, "replicas": s.replicas,
-                "from_pool": s.from_pool, "retransmits": s.retransmits,
-                "payload_bytes": s.bytes, "rx_bytes": rx1 - rx0, "tx_bytes": tx1 - tx0,
-                "tokens_equal": via_fetch == via_recompute,
-                "logits_equal": bool(torch.equal(logits, logits_r)),
-                "kv_identical": kv_identical, "tokens": via_fetch})
-        path = "xdp" if hasattr(conn.client, "get_block_view") else "asyncio"
+            for codec in codecs:
+                conn = connector(codec)
+                rx0, tx0 = _link_bytes()
+                start = time.perf_counter()
+                loaded = await conn.load(tokens)
+                fetched = time.perf_counter()
+                rx1, tx1 = _link_bytes()
+                logits = prefill(node.model, tokens, loaded.cache, node.layout.block_tokens)
+                ttft_fetch = time.perf_counter() - start
+                n = loaded.tokens
+                kv_identical = n > 0 and all(
+                    torch.equal(layer.keys[..., :n, :], ref.keys[..., :n, :]) and
+                    torch.equal(layer.values[..., :n, :], ref.values[..., :n, :])
+                    for layer, ref in zip(loaded.cache.layers, cache_r.layers))
+                kv_err = max((float((layer.keys[..., :n, :] - ref.keys[..., :n, :]).abs().max())
+                              for layer, ref in zip(loaded.cache.layers, cache_r.layers)),
+                             default=0.0)
+                logits_equal = bool(torch.equal(logits, logits_r))
+                via_fetch = greedy(node.model, logits, loaded.cache, new_tokens)
+                s = loaded.stats
+                out.append({
+                    "size": size, "codec": codec, "prompt_tokens": len(tokens),
+                    "cached_tokens": loaded.tokens, "blocks": loaded.blocks,
+                    "probed": loaded.probed, "missing_at": loaded.missing_at,
+                    "ttft_fetch": round(ttft_fetch, 4), "ttft_recompute": round(ttft_recompute, 4),
+                    "fetch_seconds": round(fetched - start, 4),
+                    "rebuild_seconds": round(loaded.rebuild_seconds, 4),
+                    "suffix_prefill_seconds": round(ttft_fetch - (fetched - start), 4),
+                    "chunks": s.chunks, "from_switch": s.from_switch, "replicas": s.replicas,
+                    "from_pool": s.from_pool, "retransmits": s.retransmits,
+                    "payload_bytes": s.bytes, "rx_bytes": rx1 - rx0, "tx_bytes": tx1 - tx0,
+                    "tokens_equal": via_fetch == via_recompute,
+                    "agreement": round(sum(a == b for a, b in zip(via_fetch, via_recompute))
+                                       / new_tokens, 4),
+                    "logits_equal": logits_equal, "kv_identical": kv_identical,
+                    "kv_max_abs_error": kv_err, "tokens": via_fetch,
+                    "text": node.tok.decode(via_fetch) if node.tok is not None else None})
+                del loaded
+            path = "xdp" if hasattr(conn.client, "get_block_view") else "asyncio"
     return {"node": name, **node.info(), "fetch_path": path, "sizes": out}
 
 
@@ -180,18 +215,21 @@ def _setup(pools, chunk_size, window, model, dtype, block_tokens):
 
 
 def node_a(name: str, pools: list[str], chunk_size: int, window: int, concurrency: int,
-           sizes: list[int], model: str, dtype: str, block_tokens: int) -> dict:
-    """Task in the first inference node: prefill every prompt, put its blocks."""
+           sizes: list[int], model: str, dtype: str, block_tokens: int,
+           codecs=("none",)) -> dict:
+    """Task in the first inference node: prefill every prompt, put its blocks (per codec)."""
     node, client_args = _setup(pools, chunk_size, window, model, dtype, block_tokens)
-    return asyncio.run(_node_a(node, name, sizes, client_args, concurrency))
+    return asyncio.run(_node_a(node, name, sizes, client_args, concurrency, codecs))
 
 
 def node_b(name: str, pools: list[str], chunk_size: int, window: int, concurrency: int,
            sizes: list[int], model: str, dtype: str, block_tokens: int,
-           new_tokens: int) -> dict:
-    """Task in a later inference node: load each prompt's prefix, generate, compare."""
+           new_tokens: int, codecs=("none",)) -> dict:
+    """Task in a later inference node: load each prompt's prefix (per codec), generate,
+    compare with its own recompute."""
     node, client_args = _setup(pools, chunk_size, window, model, dtype, block_tokens)
-    return asyncio.run(_node_b(node, name, sizes, client_args, concurrency, new_tokens))
+    return asyncio.run(_node_b(node, name, sizes, client_args, concurrency, new_tokens,
+                               codecs))
 
 
 # ---- the orchestrator ----------------------------------------------------------------------------
@@ -199,11 +237,14 @@ def run_inference_demo(sizes=(1024, 4096, 16384), chunk_size: int = 3072, window
                        concurrency: int = 4, new_tokens: int = 16, model: str = "llama3-mini",
                        dtype: str = "float32", block_tokens: int = BLOCK_TOKENS,
                        prefix: str = "inf", json_path: str | None = None,
-                       must_win_from: int = 4096) -> bool:
+                       must_win_from: int = 4096, codecs=("none",)) -> bool:
     """Run the demo; True when every check held (fetch must beat recompute at prompt sizes of
-    ``must_win_from`` tokens and above)."""
+    ``must_win_from`` tokens and above; with codec none, tokens and KV identical to
+    recompute). Each codec in ``codecs`` moves the same prompts' blocks coded its way (its own
+    keys); its greedy agreement with recompute is reported."""
     from rich.console import Console
     console = Console()
+    codecs = list(dict.fromkeys(["none", *codecs]))
     sizes = sorted(sizes)
     if any(s % block_tokens for s in sizes):
         raise ValueError(f"prompt sizes must be multiples of {block_tokens} tokens")
@@ -213,7 +254,7 @@ def run_inference_demo(sizes=(1024, 4096, 16384), chunk_size: int = 3072, window
         console.print(f"[bold]{model}[/] ({dtype}) on h1, h2, h3; prompt sizes {sizes} "
                       f"+ {QUESTION_TOKENS}-token questions; {block_tokens}-token blocks, "
                       f"{chunk_size}-byte chunks, {concurrency} blocks in flight")
-        a = lab.task("h1", f"{__name__}:node_a", "h1", *args)
+        a = lab.task("h1", f"{__name__}:node_a", "h1", *args, codecs)
         console.print(f"h1 prefilled and put {sum(len(s['keys']) for s in a['sizes'])} blocks "
                       f"({a['block_bytes']:,} bytes each, {a['kv_bytes_per_token']:,} B/token, "
                       f"{a['params'] / 1e6:.0f} M parameters)")
@@ -221,23 +262,29 @@ def run_inference_demo(sizes=(1024, 4096, 16384), chunk_size: int = 3072, window
             for key in s["keys"]:
                 lab.switchd("cache", "admit", "--ns", str(NS), "--key", key)
         console.print("admitted them to the switch (learned as pool replies pass)")
-        b = lab.task("h2", f"{__name__}:node_b", "h2", *args, new_tokens)
-        c = lab.task("h3", f"{__name__}:node_b", "h3", *args, new_tokens)
+        b = lab.task("h2", f"{__name__}:node_b", "h2", *args, new_tokens, codecs)
+        c = lab.task("h3", f"{__name__}:node_b", "h3", *args, new_tokens, codecs)
         console.print(f"h2 and h3 fetched with the {b['fetch_path']} / {c['fetch_path']} client")
         counters = lab.stats()
     result = {"model": {k: v for k, v in a.items() if k != "sizes"},
               "config": {"chunk_size": chunk_size, "window": window, "concurrency": concurrency,
-                         "sizes": sizes, "new_tokens": new_tokens},
+                         "sizes": sizes, "new_tokens": new_tokens, "codecs": codecs},
               "h1": a["sizes"], "h2": b["sizes"], "h3": c["sizes"], "switch": counters,
               "fetch_path": {"h2": b["fetch_path"], "h3": c["fetch_path"]}}
     result["checks"] = report(console, result, must_win_from)
     write_json(json_path, result)
     ok = all(result["checks"].values())
     speedups = ", ".join(f"{s['size'] // 1024}k {s['ttft_recompute'] / s['ttft_fetch']:.1f}x"
-                         for s in c["sizes"])
+                         for s in c["sizes"] if s["codec"] == "none")
+    rows = b["sizes"] + c["sizes"]
+    agree = {k: round(sum(r["agreement"] for r in rows if r["codec"] == k)
+                      / sum(r["codec"] == k for r in rows), 3) for k in codecs if k != "none"}
+    result["agreement"] = agree
+    write_json(json_path, result)
     print(f"demo-inference: {'OK' if ok else 'FAILED'} - TTFT speed-up with the prefix from the "
           f"switch: {speedups}; greedy tokens identical to recompute "
-          f"{result['checks']['greedy tokens identical to recompute']}")
+          f"{result['checks']['greedy tokens identical to recompute']}"
+          + "".join(f"; {k} agreement {v:.3f}" for k, v in agree.items()))
     return ok
 
 
@@ -245,19 +292,24 @@ def report(console, result: dict, must_win_from: int) -> dict[str, bool]:
     """Print the demo's table and checks; return the checks."""
     from rich.table import Table
     model, a, counters = result["model"], result["h1"], result["switch"]
+    a = [s for s in a if s.get("codec", "none") == "none"]
     table = Table(title=f"time to first token (s), {model['model']} {model['dtype']}, this CPU")
-    for col in ("tokens", "node", "KV from", "fetch", "TTFT fetch", "TTFT recomp.", "gain",
-                "wire B/tok", "same"):
+    for col in ("tokens", "node", "codec", "KV from", "fetch", "TTFT fetch", "TTFT recomp.",
+                "gain", "wire B/tok", "same / agree"):
         table.add_column(col, justify="right")
-    rows = [(node, where, s) for node, where in (("h2", "pool"), ("h3", "switch"))
-            for s in result[node]]
-    for node, where, s in rows:
+    every = [(node, where, s) for node, where in (("h2", "pool"), ("h3", "switch"))
+             for s in result[node]]
+    for node, where, s in every:
         per_token = max(1, s["cached_tokens"])
-        table.add_row(f"{s['prompt_tokens']:,}", node, where, f"{s['fetch_seconds']:.3f}",
+        codec = s.get("codec", "none")
+        same = ("yes" if s["tokens_equal"] and s["kv_identical"] else "NO") \
+            if codec == "none" else f"{s.get('agreement', 0):.2f}"
+        table.add_row(f"{s['prompt_tokens']:,}", node, codec, where,
+                      f"{s['fetch_seconds']:.3f}",
                       f"{s['ttft_fetch']:.3f}", f"{s['ttft_recompute']:.3f}",
                       f"{s['ttft_recompute'] / s['ttft_fetch']:.1f}x",
-                      f"{s['rx_bytes'] / per_token:,.0f}",
-                      "yes" if s["tokens_equal"] and s["kv_identical"] else "NO")
+                      f"{s['rx_bytes'] / per_token:,.0f}", same)
+    rows = [(n, w, s) for n, w, s in every if s.get("codec", "none") == "none"]
     console.print(table)
     console.print(f"KV payload {model['kv_bytes_per_token']:,} B/token; wire: bytes the node "
                   "received per cached token (its GETs, carrying room for the reply, about as "
@@ -267,13 +319,13 @@ def report(console, result: dict, must_win_from: int) -> dict[str, bool]:
     console.print(f"switch counters: hits={counters['get_hit']} misses={counters['get_miss']} "
                   f"learned={counters['fill']} served {counters['hit_bytes']:,} bytes")
     checks = {
-        "every shared block found": all(s["cached_tokens"] == s["size"] for _, _, s in rows),
+        "every shared block found": all(s["cached_tokens"] == s["size"] for _, _, s in every),
         "greedy tokens identical to recompute": all(s["tokens_equal"] for _, _, s in rows),
         "fetched KV identical to recomputed KV": all(s["kv_identical"] for _, _, s in rows),
         "h2 served by the pool node": all(s["from_pool"] == s["chunks"]
-                                          for n, _, s in rows if n == "h2"),
+                                          for n, _, s in every if n == "h2"),
         "h3 served by the switch": all(s["from_switch"] == s["chunks"]
-                                       for n, _, s in rows if n == "h3"),
+                                       for n, _, s in every if n == "h3"),
         f"fetch beats recompute from {must_win_from:,} tokens": all(
             s["ttft_fetch"] < s["ttft_recompute"] for _, _, s in rows
             if s["size"] >= must_win_from),
