@@ -5,8 +5,10 @@ are pinned). Errors the user can fix print one line and exit non-zero.
 """
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import json
+import socket
 import time
 import tomllib
 from pathlib import Path
@@ -19,7 +21,7 @@ from . import netns
 from .cache import Cache, parse_key
 from .policy import DEFAULT_POLICY, POLICIES
 from .dataplane import (DEFAULT_PIN_DIR, MODES, DataPlane, Deployment, SwitchError,
-                        detach_port, pinned_deployment, preflight)
+                        detach_port, ifindex, pinned_deployment, preflight)
 
 
 class Context:
@@ -94,8 +96,11 @@ def _with_config(ctx: click.Context, path: str | None) -> dict:
 
 @main.command()
 @click.option("--port", "ports", multiple=True, metavar="IF", help="Switch port (repeatable).")
-@click.option("--pool-port", "pool_ports", multiple=True, metavar="IF",
-              help="Port facing a pool node; only its replies are learned (repeatable).")
+@click.option("--pool-port", "pool_ports", multiple=True, metavar="IF[=IP]",
+              help="Port facing a pool node; only its replies pass and are learned "
+                   "(repeatable). With the node's IPv4 address the port is bound to the node "
+                   "before any frame is seen (its MAC asked for by ARP on that port); "
+                   "--port-security needs it.")
 @click.option("--config", type=click.Path(dir_okay=False), help="TOML file with the same keys.")
 @click.option("--chunk-size", type=int, default=1024, show_default=True,
               help="Chunk payload bytes.")
@@ -122,10 +127,12 @@ def _with_config(ctx: click.Context, path: str | None) -> dict:
               help="Limit a port to these namespaces (repeatable); requests for others, and "
                    "frames the data plane cannot check, are dropped.")
 @click.option("--port-security", is_flag=True, default=False,
-              help="Bind every port to the source (MAC, IPv4) of its first frame; frames with "
-                   "another source are dropped.")
-@click.option("--port-bind", "port_bind", multiple=True, metavar="IF=MAC,IP",
-              help="Bind a port to this source (repeatable).")
+              help="Bind every port to one source (MAC, IPv4): pool ports to their node, the "
+                   "others to the first source they send that no other port owns (sticky: "
+                   "'switchd port relearn'); frames with another source are dropped.")
+@click.option("--port-bind", "port_bind", multiple=True, metavar="IF=[MAC,]IP",
+              help="Bind a port to this source before any frame is seen (repeatable); without "
+                   "a MAC, the one answering ARP for IP on that port.")
 @click.option("--force", is_flag=True, default=False,
               help="Take ports that run another XDP program (or another switch's).")
 @pass_ctx
@@ -133,16 +140,25 @@ def run(obj: Context, config, **_):
     """Load the data plane, attach it to the ports, and run until SIGINT/SIGTERM."""
     from .daemon import Daemon, Settings
     v = _with_config(click.get_current_context(), config)
+    pool_ports, pool_addrs = _parse_pool_ports(v["pool_ports"])
     ports = list(v["ports"])
-    ports += [p for p in v["pool_ports"] if p not in ports]
+    ports += [p for p in pool_ports if p not in ports]
     if not ports:
         raise SwitchError("no ports: give --port IF (repeatable) or a --config with 'ports'")
+    bindings = {p: (None, a) for p, a in pool_addrs.items()}
+    bindings.update(_parse_bindings(v["port_bind"], ports))
+    if v["port_security"]:
+        unbound = [p for p in pool_ports if p not in bindings]
+        if unbound:
+            raise SwitchError(f"--port-security binds pool ports before any frame is seen: give "
+                              f"the pool node's address, --pool-port {unbound[0]}=IP (or "
+                              f"--port-bind {unbound[0]}=[MAC,]IP)")
     dep = Deployment(v["chunk_size"], v["cache_entries"], obj.pin_dir)
     settings = Settings(
-        ports, list(v["pool_ports"]), v["mode"], v["coalesce"], v["pending_timeout_ms"] / 1000,
+        ports, pool_ports, v["mode"], v["coalesce"], v["pending_timeout_ms"] / 1000,
         None if v["policy"] == "off" else v["policy"], v["interval"], _parse_quotas(v["quotas"]),
         v["metrics_port"], _parse_port_ns(v["port_ns"], ports), v["fill_headroom"],
-        v["port_security"], _parse_bindings(v["port_bind"], ports), v["force"])
+        v["port_security"], bindings, v["force"])
     obj.enter()
     Daemon(dep, settings).run()
 
@@ -168,19 +184,44 @@ def _parse_port_ns(items, ports: list[str]) -> dict[str, list[int]]:
     return limits
 
 
-def _parse_bindings(items, ports: list[str]) -> dict[str, tuple[str, str]]:
-    out = {}
-    for port, spec in _port_items(items, ports, "--port-bind", "PORT=MAC,IP"):
-        mac, _, addr = spec.partition(",")
-        try:
-            if len(bytes.fromhex(mac.replace(":", ""))) != 6:
-                raise ValueError
-            ipaddress.IPv4Address(addr)
-        except ValueError:
-            raise SwitchError(f"--port-bind {port}={spec}: give a MAC and an IPv4 address, "
-                              "e.g. 02:00:00:00:00:01,198.18.0.1") from None
-        out[port] = (mac.lower(), addr)
-    return out
+def _parse_pool_ports(items) -> tuple[list[str], dict[str, str]]:
+    names, addrs = [], {}
+    for item in items:
+        port, sep, addr = item.partition("=")
+        if not port or (sep and not _is_ipv4(addr)):
+            raise SwitchError(f"--pool-port {item!r} is not IF or IF=IP (the pool node's IPv4 "
+                              "address, e.g. p1=198.18.0.101)")
+        names.append(port)
+        if sep:
+            addrs[port] = addr
+    return names, addrs
+
+
+def _is_ipv4(text: str) -> bool:
+    try:
+        ipaddress.IPv4Address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def parse_source(spec: str, what: str) -> tuple[str | None, str]:
+    """'MAC,IP' or 'IP' (MAC None: asked for by ARP) as (MAC, IP), or one clear error."""
+    mac, sep, addr = spec.rpartition(",")
+    try:
+        if sep and len(bytes.fromhex(mac.replace(":", "").replace("-", ""))) != 6:
+            raise ValueError
+        if not _is_ipv4(addr):
+            raise ValueError
+    except ValueError:
+        raise SwitchError(f"{what}: give [MAC,]IPv4, e.g. 02:00:00:00:00:01,198.18.0.1 or "
+                          "198.18.0.1") from None
+    return (mac.lower().replace("-", ":") if sep else None), addr
+
+
+def _parse_bindings(items, ports: list[str]) -> dict[str, tuple[str | None, str]]:
+    return {port: parse_source(spec, f"--port-bind {port}={spec}")
+            for port, spec in _port_items(items, ports, "--port-bind", "PORT=[MAC,]IP")}
 
 
 def _parse_quotas(items) -> dict[int, int]:
@@ -248,6 +289,68 @@ def reset(obj: Context):
     obj.enter()
     shutil.rmtree(obj.pin_dir, ignore_errors=True)
     click.echo(f"removed {obj.pin_dir}")
+
+
+# ---- port security --------------------------------------------------------------------------
+@main.group()
+def port():
+    """Port roles and bindings (port security): list, bind by hand, relearn."""
+
+
+@port.command("ls")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def port_ls(obj, as_json):
+    """Every port with its role, checks and the source it is bound to."""
+    from .ports import table
+    rows = table(obj.maps())
+    if as_json:
+        click.echo(json.dumps({"ports": rows}))
+        return
+    for r in rows:
+        bound = f"bound to {r['mac']} {r['ip']}" if r["mac"] else (
+            "not bound yet" if r["secured"] else "unsecured")
+        limit = f", namespaces {','.join(map(str, r['namespaces']))}" if r["namespaces"] else ""
+        click.echo(f"{r['port']}: {r['role']}, {bound}{limit}")
+
+
+@port.command("relearn")
+@click.argument("ifname", metavar="IF")
+@pass_ctx
+def port_relearn(obj, ifname):
+    """Unbind a secured port: it binds to the next source it sends that no other port owns."""
+    from .ports import relearn
+    before = relearn(obj.maps(), ifname)
+    was = f" (was {before[0]} {before[1]})" if before else ""
+    click.echo(f"{ifname} unbound{was}: it binds to the source of its next frame")
+
+
+@port.command("bind")
+@click.argument("ifname", metavar="IF")
+@click.argument("spec", metavar="[MAC,]IP")
+@pass_ctx
+def port_bind(obj, ifname, spec):
+    """Bind a port to a source now (without a MAC: the one answering ARP for IP on that port);
+    a port that had that MAC or address loses its binding."""
+    from .dataplane import PF
+    from .ports import claim, resolve
+    mac, addr = parse_source(spec, f"port bind {ifname} {spec}")
+    dp = obj.maps()
+    index = ifindex(ifname)
+    try:
+        cfg = dp.ports[dp.ports.Key(index)]
+    except KeyError:
+        raise SwitchError(f"port {ifname} is not a port of this switch") from None
+    mac = mac or resolve(ifname, addr)
+    lost = claim(dp, index, mac, addr)
+    ctypes.memmove(cfg.mac, bytes.fromhex(mac.replace(":", "")), 6)
+    cfg.ip = int.from_bytes(socket.inet_aton(addr), "little")
+    cfg.flags |= PF["SECURED"] | PF["BOUND"]
+    dp.ports[dp.ports.Key(index)] = cfg
+    dp.set("port_checks", 1)
+    for other in lost:
+        click.echo(f"{socket.if_indextoname(other)} lost its binding")
+    click.echo(f"{ifname} bound to {mac} {addr}")
 
 
 # ---- cache ----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from .dataplane import (MAP_NAMES, ROLE_HOST, ROLE_POOL, DataPlane, Deployment, 
                         ifindex)
 from .manager import CacheManager
 from .metrics import serve_metrics
+from .ports import resolve, sync
 
 log = logging.getLogger("switchd")
 LOCK_DIR = "/run/kvswitch"
@@ -37,7 +38,8 @@ class Settings:
     port_namespaces: dict[str, list[int]] = field(default_factory=dict)
     fill_headroom: int | None = None
     port_security: bool = False                   # every port bound to its first source
-    port_bindings: dict[str, tuple[str, str]] = field(default_factory=dict)  # port -> MAC, IP
+    # port -> (MAC, IP), bound before attaching; MAC None: asked for by ARP on that port
+    port_bindings: dict[str, tuple[str | None, str]] = field(default_factory=dict)
     force: bool = False                           # take ports that run another program
 
 
@@ -100,10 +102,13 @@ class Daemon:
 
     def _start(self, dp: DataPlane) -> CacheManager | None:
         s = self.s
+        bindings = {}
+        for port, (mac, ip) in s.port_bindings.items():   # before attaching: nothing else
+            bindings[port] = (mac or resolve(port, ip), ip)   # answers on that port
         for port in s.ports:
             dp.set_port_role(port, ROLE_POOL if port in s.pool_ports else ROLE_HOST,
-                             s.port_namespaces.get(port), s.port_security,
-                             s.port_bindings.get(port))
+                             s.port_namespaces.get(port), s.port_security, bindings.get(port))
+        sync(dp)
         dp.set_replication_ports(s.ports)
         dp.set("coalesce", int(s.coalesce))
         dp.set("pending_ns", int(s.pending_timeout * 1e9))
@@ -125,15 +130,20 @@ class Daemon:
               f"policy {s.policy or 'off'}, port security {secured}, "
               f"maps in {self.deployment.pin_dir}", flush=True)
         bound = dp.port_sources()
+        for port, (mac, ip) in sorted(bound.items()):   # after the line tools wait for
+            if port in s.ports:
+                print(f"switchd: port {port} bound to {mac} {ip}", flush=True)
         while not self.stop.wait(s.interval):
             if manager:
                 try:
                     manager.step()
                 except Exception:  # the data plane keeps serving; say so and go on
                     log.exception("policy step failed")
-            if s.port_security:
+            if s.port_security or s.port_bindings:
                 now = dp.port_sources()
                 for port, (mac, ip) in now.items():
                     if bound.get(port) != (mac, ip):
                         print(f"switchd: port {port} bound to {mac} {ip}", flush=True)
+                for port in bound.keys() - now.keys():
+                    print(f"switchd: port {port} unbound (relearn)", flush=True)
                 bound = now

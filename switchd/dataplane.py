@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import xdp
 
 from . import libbpf
 
+log = logging.getLogger("switchd")
 CONSTANTS = xdp.constants("kvswitch.h")   # the wire format's and the switch's own
 DEFAULT_PIN_DIR = "/sys/fs/bpf/kvswitch"
 MODES = ("native", "generic")             # XDP attach modes: driver (veth, NICs) or SKB
@@ -319,8 +321,8 @@ class DataPlane:
                      (PF["SECURED"] if secured or source else 0) | bound)
         if source:
             for other in ports.claim(self, index, *source):
-                print(f"switchd: {_name(other)} lost its binding: {ifname} is bound to "
-                      f"{source[0]} {source[1]}", flush=True)
+                log.warning("%s lost its binding: %s is bound to %s %s", _name(other), ifname,
+                            *source)
         elif not bound:
             ports.release(self, index)
         self.ports[key] = cfg

@@ -13,6 +13,7 @@ import time
 from .dataplane import PF, ROLE_POOL, DataPlane, SwitchError, ifindex
 
 ETH_P_ARP = 0x0806
+ETH_P_ALL = 0x0003
 ARP_TIMEOUT = 3.0          # seconds a port's node has to answer before switchd gives up
 ARP_RESEND = 0.2
 
@@ -43,9 +44,10 @@ def resolve(ifname: str, ip: str, timeout: float = ARP_TIMEOUT) -> str:
     the node's neighbour table is left alone) sent out of that port alone, its answer read on
     that port alone, so no other port's node can answer in its place."""
     ifindex(ifname)
-    sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ARP))
+    # every protocol: a bridge port's handler takes frames before protocol-bound taps see them
+    sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
     try:
-        sock.bind((ifname, ETH_P_ARP))
+        sock.bind((ifname, ETH_P_ALL))
         own = sock.getsockname()[4][:6]
         target = socket.inet_aton(ip)
         probe = (b"\xff" * 6 + own + struct.pack("!H", ETH_P_ARP) +
@@ -59,7 +61,7 @@ def resolve(ifname: str, ip: str, timeout: float = ARP_TIMEOUT) -> str:
             ready, _, _ = select.select([sock], [], [], min(next_send, end) - now)
             if not ready:
                 continue
-            frame = sock.recv(128)
+            frame = sock.recv(2048)
             if len(frame) < 42 or frame[12:14] != b"\x08\x06":
                 continue
             op = struct.unpack("!H", frame[20:22])[0]

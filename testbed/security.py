@@ -1,9 +1,12 @@
 """What a tenant can try from its own port, crafted frame by frame with scapy inside a testbed node
 (these functions run as tasks, testbed.lab.tasks): KV requests for another tenant's namespace in
 wrappings a parser may decline (IP options, IP fragments, an 802.1Q priority tag), frames with
-another host's source (to move the bridge's forwarding entry and capture its replies), and GETs
-that open rounds toward an address nobody answers (to stall another host's fetch). Each returns
-what came back, so a test can require that nothing did."""
+another node's source, a pool node's included (to move the bridge's forwarding entry or bind its
+port to that identity and capture its traffic), forged replies sprayed at another host, GETs
+that open rounds toward an address nobody answers, and GETs the pool cannot answer (a checksum
+its kernel drops, UDP source port 0) sent over and over to keep rounds open (to stall another
+host's fetch). Each returns what came back or what it did, so a test can require that nothing
+got through; `sniff_marked` counts on the victim what reached it."""
 from __future__ import annotations
 
 import socket
@@ -81,8 +84,10 @@ def foreign_requests(kind: str, op: str, pool_ip: str, pool_mac: str, ns: int, k
 
 
 def impersonate(victim_mac: str, victim_ip: str, seconds: float, period: float = 0.005) -> dict:
-    """Task: keep sending frames with the victim's source (ARP replies and UDP) so that a bridge
-    learns the victim's MAC on this port; count the frames for the victim that arrive here."""
+    """Task: keep sending frames with the victim's source (ARP replies and UDP; the first frame
+    this port sends is the ARP reply) so that a switch binds this port to the victim's identity,
+    or a bridge learns the victim's MAC here; count the frames for the victim that arrive here
+    (``captured_kv``: KV frames to or from the KV port: a host's replies, a pool's GETs)."""
     from scapy.layers.inet import IP, UDP
     from scapy.layers.l2 import ARP, Ether
     from scapy.sendrecv import AsyncSniffer, sendp
@@ -101,7 +106,8 @@ def impersonate(victim_mac: str, victim_ip: str, seconds: float, period: float =
         time.sleep(period)
     time.sleep(0.3)
     captured = sniffer.stop() or []
-    kv = sum(1 for p in captured if p.haslayer("UDP") and p["UDP"].sport == PORT)
+    kv = sum(1 for p in captured if p.haslayer("UDP") and PORT in (p["UDP"].sport,
+                                                                  p["UDP"].dport))
     return {"sent": sent, "captured": len(captured), "captured_kv": kv}
 
 
@@ -125,3 +131,84 @@ def stall_rounds(ip: str, mac: str, ns: int, key_hex: str, chunks: int, room: in
         time.sleep(period)
     sock.close()
     return {"rounds": rounds, "frames": rounds * len(raw)}
+
+
+MARKER = b"FORGED-BY-A-TENANT"
+
+
+def forge_replies(dst_ip: str, dst_mac: str, ns: int, key_hex: str, chunks: int, rounds: int,
+                  source: tuple[str, str] | None = None, ports: tuple[int, int] = (32768, 61000)
+                  ) -> dict:
+    """Task: GET_REPLY frames for chunks 0..chunks-1 of a block, each a payload with a right
+    CRC that starts with MARKER, from this node's source or ``source`` (MAC, IP: the pool's),
+    sprayed at ``dst_ip`` over a range of UDP ports (the fetcher's is unknown), ``rounds``
+    passes; what a reader accepting them would store as chunks of the block."""
+    my_mac, me = _node()
+    src_mac, src_ip = source or (my_mac, me)
+    key = bytes.fromhex(key_hex)
+    lo, hi = ports
+    step = max(1, (hi - lo) // 64)
+    from kvproto.frames import ipv4_frame
+    raw = []
+    for chunk in range(chunks):
+        payload = MARKER + bytes(1024 - len(MARKER))
+        msg = Message(Op.GET_REPLY, ns, key, chunk, chunks, req_id=chunk, payload=payload)
+        for dport in range(lo, hi, step):
+            raw.append(ipv4_frame(src_mac, dst_mac, src_ip, dst_ip, PORT, dport, msg.encode()))
+    sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    sock.bind(("eth0", 0))
+    for _ in range(rounds):
+        for frame in raw:
+            sock.send(frame)
+    sock.close()
+    return {"sent": rounds * len(raw)}
+
+
+def sniff_marked(seconds: float) -> dict:
+    """Task: the KV replies carrying MARKER that reach this node's eth0 within ``seconds``
+    (seen by a packet tap, behind the node's own XDP program)."""
+    sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+    sock.bind(("eth0", 0))
+    frames, end = 0, time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            data = sock.recv(65536)
+        except socket.timeout:
+            break
+        if MARKER in data:
+            frames += 1
+    sock.close()
+    return {"marked": frames}
+
+
+def unanswerable_gets(pool_ip: str, pool_mac: str, ns: int, key_hex: str, chunks: int,
+                      how: str, seconds: float, period: float = 0.001) -> dict:
+    """Task (issue 26's stall): GETs with room 0 for every chunk of a block, every ``period``
+    seconds, that the pool cannot answer: ``how`` "csum" (the UDP checksum is the bare
+    pseudo-header sum: the pool's XDP and the switch used to take it, its kernel drops it) or
+    "port0" (UDP source port 0: the pool's reply cannot be sent)."""
+    from kvproto.frames import ip_checksum, ipv4_frame
+    my_mac, me = _node()
+    key = bytes.fromhex(key_hex)
+    raw = []
+    for chunk in range(chunks):
+        msg = Message(Op.GET, ns, key, chunk, req_id=chunk, room=0).encode()
+        frame = bytearray(ipv4_frame(my_mac, pool_mac, me, pool_ip,
+                                     0 if how == "port0" else 40405, PORT, msg))
+        if how == "csum":
+            pseudo = bytes(frame[26:34]) + b"\0\x11" + bytes(frame[38:40])
+            frame[40:42] = (~ip_checksum(pseudo) & 0xFFFF).to_bytes(2, "big")
+        elif how != "port0":
+            raise ValueError(how)
+        raw.append(bytes(frame))
+    sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    sock.bind(("eth0", 0))
+    end, passes = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        for frame in raw:
+            sock.send(frame)
+        passes += 1
+        time.sleep(period)
+    sock.close()
+    return {"passes": passes, "frames": passes * len(raw)}
