@@ -14,7 +14,7 @@ from switchd.dataplane import MAX_CHUNK
 from switchd.policy import POLICIES
 
 from .bench.compress import command as compress_command
-from .demos.inference import BLOCK_TOKENS, MODELS as DEMO_MODELS
+from .demos.inference import BLOCK_TOKENS, MODEL_CHOICES as DEMO_MODELS
 from .demos.vllm import MODELS_DIR as DEMO_MODEL_DIR
 from .lab.topology import TestbedError, Topology, down, namespaces_of
 from .options import (capacity_value, link_options, link_spec, cluster_options, cpu_list, fail_unless, float_list,
@@ -85,8 +85,9 @@ def demo(chunks, store):
 
 
 @main.command("demo-inference")
-@click.option("--sizes", default="1024,4096,16384", show_default=True, callback=int_list,
-              help="Shared-prompt sizes in tokens (multiples of --block-tokens).")
+@click.option("--sizes", default=None, callback=lambda c, p, v: v and int_list(c, p, v),
+              help="Shared-prompt sizes in tokens (multiples of --block-tokens) [default: "
+                   "1024,4096 for smollm2, 1024,4096,16384 for the others].")
 @click.option("--chunk-size", type=click.IntRange(64, MAX_CHUNK), default=3072, show_default=True)
 @click.option("--concurrency", type=click.IntRange(1, 64), default=4, show_default=True,
               help="Blocks fetched or put at once per node.")
@@ -94,23 +95,33 @@ def demo(chunks, store):
               help="Chunks in flight per block.")
 @click.option("--new-tokens", type=click.IntRange(1, 1024), default=16, show_default=True,
               help="Greedy tokens generated and compared per prompt.")
-@click.option("--model", type=click.Choice(sorted(DEMO_MODELS)), default="llama3-mini",
-              show_default=True)
+@click.option("--model", type=click.Choice(DEMO_MODELS), default="smollm2",
+              show_default=True, help="smollm2: the real SmolLM2-135M-Instruct on real text; "
+                                      "the others: seeded-random weights.")
+@click.option("--kv-codecs", default="none,int8,int4", show_default=True,
+              help="KV codecs whose blocks also move (none is always run and must be exact).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="float32",
               show_default=True)
 @click.option("--block-tokens", type=click.IntRange(16, 4096), default=BLOCK_TOKENS,
               show_default=True, help="Tokens per KV block (also the prefill chunk).")
 @click.option("--name", default="inf", show_default=True, help="Testbed prefix.")
 @json_opt()
-def demo_inference(sizes, chunk_size, concurrency, window, new_tokens, model, dtype,
-                   block_tokens, name, json_path):
-    """Prefix KV of a real (seeded-random) transformer through the switch: TTFT vs recompute."""
+def demo_inference(sizes, chunk_size, concurrency, window, new_tokens, model, kv_codecs,
+                   dtype, block_tokens, name, json_path):
+    """Prefix KV of a transformer through the switch: TTFT vs recompute, per KV codec."""
+    from hostagent.codec import UnknownCodec, parse
     from .demos.inference import run_inference_demo
+    codecs = [c.strip() for c in kv_codecs.split(",") if c.strip()]
+    try:
+        [parse(c) for c in codecs]
+    except UnknownCodec as exc:
+        raise click.BadParameter(str(exc), param_hint="--kv-codecs") from None
+    sizes = sizes or ([1024, 4096] if model == "smollm2" else [1024, 4096, 16384])
     if any(s % block_tokens for s in sizes):
         raise click.BadParameter(f"must be multiples of --block-tokens ({block_tokens})",
                                  param_hint="--sizes")
     fail_unless(run_inference_demo(sizes, chunk_size, window, concurrency, new_tokens, model,
-                                    dtype, block_tokens, name, json_path))
+                                    dtype, block_tokens, name, json_path, codecs=codecs))
 
 
 @main.command("demo-vllm")
