@@ -76,6 +76,8 @@ bench:
 	  --plot bench/results/incast-mooncake.png
 	$(VENV)/bin/testbed bench loss --json bench/results/loss.json
 	$(VENV)/bin/testbed bench fetch --json bench/results/fetch.json
+	OMP_NUM_THREADS=1 $(VENV)/bin/testbed bench compress --trace $(TRACE) \
+	  --json bench/results/compress.json --plot bench/results/compress.png
 	$(VENV)/bin/testbed policy-eval --trace $(TRACE) \
 	  --capacity 0.02 --json bench/results/policy-0.02.json
 	$(VENV)/bin/testbed policy-eval --trace $(TRACE) \
