@@ -16,6 +16,7 @@ from switchd.policy import POLICIES
 from .bench.compress import command as compress_command
 from .demos.inference import BLOCK_TOKENS, MODEL_CHOICES as DEMO_MODELS
 from .demos.vllm import MODELS_DIR as DEMO_MODEL_DIR
+from .sim.config import MODELS as SIM_MODELS
 from .lab.topology import TestbedError, Topology, down, namespaces_of
 from .options import (capacity_value, link_options, link_spec, cluster_options, cpu_list, fail_unless, float_list,
                       int_list, json_opt, numbers, percent_list, policy_list, sim_errors,
@@ -138,8 +139,13 @@ def demo_inference(sizes, chunk_size, concurrency, window, new_tokens, model, kv
 @click.option("--block-tokens", type=click.IntRange(16, 4096), default=128, show_default=True,
               help="vLLM's block size, also one KV block of the switch.")
 @click.option("--model", default="small-llama", show_default=True,
-              type=click.Choice(sorted(p.name for p in DEMO_MODEL_DIR.iterdir() if p.is_dir())),
-              help="A model config shipped in testbed/demos/models.")
+              type=click.Choice(["smollm2"] + sorted(p.name for p in DEMO_MODEL_DIR.iterdir()
+                                                     if p.is_dir())),
+              help="smollm2: the real SmolLM2-135M-Instruct on real text (make setup); the "
+                   "others: a model config shipped in testbed/demos/models, seeded weights.")
+@click.option("--kv-codec", default="none", show_default=True,
+              help="The connectors' KV codec (none, int8, fp8, int4): other than none, greedy "
+                   "agreement with recompute is reported instead of required identity.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Also run an engine without the connector (the token-identity reference).")
 @click.option("--negative/--no-negative", default=True, show_default=True,
@@ -149,13 +155,18 @@ def demo_inference(sizes, chunk_size, concurrency, window, new_tokens, model, kv
 @click.option("--name", default="vl", show_default=True, help="Testbed prefix.")
 @json_opt()
 def demo_vllm(shared, question, new_tokens, ttft_reps, chunk_size, window, concurrency,
-              block_tokens, model, baseline, negative, must_win, name, json_path):
+              block_tokens, model, kv_codec, baseline, negative, must_win, name, json_path):
     """Two vLLM engines share prefix KV through the switch (the kvswitch KV connector)."""
+    from hostagent.codec import UnknownCodec, parse
     from .demos.vllm import run_vllm_demo
+    try:
+        parse(kv_codec)
+    except UnknownCodec as exc:
+        raise click.BadParameter(str(exc), param_hint="--kv-codec") from None
     try:
         ok = run_vllm_demo(shared, question, new_tokens, ttft_reps, chunk_size, window,
                            concurrency, block_tokens, model, baseline, negative, must_win, name,
-                           json_path)
+                           json_path, kv_codec)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     fail_unless(ok)
@@ -234,22 +245,60 @@ def throughput(chunk_sizes, seconds, windows, cores, rate, keys, hit_ratios, swe
 @click.option("--reps", type=click.IntRange(1, 50), default=3, show_default=True,
               help="Repetitions per reader count and mode.")
 @click.option("--chunk-size", type=click.IntRange(64, MAX_CHUNK), default=3072, show_default=True)
-@click.option("--pool-link-mbit", type=click.FloatRange(min=0), default=0, show_default=True,
-              help="Shape the pool node's link to this rate (0: an unshaped veth).")
 @click.option("--store", type=click.Choice(["memory", "mooncake"]), default="memory",
               show_default=True, help="The pool node's store (mooncake: the benchmark runs a "
                                       "Mooncake master).")
+@link_options
 @json_opt("bench/results/incast.json")
 @click.option("--plot", "plot_path", default="bench/results/incast.png", show_default=True)
-def incast(readers, block_mib, reps, chunk_size, pool_link_mbit, store, json_path, plot_path):
+def incast(readers, block_mib, reps, chunk_size, store, link_gbit, pool_link_gbit,
+           link_delay_us, json_path, plot_path):
     """N readers fetch one block at once: plain bridge vs the switch."""
     from .bench.incast import run_incast
     if readers[-1] > 99:
         raise click.BadParameter("at most 99 readers", param_hint="--readers")
+    spec = link_spec(link_gbit, pool_link_gbit, link_delay_us)
     out = run_incast(readers, block_mib, reps, json_path, plot_path, chunk_size,
-                     pool_link_mbit or None, store)
+                     spec and spec.host_gbit, spec and spec.pool_gbit, store,
+                     spec.delay_us if spec else 0.0)
     click.echo(json.dumps(out["summary"], indent=2))
     click.echo(f"wrote {json_path} and {plot_path}")
+
+
+@bench.command()
+@click.option("--nodes", type=int, default=8, show_default=True, help="Inference nodes.")
+@click.option("--pools", type=int, default=2, show_default=True, help="Pool nodes.")
+@click.option("--store", type=click.Choice(["memory", "mooncake"]), default="memory",
+              show_default=True)
+@click.option("--link-gbit", type=float, default=0.025, show_default=True,
+              help="Rate of every link (inference and pool nodes), both directions; blocks "
+                   "scale with it (64 MiB at 100 Gbit/s).")
+@click.option("--workloads", default="trace,burst,zipf", show_default=True,
+              help="Comma list of trace, burst, zipf.")
+@click.option("--modes", default="bridge,switch,replicas", show_default=True,
+              help="Comma list of bridge, switch, replicas.")
+@click.option("--model", type=click.Choice(sorted(SIM_MODELS)), default="llama3-8b",
+              show_default=True, help="The cluster model's preset whose prefill speed is used.")
+@click.option("--trace", "trace_path", default="../shared/traces/mooncake_synthetic_trace.jsonl",
+              show_default=True, help="Mooncake-format trace of the trace workload.")
+@click.option("--trace-requests", type=click.IntRange(1), default=96, show_default=True)
+@click.option("--scale", type=click.FloatRange(0.05, 4), default=1.0, show_default=True,
+              help="Shrink (or grow) every workload: <1 for a quick run.")
+@json_opt("bench/results/serve.json")
+@click.option("--plot", "plot_path", help="PNG path (default: the JSON path with .png).")
+def serve(nodes, pools, store, link_gbit, workloads, modes, model, trace_path, trace_requests,
+          scale, json_path, plot_path):
+    """Serving loops on N nodes over shaped links: TTFT, pool egress; bridge, switch, replicas."""
+    from .bench.serve import run_serve
+    plot_path = plot_path or (json_path and str(Path(json_path).with_suffix(".png")))
+    out = run_serve(nodes, pools, store, link_gbit,
+                    [w.strip() for w in workloads.split(",") if w.strip()],
+                    [m.strip() for m in modes.split(",") if m.strip()], model, trace_path,
+                    trace_requests, scale, json_path, plot_path, log=click.echo)
+    click.echo(json.dumps(out["summary"], indent=2))
+    if json_path:
+        click.echo(f"wrote {json_path}" + (f" and {plot_path}" if plot_path else ""))
+    fail_unless(out["summary"]["all_byte_exact"])
 
 
 @bench.command()
@@ -280,6 +329,25 @@ def fetch(chunk_sizes, sizes_mib, rounds, mooncake, json_path, plot_path):
                     plot_path=plot_path, log=click.echo)
     click.echo(json.dumps(out["targets"], indent=2))
     click.echo(f"wrote {json_path} and {plot_path}")
+
+
+@bench.command()
+@click.option("--prompts", type=click.IntRange(1, 1000), default=50, show_default=True)
+@click.option("--pool", type=click.IntRange(1, 1000), default=32, show_default=True,
+              help="Passages in the pool (Debian license texts cut into 256-512 tokens).")
+@click.option("--ratios", default="5,10,15,20,30", show_default=True, callback=percent_list,
+              help="Recompute percentages of the blend modes.")
+@click.option("--store", type=click.Choice(["testbed", "local"]), default="testbed",
+              show_default=True, help="local: an in-process store instead of the switch/pool.")
+@json_opt("bench/results/blend.json")
+@click.option("--plot", "plot_path", help="PNG path (default: the JSON path with .png).")
+def blend(prompts, pool, ratios, store, json_path, plot_path):
+    """CacheBlend: RAG passages' KV reused at any position (SmolLM2-135M, issue #31)."""
+    from .bench.blend import run_blend
+    plot_path = plot_path or str(Path(json_path).with_suffix(".png"))
+    out = run_blend(prompts, pool, ratios=[r / 100 for r in ratios], store=store,
+                    json_path=json_path, plot_path=plot_path, log=click.echo)
+    click.echo(json.dumps(out["results"], indent=1))
 
 
 @main.command()

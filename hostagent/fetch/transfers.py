@@ -11,7 +11,9 @@ replies) with a round trip under ``SYNC_RTT`` (its replies come back within the 
 that sent the GET: no link queue in between) when its call has ended and nothing came back for
 ``tail_wait`` or eight gaps between deliveries at the measured rate (first asks only); and always when nothing came back for the retransmission
 timeout (RFC 6298 per transfer, following the measured round trip as a link's queue grows, at
-least ``DRAIN_GAIN`` x the time the chunks in flight take at the measured delivery rate,
+least ``DRAIN_GAIN`` x the time the route's chunks in flight (every transfer's: they share the
+link's queue) take at the measured delivery rate; before a transfer's first reply at least
+``INITIAL_RTO``, or ``ACTIVE_FIRST_RTO`` while the route is delivering,
 restarted by every delivery, backing off per try; the oldest ``TIMEOUT_BATCH`` chunks per scan). Before a retransmission the candidates' slot
 words are read again: arrived but not yet verified is not lost.
 
@@ -38,6 +40,7 @@ from .program import GEN_MASK, SENDQ
 
 
 INITIAL_RTO = 0.2                       # seconds, before a round trip was measured
+ACTIVE_FIRST_RTO = 0.05                 # seconds, the same while the route delivers
 INITIAL_WINDOW = 64                     # chunks in flight per pool node before any reply
 SYNC_RTT = 0.002                        # seconds: a switch answering within the sending call
 BDP_GAIN, BDP_HEADROOM = 2.0, 64        # window <= gain x delivery rate x min RTT + headroom
@@ -82,10 +85,15 @@ class Route:
         self.last_switched = False
         self.min_rtt = 1.0                 # least round trip (drifting up slowly), seconds
         self.bw = 0.0                      # delivery rate, chunks/s (max filter, decaying)
+        self.inflight = 0                  # chunks asked for and not verified, all transfers
         self._acc, self._t0 = 0, time.monotonic()
 
     def rtt_sample(self, rtt: float) -> None:
         self.min_rtt = min(rtt, self.min_rtt + (rtt - self.min_rtt) / 1024)
+
+    def delivering(self) -> bool:
+        """Whether chunks came back on this route within the last 50 ms."""
+        return self.bw > 0 and time.monotonic() - self._t0 < 0.05
 
     def window(self) -> int:
         """Chunks this route may have in flight: the congestion window, held to the measured
@@ -178,13 +186,15 @@ def _timers(t: Transfer) -> tuple[bool, float]:
     rule, and a timeout of at least the initial one."""
     rto = t.rtt.rto
     if t.route.bw > 0:                  # what is in flight takes this long at the measured rate
-        rto = max(rto, DRAIN_GAIN * t.inflight / t.route.bw)
+        rto = max(rto, DRAIN_GAIN * max(t.inflight, t.route.inflight) / t.route.bw)
     if t.seen_received:
         # answers within the call: a short round trip, and a measured delivery rate (its gaps
         # set the tail rule's wait, see _tail_wait); else a link queue is in between
         sync = t.rtt.srtt is not None and t.rtt.srtt < SYNC_RTT and t.route.bw > 0
         return t.switched and sync, rto
-    return False, max(rto, INITIAL_RTO)
+    # before a reply: the initial timeout, or a shorter one while the route delivers (its pool
+    # node is answering; a GET the switch held and dropped is not waited for 200 ms)
+    return False, max(rto, ACTIVE_FIRST_RTO if t.route.delivering() else INITIAL_RTO)
 
 
 def _tail_wait(t: Transfer, tail_wait: float) -> float:
@@ -246,6 +256,8 @@ def fill(active: list[Transfer], ring, meta: np.ndarray, now: float, burst: int,
     inflight: dict[int, int] = {}
     for t in active:
         inflight[t.route.index] = inflight.get(t.route.index, 0) + t.inflight
+    for t in active:                    # what the route has in flight sets every timeout
+        t.route.inflight = inflight[t.route.index]
     queued = 0
     for t in active:
         if budget <= 0:

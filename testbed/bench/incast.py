@@ -14,8 +14,11 @@ each reader's own clock from the common start instant to its last byte; every bl
 byte for byte. Writes JSON and a plot.
 
 On one box every reader shares the same two cores, which real inference nodes do not. By default
-the pool link is an unshaped veth; with ``pool_link_mbit`` the pool node's link is shaped (tc tbf, queueing rather than dropping) so that,
-as in a cluster, the pool's link and not the readers' CPU is the shared bottleneck.
+links are unshaped veths; with ``link_gbit`` (every node's link) or ``pool_link_gbit`` (the pool
+node's) each link queues at that rate both ways whatever sent the frame (testbed.lab.links), so
+that, as in a cluster, links and not the readers' CPU are the bottleneck. A shaped run also
+measures the box's unshaped aggregate (the most readers through the switch, unshaped links), so
+a reader of the result can see which bound held.
 """
 from __future__ import annotations
 
@@ -57,18 +60,44 @@ def _measure(lab: Lab, readers: int, key: bytes, block: bytes, reps: int,
 
 
 def run_incast(readers: list[int], block_mib: float, reps: int, json_path: str | None,
-               plot_path: str | None, chunk_size: int = 1024, pool_link_mbit: float | None = None,
-               store: str = "memory", log=print) -> dict:
+               plot_path: str | None, chunk_size: int = 1024, link_gbit: float | None = None,
+               pool_link_gbit: float | None = None, store: str = "memory",
+               link_delay_us: float = 0.0, log=print) -> dict:
     block = os.urandom(int(block_mib * (1 << 20)))
     key = os.urandom(16)
+    shaped = link_gbit is not None or pool_link_gbit is not None
+    results = _run_modes(readers, block, key, reps, chunk_size, (link_gbit, pool_link_gbit,
+                         link_delay_us), store, ("baseline", "switch"), log)
+    unshaped = None
+    if shaped:          # the box's own bound: the same fetch through the switch, no shaping
+        row = _run_modes([max(readers)], block, key, 1, chunk_size, (None, None, 0.0), store,
+                         ("switch",), log)[0]
+        unshaped = {"readers": row["readers"], "completion_s_p50": row["completion_s_p50"],
+                    "aggregate_gbit": round(8 * row["readers"] * len(block) /
+                                            row["completion_s_p99"] / 1e9, 3)}
+    nchunks = -(-len(block) // chunk_size)
+    for r in results:
+        r["retransmit_ratio"] = round(r["retransmits"] / (r["readers"] * nchunks *
+                                                         r["repetitions"]), 5)
+    out = {"block_bytes": len(block), "chunk_bytes": chunk_size, "link_gbit": link_gbit,
+           "pool_link_gbit": pool_link_gbit, "link_delay_us": link_delay_us, "store": store, "cpus": os.cpu_count(),
+           "results": results, "unshaped_switch": unshaped,
+           "summary": _summary(results, len(block))}
+    write_json(json_path, out)
+    if plot_path:
+        plot_incast(out, plot_path)
+    return out
+
+
+def _run_modes(readers, block, key, reps, chunk_size, links, store, modes, log) -> list[dict]:
     results = []
+    link_gbit, pool_link_gbit, link_delay_us = links
     with Lab("inc", hosts=max(readers), pools=1, chunk_size=chunk_size, switch=False,
-             pool_capacity="1GiB", store=store, cache_entries=max(65536, 2 * len(block) // chunk_size)) as lab:
+             pool_capacity="1GiB", store=store, link_gbit=link_gbit,
+             pool_link_gbit=pool_link_gbit, link_delay_us=link_delay_us,
+             cache_entries=max(65536, 2 * len(block) // chunk_size)) as lab:
         lab.put("h1", NS, key, block)
-        if pool_link_mbit:
-            lab.topo.run("p1", ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate",
-                                f"{pool_link_mbit}mbit", "burst", "64kb", "latency", "2s"])
-        for mode in ("baseline", "switch"):
+        for mode in modes:
             if mode == "switch":
                 lab.start_switch()
                 lab.switchd("cache", "admit", "--ns", str(NS), "--key", key.hex())
@@ -80,19 +109,14 @@ def run_incast(readers: list[int], block_mib: float, reps: int, json_path: str |
 
             for n in readers:
                 t0 = time.monotonic()
-                row = {"mode": mode, **_measure(lab, n, key, block, reps, cold)}
+                row = {"mode": mode, "shaped": link_gbit is not None or
+                       pool_link_gbit is not None, **_measure(lab, n, key, block, reps, cold)}
                 results.append(row)
                 log(f"{mode:8} readers={n:2} pool egress {row['pool_egress_bytes'] / len(block):5.2f}"
                     f" x block, completion p50 {row['completion_s_p50']:.3f}s "
                     f"p99 {row['completion_s_p99']:.3f}s, retransmits {row['retransmits']}, "
                     f"byte-exact {row['byte_exact']} ({time.monotonic() - t0:.0f}s)")
-    out = {"block_bytes": len(block), "chunk_bytes": chunk_size,
-           "pool_link_mbit": pool_link_mbit, "store": store, "cpus": os.cpu_count(), "results": results,
-           "summary": _summary(results, len(block))}
-    write_json(json_path, out)
-    if plot_path:
-        plot_incast(out, plot_path)
-    return out
+    return results
 
 
 def _summary(results: list[dict], block: int) -> dict:
@@ -107,6 +131,7 @@ def _summary(results: list[dict], block: int) -> dict:
             f"completion_p50_ratio_{hi}_vs_{lo}": round(
                 by[(mode, hi)]["completion_s_p50"] / by[(mode, lo)]["completion_s_p50"], 3),
             "all_byte_exact": all(by[(mode, n)]["byte_exact"] for n in ns),
+            "max_retransmit_ratio": max(by[(mode, n)]["retransmit_ratio"] for n in ns),
         }
     return s
 
@@ -126,7 +151,9 @@ def plot_incast(out: dict, path: str) -> None:
                  label=f"{mode} p99")
     ax1.set(xlabel="readers asking at once", ylabel="pool node egress / block size",
             title="Bytes the pool node sends", xscale="log", xticks=n, xticklabels=n)
-    link = f", pool link {out['pool_link_mbit']:g} Mbit/s" if out.get("pool_link_mbit") else ""
+    link = (f", links {out['link_gbit'] * 1000:g} Mbit/s" if out.get("link_gbit") else
+            f", pool link {out['pool_link_gbit'] * 1000:g} Mbit/s"
+            if out.get("pool_link_gbit") else "")
     link += f", {out.get('store', 'memory')} store"
     ax2.set(xlabel="readers asking at once", ylabel="seconds", xscale="log", xticks=n,
             xticklabels=n, title=f"Completion, {block / (1 << 20):g} MiB block{link}")

@@ -8,7 +8,8 @@ interface that sends them; in the link namespace they arrive as skbs (an XDP_PAS
 each end accepts them, see ../shared/STACK-NOTES.md) and the bridge's egress queues them.
 
 tbf queues rather than polices: a frame waits while the link is busy, up to ``buffer_ms`` of
-queue (then it is dropped, as a switch port with that much buffer would). The optional one-way
+queue or ``MIN_BUFFER`` bytes, whichever is more (then it is dropped, as a switch port with that
+much buffer would). The optional one-way
 delay needs the netem qdisc (a child of tbf); this machine's kernel has no netem, so asking for a
 delay here fails with one line.
 """
@@ -58,14 +59,18 @@ def link_netns(prefix: str, node: str) -> str:
     return f"{prefix}-l{node}"
 
 
+MIN_BUFFER = 512 << 10          # bytes of queue a link holds at least (a switch port's)
+
+
 def tbf_args(gbit: float, mtu: int, buffer_ms: float) -> list[str]:
     """tbf's rate, bucket and queue for a link of ``gbit``: a bucket of two frames or 0.5 ms of
     the rate (whichever is larger: tight enough that a 4 MiB transfer sees the rate within
-    1 %), ``buffer_ms`` of queue."""
+    1 %), a queue of ``buffer_ms`` at the rate but at least ``MIN_BUFFER`` bytes (at tens of
+    Mbit/s, 50 ms would hold only a few dozen frames)."""
     rate_bps = gbit * 1e9
     burst = max(2 * (mtu + 14), int(rate_bps / 8 * 0.0005))
-    return ["tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst),
-            "latency", f"{int(buffer_ms * 1000)}us"]
+    limit = max(MIN_BUFFER, int(rate_bps / 8 * buffer_ms / 1000)) + burst
+    return ["tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "limit", str(limit)]
 
 
 def build_link(topo, node, gbit: float, spec: LinkSpec, pass_fn, ip, quiet) -> None:

@@ -1,0 +1,122 @@
+"""One inference node's serving loop in `testbed bench serve` (run inside the node's namespace
+as a testbed.lab task): requests in arrival order, one at a time (one GPU), each one:
+
+  1. wait for its arrival (queueing: from arrival to the start of its turn);
+  2. look its prefix blocks up and fetch them with the XDP fetch engine, all at once (each
+     block's chunk 0 first: a block the pool does not hold costs one GET, NOT_FOUND); the longest run of fetched blocks from the
+     first one is the cached prefix; every fetched block is checked against its content;
+  3. model the prefill of the remaining tokens with the preset's prefill speed (a sleep: the
+     node is busy, as its GPU would be);
+  4. write the blocks it computed through to the pool (a background writer, as a serving
+     engine's offload does; it shares the node's link).
+
+TTFT = queueing + fetch + modelled prefill. With ``spread`` (the replicas mode) every pool node
+holds every block and each block is read from a pool node chosen at random.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+import threading
+import time
+
+from hostagent.client import KVClient
+from hostagent.fetch.engine import FetchEngine
+
+from .serve_workloads import payload
+
+BLOCK_TOKENS = 512
+
+
+class SpreadEngine(FetchEngine):
+    """Reads spread over the pool nodes (each holds every block) instead of the owner."""
+
+    def _route(self, ns: int, key: bytes):
+        return self._routes[random.choice(self.pools)]
+
+
+class Writer:
+    """Puts computed blocks to the pool (every pool node with ``replicas``) in a thread."""
+
+    def __init__(self, pools: list[str], chunk_size: int, ns: int, block_bytes: int,
+                 replicas: bool):
+        self.q: queue.Queue = queue.Queue()
+        self.pools, self.cs, self.ns, self.size = pools, chunk_size, ns, block_bytes
+        self.replicas, self.errors, self.written = replicas, 0, 0
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self.thread.start()
+
+    async def _run(self) -> None:
+        groups = [[p] for p in self.pools] if self.replicas else [self.pools]
+        clients = [KVClient(g, self.cs, 64, 30.0) for g in groups]
+        for c in clients:
+            await c.__aenter__()
+        try:
+            while (keys := await asyncio.to_thread(self.q.get)) is not None:
+                for key in keys:
+                    data = payload(key, self.size)
+                    for c in clients:
+                        try:
+                            await c.put_block(self.ns, key, data)
+                            self.written += 1
+                        except Exception:   # noqa: BLE001 - counted, the run goes on
+                            self.errors += 1
+        finally:
+            for c in clients:
+                await c.__aexit__(None, None, None)
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join(120)
+
+
+def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests: list[dict],
+          start_at: float, prefill_tok_s: float, spread: bool, write: bool = True) -> dict:
+    cls = SpreadEngine if spread else FetchEngine
+    out = {"ttft": [], "queue": [], "fetch": [], "prefill": [], "cached_blocks": 0,
+           "blocks": 0, "chunks": 0, "from_switch": 0, "replicas": 0, "from_pool": 0,
+           "retransmits": 0, "byte_exact": True, "fetch_errors": 0}
+    writer = Writer(pools, chunk_size, ns, block_bytes, spread) if write else None
+    with cls(pools, chunk_size) as eng:
+        time.sleep(max(0.0, start_at - time.time()))
+        t0 = time.monotonic()
+        for req in requests:
+            arrival = t0 + req["at"]
+            time.sleep(max(0.0, arrival - time.monotonic()))
+            start = time.monotonic()
+            keys = [bytes.fromhex(k) for k in req["keys"]]
+            # a lookup first (chunk 0 of each block: NOT_FOUND costs one GET), then the rest
+            got = eng.get_blocks([(ns, k, None) for k in keys], return_exceptions=True)
+            cached = 0
+            for k, b in zip(keys, got):
+                if isinstance(b, BaseException):
+                    out["fetch_errors"] += type(b).__name__ != "BlockNotFound"
+                    continue
+                s = b.stats
+                out["chunks"] += s.chunks
+                out["from_switch"] += s.from_switch
+                out["replicas"] += s.replicas
+                out["from_pool"] += s.from_pool
+                out["retransmits"] += s.retransmits
+                out["byte_exact"] &= b.tobytes() == payload(k, block_bytes)
+                b.release()
+            for b in got:
+                if isinstance(b, BaseException):
+                    break
+                cached += 1
+            fetched = time.monotonic()
+            compute = max(0, req["tokens"] - cached * BLOCK_TOKENS) / prefill_tok_s
+            time.sleep(compute)
+            out["queue"].append(start - arrival)
+            out["fetch"].append(fetched - start)
+            out["prefill"].append(compute)
+            out["ttft"].append(time.monotonic() - arrival)
+            out["cached_blocks"] += cached
+            out["blocks"] += len(keys)
+            if writer is not None and cached < len(keys):
+                writer.q.put(keys[cached:])
+    if writer is not None:
+        writer.close()
+        out["written"], out["write_errors"] = writer.written, writer.errors
+    return out
