@@ -48,73 +48,83 @@ def windows(tok, need: int, count: int) -> list[tuple[str, list[int]]]:
     return out
 
 
-def _nll(model, cache, tokens) -> tuple[float, int]:
-    """Summed negative log-likelihood of tokens[1:] given the cache and tokens[:-1]."""
+def _batch_cache(caches, config):
+    """One DynamicCache of batch ``len(caches)`` stacking batch-1 caches (same length)."""
     import torch
-    with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([tokens[:-1]]), past_key_values=cache,
-                       use_cache=True).logits[0]
-        lp = torch.log_softmax(logits.float(), -1)
-        return float(-lp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].sum()), \
-            len(tokens) - 1
+    from transformers import DynamicCache
+    return DynamicCache([(torch.cat([c.layers[i].keys for c in caches]),
+                          torch.cat([c.layers[i].values for c in caches]))
+                         for i in range(len(caches[0].layers))], config=config)
 
 
 def quality(model, layout, codecs, prompts, prefix_tokens, cont_tokens, suffix_tokens,
             new_tokens, log=print) -> dict:
-    """Per codec: perplexity, its delta, agreement (free running and teacher forced)."""
+    """Per codec: perplexity, its delta, agreement (free running and teacher forced). Every
+    codec of a prompt runs in one batch (row 0: none, the exact KV), so a step costs one
+    forward for all of them."""
     import torch
     from transformers import DynamicCache
-    from hostagent.kvconnector import (blocks_to_cache, cache_to_blocks, codec_for, greedy,
-                                       prefill)
-    acc = {c: {"nll": 0.0, "n": 0, "agree": [], "tf": [], "err": 0.0} for c in codecs}
+    from hostagent.kvconnector import blocks_to_cache, cache_to_blocks, codec_for, prefill
+    order = ["none"] + [c for c in codecs if c != "none"]
+    B = len(order)
+    acc = {c: {"nll": 0.0, "n": 0, "agree": [], "tf": [], "err": 0.0} for c in order}
     bt = layout.block_tokens
     for pi, (name, ids) in enumerate(prompts):
-        prefix, cont = ids[:prefix_tokens], ids[prefix_tokens - 1:prefix_tokens + cont_tokens]
         ref = DynamicCache(config=model.config)
-        prefill(model, prefix, ref, bt)
-        ref_kv = [(l.keys.clone(), l.values.clone()) for l in ref.layers]
-        ref_tokens = None
-        for c in ["none"] + [c for c in codecs if c != "none"]:
+        prefill(model, ids[:prefix_tokens], ref, bt)
+        coded = []
+        for c in order:
             codec = codec_for(layout, c)
-            blocks = cache_to_blocks(ref, layout, codec=codec)
+            coded.append((codec, cache_to_blocks(ref, layout, codec=codec)))
 
-            def fresh():
-                return blocks_to_cache(blocks, layout, model.config, codec)
-            loaded = fresh()
-            err = max(float((l.keys - k).abs().max()) for l, (k, _) in
-                      zip(loaded.layers, ref_kv))
-            nll, n = _nll(model, loaded, cont)
+        def fresh():
+            return _batch_cache([blocks_to_cache(b, layout, model.config, co)
+                                 for co, b in coded], model.config)
+        cache = fresh()
+        for c, row in zip(order, range(B)):
+            acc[c]["err"] = max(acc[c]["err"], max(
+                float((l.keys[row] - r.keys[0, :, :prefix_tokens]).abs().max())
+                for l, r in zip(cache.layers, ref.layers)))
+        cont = torch.tensor([ids[prefix_tokens:prefix_tokens + cont_tokens + 1]] * B)
+        with torch.inference_mode():
+            # the token after the prefix is predicted by the prefix's last token: recompute
+            # it from the cache (positions line up: the cache holds the prefix only)
+            lg = model(input_ids=cont[:, :-1], past_key_values=cache, use_cache=True).logits
+            lp = torch.log_softmax(lg.float(), -1)
+            nll = -lp.gather(-1, cont[:, 1:, None])[..., 0].sum(-1)
             cache = fresh()
-            suffix = ids[:prefix_tokens + suffix_tokens]
-            logits = prefill(model, suffix, cache, bt)
-            out = greedy(model, logits, cache, new_tokens)
-            if c == "none":
-                ref_tokens = out
-            agree = sum(a == b for a, b in zip(out, ref_tokens)) / new_tokens
+            step = model(input_ids=torch.tensor([ids[prefix_tokens:prefix_tokens +
+                                                     suffix_tokens]] * B),
+                         past_key_values=cache, use_cache=True).logits[:, -1]
+            out = [step.argmax(-1)]
+            while len(out) < new_tokens:
+                step = model(input_ids=out[-1][:, None], past_key_values=cache,
+                             use_cache=True).logits[:, -1]
+                out.append(step.argmax(-1))
+            gen = torch.stack(out, 1)                            # [B, new_tokens]
+            ref_tokens = gen[0]
             cache = fresh()
-            with torch.inference_mode():
-                lg = model(input_ids=torch.tensor([ids[prefix_tokens:prefix_tokens +
-                                                       suffix_tokens] + ref_tokens[:-1]]),
-                           past_key_values=cache, use_cache=True).logits[0, suffix_tokens - 1:]
-            tf = float((lg.argmax(-1) == torch.tensor(ref_tokens)).float().mean())
-            if c in acc:
-                a = acc[c]
-                a["nll"] += nll
-                a["n"] += n
-                a["agree"].append(agree)
-                a["tf"].append(tf)
-                a["err"] = max(a["err"], err)
-        log(f"  prompt {pi + 1}/{len(prompts)} {name}: " + ", ".join(
-            f"{c} {acc[c]['agree'][-1]:.2f}" for c in codecs))
-    base = math.exp(acc["none"]["nll"] / acc["none"]["n"]) if "none" in acc else None
+            tf_in = torch.tensor([ids[prefix_tokens:prefix_tokens + suffix_tokens]] * B)
+            tf_in = torch.cat([tf_in, ref_tokens[None, :-1].expand(B, -1)], 1)
+            lg = model(input_ids=tf_in, past_key_values=cache,
+                       use_cache=True).logits[:, suffix_tokens - 1:]
+            tf = (lg.argmax(-1) == ref_tokens[None]).float().mean(-1)
+        for row, c in enumerate(order):
+            a = acc[c]
+            a["nll"] += float(nll[row])
+            a["n"] += cont_tokens
+            a["agree"].append(float((gen[row] == ref_tokens).float().mean()))
+            a["tf"].append(float(tf[row]))
+        log(f"  prompt {pi + 1}/{len(prompts)} {name}: agreement " + ", ".join(
+            f"{c} {acc[c]['agree'][-1]:.2f}" for c in order))
+    base = math.exp(acc["none"]["nll"] / acc["none"]["n"])
     out = {}
     for c, a in acc.items():
         ppl = math.exp(a["nll"] / a["n"])
-        out[c] = {"ppl": round(ppl, 4),
-                  "ppl_delta_pct": round(100 * (ppl / base - 1), 4) if base else None,
+        out[c] = {"ppl": round(ppl, 4), "ppl_delta_pct": round(100 * (ppl / base - 1), 4),
                   "token_agreement": round(sum(a["agree"]) / len(a["agree"]), 4),
                   "token_agreement_teacher_forced": round(sum(a["tf"]) / len(a["tf"]), 4),
-                  "max_abs_key_error": a["err"]}
+                  "max_abs_key_error": round(a["err"], 5)}
     return out
 
 
@@ -301,7 +311,7 @@ def run_compress(codecs=("none", "int8", "fp8", "int4"), prompts: int = 20,
         codec_for(layout, c)             # an unknown name fails here, before any work
     if prefix_tokens % BLOCK_TOKENS:
         raise ValueError(f"the prefix must be whole {BLOCK_TOKENS}-token blocks")
-    windows_ = windows(tok, prefix_tokens + max(cont_tokens, suffix_tokens) + 1, prompts)
+    windows_ = windows(tok, prefix_tokens + max(cont_tokens + 1, suffix_tokens), prompts)
     log(f"{mid}: {len(windows_)} prompts of {prefix_tokens} prefix tokens, codecs "
         f"{', '.join(codecs)}")
     result = {"model": mid, "config": {
