@@ -156,3 +156,18 @@ def test_hostagent_get_writes_nothing_when_the_pool_holds_a_forged_block(lab, ke
         assert "Traceback" not in "\n".join(lines)
         assert not out.exists() or out.stat().st_size == 0
         assert stdout == ""
+
+
+def test_an_unsealed_block_read_with_its_size_is_refused_as_unauthenticated(lab):
+    """A reader passing the data's chunk count (as the connectors do) of a block a keyless
+    writer stored: its replies say another chunk count; refused as AuthError, not handed out."""
+    rnd = random.Random(4)
+    key, data = rnd.randbytes(16), rnd.randbytes(5 * CS)
+    lab.put("h2", NS, key, data)
+    with FetchEngine(lab.pool_addrs, CS, netns=lab.topo.node("h1").netns, threaded=False,
+                     auth=RING) as e:
+        with pytest.raises(auth.AuthError, match="not sealed with this namespace's key"):
+            e.get_block(NS, key, nchunks=5)
+        with FetchEngine(lab.pool_addrs, CS, netns=lab.topo.node("h2").netns,
+                         auth=None) as plain:                 # without a key: as it is
+            assert plain.get_block(NS, key, nchunks=5).tobytes() == data

@@ -478,7 +478,10 @@ class FetchEngine:
         self._activate(t, t.nchunks, True)
 
     def _on_status(self, t: Transfer, status: int, err: int, seen: int) -> None:
-        self._fail(t, status_error(t, status, err, seen))
+        exc = status_error(t, status, err, seen)
+        if isinstance(exc, auth_mod.AuthError):      # another size than a sealed block's
+            return self._auth_failed(t, exc)
+        self._fail(t, exc)
 
     def _fail(self, t: Transfer, exc: BaseException) -> None:
         self.prog.xfers[t.idx]["gen"] = 0
@@ -493,6 +496,5 @@ class FetchEngine:
             t.route.rtts[t.switched] = t.rtt
             t.route.last_switched = t.switched
         self._active.remove(t)
-        self.prog.xfers[t.idx]["gen"] = 0
         self._ids.retire(t.idx, t.gen)
         self._ids.give_index(t.idx)

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from hostagent.auth import AuthError
 from hostagent.client import BlockNotFound, Refused
 from kvproto import Flag, ProtocolError, Status
 
@@ -143,13 +144,20 @@ def finish(t: Transfer, x, meta: np.ndarray, arena: np.ndarray, cs: int, release
 
 
 def status_error(t: Transfer, status: int, err: int, seen: int) -> Exception:
-    """What a NACK, an ERROR or another chunk count (the transfer's status bits) means."""
+    """What a NACK, an ERROR or another chunk count (the transfer's status bits) means. For an
+    authenticated block, another chunk count or a chunk refused as past the block (BAD_REQUEST)
+    means it is not the size its sealed form has: AuthError (the engine fetches it once more)."""
     if status & C["KV_FETCH_XS_NACK"]:
         try:
             why = Status(err).name
         except ValueError:
             why = str(err)
         return BlockNotFound(f"block {t.key.hex()} in namespace {t.ns}: {why}")
+    if getattr(t, "auth", None) is not None and (
+            status & C["KV_FETCH_XS_NCHUNKS"] or err == Status.BAD_REQUEST):
+        what = f"has {seen} chunks" if status & C["KV_FETCH_XS_NCHUNKS"] else "is shorter"
+        return AuthError(f"the block {what}, not the {t.nchunks} of a sealed block of that "
+                         "data: not sealed with this namespace's key")
     if status & C["KV_FETCH_XS_ERROR"]:
         return Refused(err, f"GET of block {t.key.hex()}")
     return ProtocolError(f"the block has {seen} chunks, not {t.nchunks}")

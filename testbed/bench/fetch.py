@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from hostagent import auth
+from hostagent.client import TransferTimeout
 from hostagent.fetch import FetchEngine
 from switchd.cache import Cache
 from switchd.dataplane import DataPlane, pinned_deployment
@@ -60,27 +61,45 @@ def _block(n: int, cs: int) -> bytes:
     return b"".join(payload(i, cs) for i in range(n))
 
 
-def _gbps(nbytes: int, seconds: list[float]) -> float:
-    return round(nbytes / statistics.median(seconds) / 1e9, 4)
+def _gbps(nbytes: int, seconds: list[float]) -> float | None:
+    return round(nbytes / statistics.median(seconds) / 1e9, 4) if seconds else None
+
+
+def _rate(nbytes: int, seconds: list[float]) -> float:
+    """GB/s of a round's fetches; nan when all of them timed out."""
+    return nbytes / statistics.median(seconds) / 1e9 if seconds else float("nan")
+
+
+def _median_ratio(a: list[float], b: list[float]) -> float | None:
+    """Median of per-round ratios a/b, over the rounds where both fetched."""
+    r = [x / y for x, y in zip(a, b) if x == x and y == y]
+    return round(statistics.median(r), 3) if r else None
 
 
 def _row(path: str, source: str, cs: int, nbytes: int, seconds: list[float], exact: bool,
          **more) -> dict:
     return {"path": path, "source": source, "chunk_bytes": cs, "block_bytes": nbytes,
             "gbytes_per_s": _gbps(nbytes, seconds), "byte_exact": exact,
-            "best_gbytes_per_s": round(nbytes / min(seconds) / 1e9, 4), "fetches": len(seconds),
+            "best_gbytes_per_s": round(nbytes / min(seconds) / 1e9, 4) if seconds else None,
+            "fetches": len(seconds),
             **more}
 
 
 # ---- the paths ---------------------------------------------------------------------------------
 def _engine(e: FetchEngine, key: bytes, n: int, expect: bytes, reps: int,
             no_cache: bool = False, loss: float = 0.0, ns: int = NS) -> dict:
-    out = {"seconds": [], "retransmits": 0, "checksum_errors": 0, "exact": True, "cpu": 0.0}
+    out = {"seconds": [], "retransmits": 0, "checksum_errors": 0, "exact": True, "cpu": 0.0,
+           "timeouts": 0}
     e.loss_ppm = int(loss * 1e6)
     try:
         for _ in range(reps):
             cpu0 = e.stats.step_cpu
-            b = e.get_block(ns, key, n, no_cache=no_cache)
+            try:
+                b = e.get_block(ns, key, n, no_cache=no_cache)
+            except TransferTimeout as exc:       # recorded, not the end of the run
+                out["timeouts"] += 1
+                out["timeout"] = str(exc)
+                continue
             out["seconds"].append(b.stats.seconds)
             out["retransmits"] += b.stats.retransmits
             out["checksum_errors"] += b.stats.checksum_errors
@@ -97,7 +116,11 @@ def _merge(parts: list[dict]) -> dict:
     return {"seconds": seconds, "exact": all(p["exact"] for p in parts),
             "retransmits": sum(p["retransmits"] for p in parts),
             "checksum_errors": sum(p["checksum_errors"] for p in parts),
-            "cpu_ms_per_fetch": round(sum(p["cpu"] for p in parts) / len(seconds) * 1e3, 2)}
+            "cpu_ms_per_fetch": round(sum(p["cpu"] for p in parts) / max(1, len(seconds)) * 1e3,
+                                      2),
+            "timeouts": sum(p.get("timeouts", 0) for p in parts),
+            **({"timeout": next(p["timeout"] for p in parts if "timeout" in p)}
+               if any("timeout" in p for p in parts) else {})}
 
 
 def asyncio_get(pools: list[str], cs: int, key_hex: str, n: int, reps: int) -> dict:
@@ -274,9 +297,8 @@ def bench_chunk(cs: int, sizes_mib: list[int], rounds: int, reps: int, losses: l
                                                              ns=NS_AUTH))
                 log(f"  {cs} B: round {r + 1}/{rounds}: " + ", ".join(
                     f"{m} MiB hit {hit[m][-1]['gbps']:.2f} engine "
-                    f"{m * MIB / statistics.median(runs[(m, 0.0)][-1]['seconds']) / 1e9:.2f}"
-                    f" with auth "
-                    f"{m * MIB / statistics.median(runs[(m, 'auth')][-1]['seconds']) / 1e9:.2f}"
+                    f"{_rate(m * MIB, runs[(m, 0.0)][-1]['seconds']):.2f}"
+                    f" with auth {_rate(m * MIB, runs[(m, 'auth')][-1]['seconds']):.2f}"
                     for m in sizes_mib) + " GB/s")
             pool = {m: _engine(e, blocks[m][0], nch[m], blocks[m][2], 1, no_cache=True)
                     for m in sizes_mib}
@@ -292,24 +314,22 @@ def bench_chunk(cs: int, sizes_mib: list[int], rounds: int, reps: int, losses: l
                                                                               in hr],
                          "gbytes_per_s": round(statistics.median(hr), 4),
                          "byte_exact": all(h["exact"] for h in hit[m])})
-            per_round = {c: [nbytes / statistics.median(p["seconds"]) / 1e9 for p in runs[(m, c)]]
+            per_round = {c: [_rate(nbytes, p["seconds"]) for p in runs[(m, c)]]
                          for c in conds + ["auth"]}
             for c in conds:
                 s = _merge(runs[(m, c)])
-                extra = ({"vs_hit_path": round(statistics.median(
-                    [a / h for a, h in zip(per_round[0.0], hr)]), 3)} if c == 0 else
-                    {"vs_loss_free": round(statistics.median(
-                        [a / b for a, b in zip(per_round[c], per_round[0.0])]), 3)})
+                extra = ({"vs_hit_path": _median_ratio(per_round[0.0], hr)} if c == 0 else
+                         {"vs_loss_free": _median_ratio(per_round[c], per_round[0.0])})
                 rows.append(_row("xdp", "switch", cs, nbytes, s["seconds"], s["exact"], loss=c,
                                  retransmits=s["retransmits"],
                                  checksum_errors=s["checksum_errors"],
-                                 cpu_ms_per_fetch=s["cpu_ms_per_fetch"], **extra))
+                                 cpu_ms_per_fetch=s["cpu_ms_per_fetch"], timeouts=s["timeouts"],
+                                 **extra, **({"timeout": s["timeout"]} if "timeout" in s else {})))
             s = _merge(runs[(m, "auth")])
             rows.append(_row("xdp-auth", "switch", cs, nbytes, s["seconds"], s["exact"],
-                             loss=0.0, retransmits=s["retransmits"],
-                             cpu_ms_per_fetch=s["cpu_ms_per_fetch"], vs_no_auth=round(
-                                 statistics.median([a / b for a, b in zip(per_round["auth"],
-                                                                           per_round[0.0])]), 3)))
+                             loss=0.0, retransmits=s["retransmits"], timeouts=s["timeouts"],
+                             cpu_ms_per_fetch=s["cpu_ms_per_fetch"],
+                             vs_no_auth=_median_ratio(per_round["auth"], per_round[0.0])))
             s = _merge([pool[m]])
             rows.append(_row("xdp", "pool", cs, nbytes, s["seconds"], s["exact"], loss=0.0,
                              retransmits=s["retransmits"]))
@@ -322,7 +342,7 @@ def bench_chunk(cs: int, sizes_mib: list[int], rounds: int, reps: int, losses: l
                              loss=0.0))
             for r in rows[-(len(conds) + 4):]:
                 log(f"  {cs} B, {m} MiB: {r['path']}/{r['source']} loss {r['loss']:g}: "
-                    f"{r['gbytes_per_s']:.3f} GB/s, byte-exact {r['byte_exact']}")
+                    f"{r['gbytes_per_s'] or 0:.3f} GB/s, byte-exact {r['byte_exact']}")
         if mooncake:
             mc = _mooncake(lab, {m: blocks[m] for m in sizes_mib}, cs, reps * 5, log)
             for (mode, m), got in mc.items():
@@ -344,8 +364,8 @@ def _targets(out: dict) -> dict:
         x = _find(rows, path="xdp", source="switch", chunk_bytes=cs, block_bytes=nb, loss=0.0)
         mc = _find(rows, path="mooncake", chunk_bytes=cs, block_bytes=nb, switch="detached")
         vals = {"xdp_switch_gbytes_per_s": x["gbytes_per_s"], "xdp_vs_hit_path": x["vs_hit_path"],
-                "xdp_vs_mooncake_bridge": mc and round(x["gbytes_per_s"] /
-                                                       mc["gbytes_per_s"], 2)}
+                "xdp_vs_mooncake_bridge": mc and x["gbytes_per_s"] and mc["gbytes_per_s"] and
+                round(x["gbytes_per_s"] / mc["gbytes_per_s"], 2)}
         for loss in (0.01, 0.05):
             lr = _find(rows, path="xdp", source="switch", chunk_bytes=cs, block_bytes=nb,
                        loss=loss)
@@ -411,7 +431,7 @@ def plot_fetch(out: dict, path: str) -> None:
                 match = dict(path=sel[0], source=sel[1], chunk_bytes=cs, block_bytes=nb)
                 match.update({"switch": sel[2]} if sel[2] else {"loss": 0.0})
                 r = _find(rows, **match)
-            vals.append(r["gbytes_per_s"] if r else np.nan)
+            vals.append((r or {}).get("gbytes_per_s") or np.nan)
         ax.bar(np.arange(len(configs)) + i * width, vals, width, label=label)
     ax.set(xticks=np.arange(len(configs)) + width * (len(SERIES) - 1) / 2, yscale="log",
            xticklabels=[f"{cs} B chunks\n{nb >> 20} MiB block" for cs, nb in configs],
@@ -419,7 +439,7 @@ def plot_fetch(out: dict, path: str) -> None:
     ax.legend(fontsize=8)
     for loss in sorted({r["loss"] for r in rows if r.get("loss")}):
         vals = [(_find(rows, path="xdp", source="switch", chunk_bytes=cs, block_bytes=nb,
-                       loss=loss) or {}).get("vs_loss_free", np.nan) for cs, nb in configs]
+                       loss=loss) or {}).get("vs_loss_free") or np.nan for cs, nb in configs]
         bx.plot(range(len(configs)), vals, "o-", label=f"{loss:.0%} loss")
     bx.axhline(1.0, color="grey", lw=0.8)
     bx.set(xticks=range(len(configs)), xticklabels=[f"{cs}/{nb >> 20}M" for cs, nb in configs],
