@@ -211,6 +211,20 @@ def _kernels():
     return _KERNELS
 
 
+_WARM: set[str] = set()
+
+
+def warm_up(spec: str) -> None:
+    """Compile (or load from numba's disk cache) the decode loop of ``spec`` now, so the
+    first block loaded does not pay for it; once a process."""
+    name, _ = parse(spec)
+    if name == "none" or name in _WARM:
+        return
+    c = make(name, 1, 1, 2, 2, torch.float32)
+    c.decode_into(c.encode(torch.zeros(1, 2, 1, 2, 2)), torch.empty(1, 2, 1, 2, 2))
+    _WARM.add(name)
+
+
 def ratio(spec: str, layers: int, kv_heads: int, block_tokens: int, head_dim: int) -> float:
     return make(spec, layers, kv_heads, block_tokens, head_dim, torch.bfloat16).ratio
 

@@ -51,7 +51,7 @@ import torch                                       # noqa: E402
 from transformers import DynamicCache              # noqa: E402
 
 from .client import BlockNotFound, KVClient, TransferStats  # noqa: E402
-from .codec import Codec, make as make_codec  # noqa: E402
+from .codec import Codec, make as make_codec, warm_up  # noqa: E402
 from .hashing import block_hashes                  # noqa: E402
 
 LAYOUT_VERSION = 1
@@ -224,6 +224,7 @@ class KVConnector:
         self.client, self.ns, self.layout, self.config = client, ns, layout, config
         self.concurrency = concurrency
         self.codec = codec_for(layout, kv_codec)
+        warm_up(kv_codec)
         mid = model_id.encode() if isinstance(model_id, str) else model_id
         self.extra = mid + b"|" + layout.tag() + self.codec.tag()
         self.nchunks = math.ceil(self.codec.nbytes / client.chunk_size)

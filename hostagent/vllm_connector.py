@@ -147,6 +147,8 @@ class KVSwitchConnector(KVConnectorBase_V1):
         for name in names:
             check_paged_cache(self.layout, name, kv_caches[name])
         self._caches = [kv_caches[n] for n in names]
+        from .codec import warm_up
+        warm_up(self.settings.kv_codec)  # the decode loop compiled before the first load
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata

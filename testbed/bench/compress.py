@@ -296,8 +296,10 @@ def run_compress(codecs=("none", "int8", "fp8", "int4"), prompts: int = 20,
                  new_tokens: int = 64, load_blocks: int = 32, chunk_size: int = 3072,
                  trace_path: str | None = None, json_path: str | None = None,
                  plot_path: str | None = None, parts=("quality", "speed", "load", "policy"),
-                 log=print) -> dict:
-    """Measure every codec; the result (see the module doc), written to ``json_path``."""
+                 update: bool = False, log=print) -> dict:
+    """Measure every codec; the result (see the module doc), written to ``json_path`` after
+    each part. ``update``: keep what ``json_path`` already holds and update it (a run split
+    into parts)."""
     import torch
     from hostagent.kvconnector import BlockLayout, DynamicCache, cache_block_tensor, codec_for
     from testbed.demos.realmodel import load
@@ -322,23 +324,46 @@ def run_compress(codecs=("none", "int8", "fp8", "int4"), prompts: int = 20,
     per = {c: {"codec": c, "spec": codec_for(layout, c).tag().decode().strip() or "none",
                "ratio": round(codec_for(layout, c).ratio / codec_for(layout, "none").ratio, 4)}
            for c in codecs}
+    final: dict = {}
+
+    def save() -> None:
+        """Write the result; with ``update``, merged into what the file holds now (another
+        part may have written it meanwhile): this run's fields win."""
+        rows, out = {c: dict(per[c]) for c in codecs}, dict(result)
+        if update and json_path and os.path.exists(json_path):
+            import json
+            with open(json_path) as f:
+                old = json.load(f)
+            for r in old.get("results", []):
+                rows[r["codec"]] = r | rows.get(r["codec"], {})
+            out = old | result | {"config": old.get("config", {}) | result["config"]}
+            out["config"]["parts"] = sorted(set(old.get("config", {}).get("parts", []))
+                                            | set(parts))
+        out["results"] = list(rows.values())
+        out["seconds"] = round(time.monotonic() - t0, 1)
+        out["loadavg"] = os.getloadavg()
+        write_json(json_path, out)
+        final.clear()
+        final.update(out)
     # real KV for the speed and load parts: the first prompts' prefix blocks
     kv = []
-    for _, ids in windows_[:4]:
+    for _, ids in windows_[:4] if {"speed", "load"} & set(parts) else []:
         cache = DynamicCache(config=model.config)
         from hostagent.kvconnector import prefill
         prefill(model, ids[:prefix_tokens], cache, BLOCK_TOKENS)
         kv.append(cache_block_tensor(cache, layout))
-    block_kv = torch.cat(kv)
+    block_kv = torch.cat(kv) if kv else None
     if "quality" in parts:
         q = quality(model, layout, codecs, windows_, prefix_tokens, cont_tokens, suffix_tokens,
                     new_tokens, log)
         for c in codecs:
             per[c].update(q[c])
+        save()
     if "speed" in parts:
         for c, s in speed(layout, codecs, block_kv).items():
             per[c].update({k: v for k, v in s.items() if k != "ratio"})
         result["entropy"] = entropy(layout, block_kv)
+        save()
     if "load" in parts:
         prefix = f"cmp{os.getpid() % 10000}"
         lt = load_times(block_kv, codecs, load_blocks, chunk_size, prefix, log=log)
@@ -346,18 +371,16 @@ def run_compress(codecs=("none", "int8", "fp8", "int4"), prompts: int = 20,
             per[c].update({"load_s": lt[c]["load_s"], "load_s_raw": lt["none"]["load_s"],
                            "load_vs_raw": round(lt[c]["load_s"] / lt["none"]["load_s"], 3),
                            "load": lt[c]})
+        save()
     if "policy" in parts and trace_path:
         # the switch's bytes are those of 2 % of the distinct blocks at 16 bits
         hr = hit_ratios(trace_path, {c: per[c]["ratio"] for c in codecs})
         for c in codecs:
             per[c]["hit_ratio_at_2pct_bytes"] = hr[c]
-    result["results"] = [per[c] for c in codecs]
-    result["seconds"] = round(time.monotonic() - t0, 1)
-    result["loadavg"] = os.getloadavg()
-    write_json(json_path, result)
+    save()
     if plot_path:
-        plot(result, plot_path)
-    return result
+        plot(final, plot_path)
+    return final
 
 
 def plot(result: dict, path: str) -> None:
@@ -420,8 +443,10 @@ def command():
     @click.option("--json", "json_path", default="bench/results/compress.json",
                   show_default=True)
     @click.option("--plot", "plot_path", help="PNG (default: the JSON path with .png).")
+    @click.option("--update", is_flag=True,
+                  help="Update the JSON file's results with these parts (a run in parts).")
     def compress(codecs, prompts, prefix_tokens, new_tokens, load_blocks, chunk_size, parts,
-                 trace_path, json_path, plot_path):
+                 trace_path, json_path, plot_path, update):
         """KV codecs on SmolLM2: ratio, perplexity, agreement, speed, load from the switch."""
         from testbed.demos.realmodel import ModelMissing
         parts = [p.strip() for p in parts.split(",") if p.strip()]
@@ -436,7 +461,8 @@ def command():
             out = run_compress(codecs, prompts, prefix_tokens, new_tokens=new_tokens,
                                load_blocks=load_blocks, chunk_size=chunk_size,
                                trace_path=trace_path, json_path=json_path,
-                               plot_path=plot_path, parts=parts, log=click.echo)
+                               plot_path=plot_path, parts=parts, update=update,
+                               log=click.echo)
         except ModelMissing as exc:
             raise click.ClickException(str(exc)) from None
         import json
