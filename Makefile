@@ -66,8 +66,11 @@ demo:
 demo-inference:
 	$(VENV)/bin/testbed demo-inference --json bench/results/inference.json
 
+# SmolLM2 through vLLM: tokens identical to recompute without a codec, then the agreement of int8
 demo-vllm:
-	$(VENV)/bin/testbed demo-vllm --json bench/results/vllm.json
+	$(VENV)/bin/testbed demo-vllm --model smollm2 --kv-codec int8 --no-baseline --no-negative \
+	  --json bench/results/vllm-int8.json
+	$(VENV)/bin/testbed demo-vllm --model smollm2 --json bench/results/vllm.json
 
 bench:
 	$(VENV)/bin/testbed bench throughput --json bench/results/throughput.json
