@@ -4,14 +4,20 @@
  *    kv_cache, room trimmed, addresses swapped, KV_F_FROM_SWITCH set) and sent back with XDP_TX.
  *  - GET miss: goes on to the pool node and opens a pending round (an outstanding request). With
  *    coalescing on, GETs for the same chunk from other ports while the round is open are held
- *    (dropped here, remembered in kv_waiters); a round older than the pending timeout is retried.
+ *    (dropped here, remembered in kv_waiters); a round older than the pending timeout is retried,
+ *    and until a reply for its chunk passes nobody is held for it (KV_RF_PROBATION). A GET the
+ *    pool's kernel would drop (reply.h: its UDP checksum) is forwarded, never held or answered;
+ *    one from UDP port 0 is dropped.
  *  - GET_REPLY from a pool-node port that answers an open round: copied into kv_cache if its
  *    payload matches its CRC and its block is admitted (or switchd's speculative-fill budget
  *    has room: switchd then keeps or evicts it at its next step); if several ports wait for it, broadcast
  *    through kv_devmap, where kv_egress rewrites each copy for the waiter on its port and drops
  *    the copies for ports that did not ask.
+ *  - replies (GET_REPLY, PUT_ACK, NACK, ERROR, anything from the KV port) pass only from pool
+ *    ports; elsewhere they are dropped and counted.
  *  - port checks, set by switchd per port: a secured port's frames must carry its bound source
- *    (Ethernet source, IPv4 source, ARP sender); a port limited to some namespaces may send only
+ *    (Ethernet source, IPv4 source, ARP sender), one no other port owns (kv_src_macs,
+ *    kv_src_ips; docs/security.md); a port limited to some namespaces may send only
  *    what the data plane can check (see limited_port_may_pass) and requests of any kind (GET,
  *    PUT, ...) only for its namespaces. Anything else from such a port is dropped and counted.
  *  - everything else (PUTs, malformed KV frames, non-KV traffic): XDP_PASS, untouched, so the
