@@ -79,6 +79,7 @@ bench:
 	  --plot bench/results/incast-mooncake.png
 	$(VENV)/bin/testbed bench loss --json bench/results/loss.json
 	$(VENV)/bin/testbed bench fetch --json bench/results/fetch.json
+	$(VENV)/bin/testbed bench blend --json bench/results/blend.json --plot bench/results/blend.png
 	OMP_NUM_THREADS=1 $(VENV)/bin/testbed bench compress --trace $(TRACE) \
 	  --json bench/results/compress.json --plot bench/results/compress.png
 	$(VENV)/bin/testbed policy-eval --trace $(TRACE) \
