@@ -212,3 +212,42 @@ def unanswerable_gets(pool_ip: str, pool_mac: str, ns: int, key_hex: str, chunks
         time.sleep(period)
     sock.close()
     return {"passes": passes, "frames": passes * len(raw)}
+
+
+def measure_stall(how: str, chunks: int = 1024, fetches: int = 3) -> dict:
+    """Issue 26's stall, measured on a testbed of its own: h1 fetches a block of ``chunks`` KiB
+    ``fetches`` times quiet, then while h3 sends it unanswerable_gets(how) (no policy, so every
+    fetch goes to the pool). ``python -m testbed.security csum|port0`` prints the JSON."""
+    import os
+    from testbed.lab import Lab
+    out: dict = {"how": how, "chunks": chunks}
+    with Lab(f"stall{os.getpid() % 10000}", hosts=3, pools=1, switch=False) as lab:
+        lab.start_switch("--policy", "off")
+        key, data = os.urandom(16), os.urandom(chunks * 1024)
+        lab.put("h1", 1, key, data)
+        out["quiet"] = [lab.get("h1", 1, key)[0]["seconds"] for _ in range(fetches)]
+        before = lab.stats()
+        staller = lab.start_task("h3", "testbed.security:unanswerable_gets", lab.pool_addrs[0],
+                                 lab.mac("p1"), 1, key.hex(), chunks, how, 60.0, 0.002)
+        time.sleep(8)
+        runs = []
+        for _ in range(fetches):
+            try:
+                got, fetched = lab.get("h1", 1, key, "--deadline", "20")
+                runs.append({"seconds": got["seconds"], "retransmits": got["retransmits"],
+                             "ok": fetched == data})
+            except Exception as exc:         # a stalled fetch fails: record how
+                runs.append({"failed": str(exc).strip().splitlines()[-1]})
+        after = lab.stats()
+        out["attacked"] = runs
+        out["switch"] = {k: after[k] - before[k] for k in (
+            "coalesced", "expired", "unheld", "bad_udp_csum", "port_zero", "get_miss")
+            if k in after}
+        out["attack"] = staller.result(120)
+    return out
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    print(json.dumps(measure_stall(sys.argv[1] if len(sys.argv) > 1 else "csum")))
