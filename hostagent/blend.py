@@ -202,5 +202,6 @@ def continuation_nll(model, logits: torch.Tensor, cache: DynamicCache, cont) -> 
                     use_cache=True)
         ls = torch.log_softmax(out.logits[0].float(), -1)
         lp += [ls[i, t] for i, t in enumerate(cont[1:])]
-    cache.crop(n)
+    if cache.get_seq_length() > n:
+        cache.crop(n - cache.get_seq_length())      # negative: drop that many
     return float(-torch.stack(lp).mean())
