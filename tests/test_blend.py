@@ -152,3 +152,14 @@ def test_missing_passage_is_prefilled_and_stored(tiny):
     there = blend.passage_kv(tiny, p1, 20)
     assert torch.allclose(second.kv[0][0][:, :, 20:], there[0][0], atol=1e-4)
     assert torch.equal(second.kv[2][1][:, :, 20:], first.kv[2][1][:, :, :40])
+
+
+def test_continuation_nll_matches_a_full_forward_and_keeps_the_cache(tiny):
+    tokens, cont = _toks(20, 9), _toks(5, 10)
+    with torch.inference_mode():
+        ls = torch.log_softmax(tiny(input_ids=torch.tensor([tokens + cont])).logits[0], -1)
+    want = -float(sum(ls[len(tokens) - 1 + i, t] for i, t in enumerate(cont))) / len(cont)
+    logits, cache = blend.reuse_prefill(tiny, tokens, [(k[:, :, :19], v[:, :, :19]) for k, v
+                                                       in blend.passage_kv(tiny, tokens)])
+    got = blend.continuation_nll(tiny, logits, cache, cont)
+    assert abs(got - want) < 1e-4 and cache.get_seq_length() == len(tokens)
