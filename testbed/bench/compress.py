@@ -322,7 +322,7 @@ def run_compress(codecs=("none", "int8", "fp8", "int4"), prompts: int = 20,
         "suffix_tokens": suffix_tokens, "new_tokens": new_tokens, "load_blocks": load_blocks,
         "chunk_size": chunk_size, "trace": trace_path, "parts": list(parts)}}
     per = {c: {"codec": c, "spec": codec_for(layout, c).tag().decode().strip() or "none",
-               "ratio": round(codec_for(layout, c).ratio / codec_for(layout, "none").ratio, 4)}
+               "ratio": 1.0 if c == "none" else round(codec_for(layout, c).ratio, 4)}
            for c in codecs}
     final: dict = {}
 
