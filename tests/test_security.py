@@ -133,9 +133,12 @@ def test_forged_replies_from_a_tenant_port_never_reach_another_host(lab, attacke
 
 @pytest.mark.parametrize("how", ["csum", "port0"])
 def test_gets_the_pool_cannot_answer_do_not_stall_another_hosts_fetch(lab, how):
-    """Issue 26: GETs with room 0 every 1 ms from a same-tenant host (h3), with the bare
-    pseudo-header sum as UDP checksum (the pool's kernel drops them) or from UDP port 0 (its
-    reply cannot be sent), kept rounds open at the switch and h1's fetch failed after 22.5 s.
+    """Issue 26: GETs with room 0 for every chunk of a block, over and over, from a same-tenant
+    host (h3), with the bare pseudo-header sum as UDP checksum (the pool's kernel drops them)
+    or from UDP port 0 (its reply cannot be sent), kept rounds open at the switch and h1's
+    fetch failed after 22.5 s. At this test's rate (a pass of 1,024 GETs every ~55 ms, ~15,000
+    frames/s) the code before the fix failed one fetch in three and took 0.9-1.6 s for the
+    others (bench/results/security-stall.json).
     Now the switch holds none of them: h1's fetch of that block (never cached: no policy here)
     takes at most twice as long as without the attack (the best of three under attack against
     the median of three before and three after)."""
@@ -146,7 +149,7 @@ def test_gets_the_pool_cannot_answer_do_not_stall_another_hosts_fetch(lab, how):
     counter = {"csum": "bad_udp_csum", "port0": "port_zero"}[how]
     before = lab.stats()
     staller = lab.start_task("h3", "testbed.security:unanswerable_gets", lab.pool_addrs[0],
-                             lab.mac("p1"), VICTIM_NS, key.hex(), chunks, how, 40.0, 0.002)
+                             lab.mac("p1"), VICTIM_NS, key.hex(), chunks, how, 40.0, 0.05)
     deadline = time.monotonic() + 30           # (switchd stats compiles its map reader)
     while lab.stats()[counter] < before[counter] + 4 * chunks:     # the attack is running
         assert time.monotonic() < deadline, "the staller's GETs never reached the switch"
@@ -161,7 +164,7 @@ def test_gets_the_pool_cannot_answer_do_not_stall_another_hosts_fetch(lab, how):
     stalled = staller.result(90)
     quiet += [lab.get("h1", VICTIM_NS, key)[0]["seconds"] for _ in range(3)]  # and after it
     moved = {k: after[k] - before[k] for k in after if after[k] != before[k]}
-    assert stalled["frames"] > 100 * chunks and moved[counter] > 50 * chunks, (stalled, moved)
+    assert stalled["frames"] > 100 * chunks and moved[counter] > 20 * chunks, (stalled, moved)
     assert moved.get("coalesced", 0) == 0, moved                    # nobody was held
     # the best of three: the machine's other load makes single fetches of ~40 ms noisy; a
     # stall (issue 26) delays every one of them by seconds
@@ -246,5 +249,8 @@ def test_a_relearn_needs_the_operator(learning_lab):
     out = lab.switchd("port", "relearn", "h2").stdout
     assert out.startswith(f"h2 unbound (was {lab.mac('h2')} {h2.ip})")
     assert _ports(lab)["h2"]["mac"] is None
+    out = lab.switchd("port", "bind", "h2", h2.ip).stdout      # its MAC asked for on h2 alone
+    assert out.strip().endswith(f"h2 bound to {lab.mac('h2')} {h2.ip}")
+    assert (_ports(lab)["h2"]["mac"], _ports(lab)["h2"]["ip"]) == (lab.mac("h2"), h2.ip)
     r = lab.switchd("port", "relearn", "nonesuch", check=False)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1
