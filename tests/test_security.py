@@ -14,7 +14,7 @@ import pytest
 
 from conftest import leaves_no_namespaces
 from testbed.lab import Lab
-from testbed.security import MARKER, WRAPPINGS
+from testbed.security import WRAPPINGS
 
 pytestmark = pytest.mark.e2e
 
