@@ -16,11 +16,12 @@ from switchd.policy import POLICIES
 from .bench.compress import command as compress_command
 from .demos.inference import BLOCK_TOKENS, MODEL_CHOICES as DEMO_MODELS
 from .demos.vllm import MODELS_DIR as DEMO_MODEL_DIR
+from .lab.lab import STORES
 from .sim.config import MODELS as SIM_MODELS
 from .lab.topology import TestbedError, Topology, down, namespaces_of
-from .options import (capacity_value, link_options, link_spec, cluster_options, cpu_list, fail_unless, float_list,
-                      int_list, json_opt, numbers, percent_list, policy_list, sim_errors,
-                      trace_opt)
+from .options import (capacity_value, cluster_options, cpu_list, fail_unless, float_list,
+                      int_list, json_opt, link_options, link_spec, numbers, percent_list,
+                      policy_list, sim_errors, trace_opt)
 
 
 # ---- topologies and demos ----------------------------------------------------------------------
@@ -268,8 +269,7 @@ def incast(readers, block_mib, reps, chunk_size, store, link_gbit, pool_link_gbi
 @bench.command()
 @click.option("--nodes", type=int, default=8, show_default=True, help="Inference nodes.")
 @click.option("--pools", type=int, default=2, show_default=True, help="Pool nodes.")
-@click.option("--store", type=click.Choice(["memory", "mooncake"]), default="memory",
-              show_default=True)
+@click.option("--store", type=click.Choice(STORES), default="memory", show_default=True)
 @click.option("--link-gbit", type=float, default=0.025, show_default=True,
               help="Rate of every link (inference and pool nodes), both directions; blocks "
                    "scale with it (64 MiB at 100 Gbit/s).")
@@ -283,7 +283,7 @@ def incast(readers, block_mib, reps, chunk_size, store, link_gbit, pool_link_gbi
               show_default=True, help="Mooncake-format trace of the trace workload.")
 @click.option("--trace-requests", type=click.IntRange(1), default=96, show_default=True)
 @click.option("--scale", type=click.FloatRange(0.05, 4), default=1.0, show_default=True,
-              help="Shrink (or grow) every workload: <1 for a quick run.")
+              help="Shrink (or grow) every workload.")
 @json_opt("bench/results/serve.json")
 @click.option("--plot", "plot_path", help="PNG path (default: the JSON path with .png).")
 def serve(nodes, pools, store, link_gbit, workloads, modes, model, trace_path, trace_requests,
@@ -295,9 +295,7 @@ def serve(nodes, pools, store, link_gbit, workloads, modes, model, trace_path, t
                     [w.strip() for w in workloads.split(",") if w.strip()],
                     [m.strip() for m in modes.split(",") if m.strip()], model, trace_path,
                     trace_requests, scale, json_path, plot_path, log=click.echo)
-    click.echo(json.dumps(out["summary"], indent=2))
-    if json_path:
-        click.echo(f"wrote {json_path}" + (f" and {plot_path}" if plot_path else ""))
+    click.echo(json.dumps(out["summary"], indent=2) + (f"\nwrote {json_path}" if json_path else ""))
     fail_unless(out["summary"]["all_byte_exact"])
 
 

@@ -13,7 +13,7 @@ that sent the GET: no link queue in between) when its call has ended and nothing
 timeout (RFC 6298 per transfer, following the measured round trip as a link's queue grows, at
 least ``DRAIN_GAIN`` x the time the route's chunks in flight (every transfer's: they share the
 link's queue) take at the measured delivery rate; before a transfer's first reply at least
-``INITIAL_RTO``, or ``ACTIVE_FIRST_RTO`` while the route is delivering,
+``INITIAL_RTO``, or ``ACTIVE_FIRST_RTO`` once the route has delivered,
 restarted by every delivery, backing off per try; the oldest ``TIMEOUT_BATCH`` chunks per scan). Before a retransmission the candidates' slot
 words are read again: arrived but not yet verified is not lost.
 
@@ -40,7 +40,7 @@ from .program import GEN_MASK, SENDQ
 
 
 INITIAL_RTO = 0.2                       # seconds, before a round trip was measured
-ACTIVE_FIRST_RTO = 0.05                 # seconds, the same while the route delivers
+ACTIVE_FIRST_RTO = 0.05                 # seconds, the same once the route has delivered
 INITIAL_WINDOW = 64                     # chunks in flight per pool node before any reply
 SYNC_RTT = 0.002                        # seconds: a switch answering within the sending call
 BDP_GAIN, BDP_HEADROOM = 2.0, 64        # window <= gain x delivery rate x min RTT + headroom
@@ -90,10 +90,6 @@ class Route:
 
     def rtt_sample(self, rtt: float) -> None:
         self.min_rtt = min(rtt, self.min_rtt + (rtt - self.min_rtt) / 1024)
-
-    def delivering(self) -> bool:
-        """Whether chunks came back on this route within the last 50 ms."""
-        return self.bw > 0 and time.monotonic() - self._t0 < 0.05
 
     def window(self) -> int:
         """Chunks this route may have in flight: the congestion window, held to the measured
@@ -192,9 +188,9 @@ def _timers(t: Transfer) -> tuple[bool, float]:
         # set the tail rule's wait, see _tail_wait); else a link queue is in between
         sync = t.rtt.srtt is not None and t.rtt.srtt < SYNC_RTT and t.route.bw > 0
         return t.switched and sync, rto
-    # before a reply: the initial timeout, or a shorter one while the route delivers (its pool
-    # node is answering; a GET the switch held and dropped is not waited for 200 ms)
-    return False, max(rto, ACTIVE_FIRST_RTO if t.route.delivering() else INITIAL_RTO)
+    # before a reply: the initial timeout, or a shorter one once the route has delivered (its
+    # pool node answers; a GET the switch held and dropped is not waited for 200 ms)
+    return False, max(rto, ACTIVE_FIRST_RTO if t.route.bw > 0 else INITIAL_RTO)
 
 
 def _tail_wait(t: Transfer, tail_wait: float) -> float:

@@ -105,7 +105,10 @@ def _run_workload(lab: Lab, wl: Workload, mode: str, ns: int, preset, block_byte
              for i, n in enumerate(nodes)]
     res = [t.result(timeout=1800) for t in tasks]
     egress = [lab.link_bytes(p.name, "tx") - b for p, b in zip(pools, before)]
-    ttft = [x for r in res for x in r["ttft"]]
+    # warm-up requests (the burst's first computation of its prefix) are reported apart
+    pick = [(r, [i for i, w in enumerate(r["warmup"]) if not w]) for r in res]
+    ttft = [r["ttft"][i] for r, idx in pick for i in idx]
+    warm = [x for r in res for x, w in zip(r["ttft"], r["warmup"]) if w]
     chunks = sum(r["chunks"] for r in res) or 1
     row = {
         "workload": wl.name, "mode": mode,
@@ -116,10 +119,13 @@ def _run_workload(lab: Lab, wl: Workload, mode: str, ns: int, preset, block_byte
         "byte_exact": all(r["byte_exact"] for r in res),
         # what the figures are made of
         "requests": len(ttft), "ttft_mean_s": round(float(np.mean(ttft)), 4) if ttft else 0,
-        "queue_p50_s": _pct([x for r in res for x in r["queue"]], 50),
-        "fetch_p50_s": _pct([x for r in res for x in r["fetch"]], 50),
-        "fetch_p99_s": _pct([x for r in res for x in r["fetch"]], 99),
-        "prefill_p50_s": _pct([x for r in res for x in r["prefill"]], 50),
+        "warmup_ttft_s": [round(x, 4) for x in warm],
+        "queue_p50_s": _pct([r["queue"][i] for r, idx in pick for i in idx], 50),
+        "queue_p99_s": _pct([r["queue"][i] for r, idx in pick for i in idx], 99),
+        "fetch_p50_s": _pct([r["fetch"][i] for r, idx in pick for i in idx], 50),
+        "fetch_p99_s": _pct([r["fetch"][i] for r, idx in pick for i in idx], 99),
+        "prefill_p50_s": _pct([r["prefill"][i] for r, idx in pick for i in idx], 50),
+        "prefill_p99_s": _pct([r["prefill"][i] for r, idx in pick for i in idx], 99),
         "cached_block_ratio": round(sum(r["cached_blocks"] for r in res) /
                                     max(1, sum(r["blocks"] for r in res)), 4),
         "replica_ratio": round(sum(r["replicas"] for r in res) / chunks, 4),

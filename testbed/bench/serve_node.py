@@ -74,7 +74,7 @@ class Writer:
 def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests: list[dict],
           start_at: float, prefill_tok_s: float, spread: bool, write: bool = True) -> dict:
     cls = SpreadEngine if spread else FetchEngine
-    out = {"ttft": [], "queue": [], "fetch": [], "prefill": [], "cached_blocks": 0,
+    out = {"ttft": [], "warmup": [], "queue": [], "fetch": [], "prefill": [], "cached_blocks": 0,
            "blocks": 0, "chunks": 0, "from_switch": 0, "replicas": 0, "from_pool": 0,
            "retransmits": 0, "byte_exact": True, "fetch_errors": 0}
     writer = Writer(pools, chunk_size, ns, block_bytes, spread) if write else None
@@ -112,6 +112,7 @@ def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests
             out["fetch"].append(fetched - start)
             out["prefill"].append(compute)
             out["ttft"].append(time.monotonic() - arrival)
+            out["warmup"].append(bool(req.get("warmup")))
             out["cached_blocks"] += cached
             out["blocks"] += len(keys)
             if writer is not None and cached < len(keys):

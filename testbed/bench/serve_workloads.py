@@ -9,7 +9,7 @@ about as long as in the cluster and modelled prefill runs in real time.
   trace  the shared Mooncake trace's first requests, routed round robin, time-scaled so the
          nodes' modelled prefill is ``load`` busy; nothing in the pool at the start.
   burst  a new long prefix (a rolled-out system prompt): one node computes it first (and writes
-         it through), then every node gets ``burst_per_node`` requests sharing it within
+         it through; a warm-up request, reported apart), then every node gets ``burst_per_node`` requests sharing it within
          ``window`` seconds, then a tail of ordinary requests with prefixes of their own.
   zipf   Zipf(0.99) popularity over ``objects`` prefixes of ``object_blocks`` blocks, all in
          the pool from the start, the hottest ``hot`` objects on the first pool node.
@@ -88,7 +88,8 @@ def burst_workload(nodes: int, prefill_tok_s: float, prefix_blocks: int = 32,
     prefix = [block_key("burst-prefix", i) for i in range(prefix_blocks)]
     ptok = prefix_blocks * BLOCK_TOKENS
     per = [[] for _ in range(nodes)]
-    per[0].append(_request(0.0, prefix, ptok + suffix_tokens))      # the first to see it
+    # the first to see it computes it: the rollout, not the burst (apart in the figures)
+    per[0].append({**_request(0.0, prefix, ptok + suffix_tokens), "warmup": True})
     start = ptok / prefill_tok_s + 1.5       # its prefill is over and its blocks written
     uid = 0
     for node in range(nodes):

@@ -3,8 +3,8 @@ with helpers to drive the host agents and switchd as a user would (their CLIs, i
 and to run Python tasks in the nodes (testbed.lab.tasks). With ``store="mooncake"`` the pool
 nodes keep blocks in a Mooncake Store cluster whose master (testbed.lab.mooncake) the lab starts
 in a namespace of its own. With ``link_gbit``/``pool_link_gbit`` every inference/pool node's link
-queues at that rate both ways (testbed.lab.links). Used by the demos, the end-to-end tests and the benchmarks; always
-tears down what it started."""
+queues at that rate both ways (testbed.lab.links). Used by the demos, the end-to-end tests and
+the benchmarks; always tears down what it started."""
 from __future__ import annotations
 
 import json
