@@ -1,8 +1,10 @@
 """`testbed fuzz`: random and mutated frames through the switch's XDP program (BPF_PROG_TEST_RUN,
 populated cache, coalescing on), checked against a reference written independently in Python:
 
-  * XDP_TX only for a valid GET of a cached chunk with room for it (and a right UDP checksum,
-    if it has one), and then exactly the reply the reference builds;
+  * XDP_TX only for a valid GET of a cached chunk with room for it, from a UDP port a reply can
+    reach, with no UDP checksum or a right one, and then exactly the reply the reference builds;
+  * a KV frame that may be a reply (a reply op, or anything from the KV port) is dropped on every
+    port but a pool node's, and changes no map;
   * a frame the reference calls invalid passes untouched and changes no map (cache, admit set,
     pending rounds, waiters, recent misses, per-namespace counters);
   * on a tenant port (limited to namespace 1 and bound to the host's source) every frame with
@@ -11,7 +13,8 @@ populated cache, coalescing on), checked against a reference written independent
 
 Frames start from valid templates (GET hit, GET miss, pool reply for an admitted block, PUT,
 other UDP, TCP, ARP) and are mutated in every header field, in length (truncated, extended,
-lying length fields) or at random bytes.
+lying length fields) or at random bytes. Pool replies are also sent from inference-node ports,
+where they must be dropped.
 """
 from __future__ import annotations
 
@@ -80,14 +83,13 @@ def reference_parse(frame: bytes):
 
 
 def reference_udp_ok(frame: bytes) -> bool:
-    """A GET's UDP checksum is absent, right with its room taken as the zeros it must be, or the
-    partial one a stack leaves for checksum offload (the pseudo-header's sum)."""
+    """A GET's UDP checksum is absent or right with its room taken as the zeros it must be (the
+    pseudo-header's sum alone, which a local stack leaves for offload, is not: a receiving
+    kernel drops it unless the skb says so, which XDP cannot see)."""
     udp = frame[ETH + IPH:KV_OFF]
     if udp[6:8] == b"\0\0":
         return True
     pseudo = frame[ETH + 12:ETH + 20] + b"\0\x11" + udp[4:6]
-    if struct.unpack("!H", udp[6:8])[0] == ~ip_checksum(pseudo) & 0xFFFF:
-        return True
     return ip_checksum(pseudo + udp + frame[KV_OFF:KV_OFF + HEADER_LEN]) == 0
 
 
@@ -124,6 +126,18 @@ def reference_limited_may_pass(frame: bytes) -> bool:
     nexthdr = frame[ETH + 6]
     return nexthdr in (6, 58) or (nexthdr == 17 and len(frame) >= ETH + 48 and
                                   struct.unpack("!H", frame[ETH + 42:ETH + 44])[0] != PORT)
+
+
+REPLY_OPS = (Op.GET_REPLY, Op.PUT_ACK, Op.NACK, Op.ERROR)
+
+
+def reference_not_from_pool(frame: bytes, ref) -> bool:
+    """Whether ``frame`` (``ref``: reference_parse's) may be a KV reply, which only a pool node's
+    port may carry: a reply op, or any KV frame from the KV port."""
+    if ref is None:
+        return False
+    sport = struct.unpack("!H", frame[ETH + IPH:ETH + IPH + 2])[0]
+    return sport == PORT or (isinstance(ref, dict) and ref["op"] in REPLY_OPS)
 
 
 def reference_port_drops(frame: bytes, ref) -> bool:
@@ -207,7 +221,8 @@ def _state(dp) -> tuple:
 def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print) -> dict:
     rng = random.Random(seed)
     corpus = Corpus(rng)
-    violations, kinds = [], {"valid": 0, "invalid": 0, "not_kv": 0, "tx": 0, "port_drops": 0}
+    violations, kinds = [], {"valid": 0, "invalid": 0, "not_kv": 0, "tx": 0, "port_drops": 0,
+                         "reply_drops": 0}
     start = time.monotonic()
     with scratch_ports(("host", "pool"), ("tenant", "spare"), prefix="kvfz") as ports:
         dp = DataPlane(Deployment(chunk_size=CHUNK, cache_entries=256, pin_dir=None))
@@ -229,16 +244,23 @@ def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print
                 if rng.random() < 0.8:
                     frame = corpus.mutate(frame)
                 ref = reference_parse(frame)
-                drop = port == "tenant" and reference_port_drops(frame, ref)
-                batch.append((frame, port, "drop" if drop else ref))
+                # in the data plane's order: the source check, replies, then the port's limits
+                tenant = port == "tenant"
+                if tenant and not reference_source_ok(frame, MACS[0], HOST_IP):
+                    ref = "drop"
+                elif port != "pool" and reference_not_from_pool(frame, ref):
+                    ref = "reply"
+                elif tenant and reference_port_drops(frame, ref):
+                    ref = "drop"
+                batch.append((frame, port, ref))
             # frames the reference rejects or the port must drop first, with the state compared
             # around them
             invalid = [x for x in batch if not isinstance(x[2], dict)]
             before = _state(dp)
             for frame, port, ref in invalid:
-                kinds["port_drops" if ref == "drop" else "not_kv" if ref is None
-                      else "invalid"] += 1
-                want = XDP.DROP if ref == "drop" else XDP.PASS
+                kinds[{"drop": "port_drops", "reply": "reply_drops", None: "not_kv"}.get(
+                    ref, "invalid")] += 1
+                want = XDP.DROP if ref in ("drop", "reply") else XDP.PASS
                 verdict, out = xdp_test_run(dp.ingress.fd, frame, ifindex=ports[port])
                 if verdict != want or out != frame:
                     violations.append({"what": f"frame not left untouched with {want.name}",
@@ -252,7 +274,8 @@ def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print
                 verdict, out = xdp_test_run(dp.ingress.fd, frame, ifindex=ports[port])
                 if verdict == XDP.TX:
                     kinds["tx"] += 1
-                    ok = (ref["op"] == Op.GET and ref["dport"] == PORT and got is not None and
+                    ok = (ref["op"] == Op.GET and ref["dport"] == PORT and ref["sport"] != 0 and
+                          got is not None and
                           not ref["flags"] & Flag.NO_CACHE and got[0].len <= ref["len"] and
                           ref["udp_ok"] and
                           out == reference_reply(frame, ref, got[1], got[0].nchunks))
@@ -267,6 +290,7 @@ def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print
               "seconds": round(time.monotonic() - start, 2), "counters": dp.counters()}
     log(f"fuzz: {frames} frames ({kinds['valid']} valid KV, {kinds['invalid']} invalid KV, "
         f"{kinds['not_kv']} not KV, {kinds['port_drops']} dropped by the tenant port's checks, "
+        f"{kinds['reply_drops']} replies dropped on inference-node ports, "
         f"{kinds['tx']} answered), {len(violations)} violation(s), {result['seconds']}s")
     write_json(json_path, result)
     return result

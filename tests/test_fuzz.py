@@ -12,10 +12,11 @@ def test_short_fuzz_run_finds_no_violation():
     result = run_fuzz(4000, seed=7, log=lambda *_: None)
     assert result["violations"] == 0, result["examples"]
     assert result["valid"] > 1000 and result["invalid"] > 600 and result["tx"] > 100
-    assert result["port_drops"] > 300
+    assert result["port_drops"] > 300 and result["reply_drops"] > 300
     counters = result["counters"]
     assert counters["malformed"] == result["invalid"] and counters["non_kv"] == result["not_kv"]
     assert counters["spoofed"] + counters["unchecked"] + counters["denied"] == result["port_drops"]
+    assert counters["not_from_pool"] == result["reply_drops"]
 
 
 def test_reference_rejects_what_the_switch_must_not_answer():
