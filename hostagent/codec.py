@@ -23,7 +23,6 @@ tensor: multi-pass numpy/torch decoding ran at half the speed (docs/compression.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -244,4 +243,4 @@ def max_abs_error_bound(spec: str, kv: torch.Tensor, block_tokens: int) -> float
     return rng / 15 * 0.5 * 1.01 + 2 * a * 2 ** -11 + 1e-6
 
 
-__all__ = ["CODECS", "Codec", "UnknownCodec", "make", "parse", "ratio", "math"]
+__all__ = ["CODECS", "Codec", "UnknownCodec", "make", "parse", "ratio", "warm_up"]
