@@ -279,6 +279,8 @@ def main(argv: list[str]) -> None:
     done = {r["prompt"] for r in rows}
     result = summarise(rows[0]["model"], rows)
     write_json(json_path, result)
+    write_json(str(json_path).removesuffix(".json") + "-detail.json",
+               {"prompts_done": len(done), "summarised_from": rows_path, "rows": rows})
     plot(result, plot_path)
     print(f"{len(done)} prompts summarised into {json_path} and {plot_path}")
 
