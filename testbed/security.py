@@ -111,6 +111,21 @@ def impersonate(victim_mac: str, victim_ip: str, seconds: float, period: float =
     return {"sent": sent, "captured": len(captured), "captured_kv": kv}
 
 
+def _flood(raw: list[bytes], seconds: float, period: float) -> int:
+    """Send every frame of ``raw`` out of eth0, a pass every ``period`` seconds for ``seconds``;
+    the number of passes."""
+    sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    sock.bind(("eth0", 0))
+    end, passes = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        for frame in raw:
+            sock.send(frame)
+        passes += 1
+        time.sleep(period)
+    sock.close()
+    return passes
+
+
 def stall_rounds(ip: str, mac: str, ns: int, key_hex: str, chunks: int, room: int,
                  seconds: float, period: float = 0.01) -> dict:
     """Task: every ``period`` seconds, GETs for every chunk of a block addressed to ``ip`` /
@@ -121,15 +136,7 @@ def stall_rounds(ip: str, mac: str, ns: int, key_hex: str, chunks: int, room: in
         "plain", my_mac, mac, me, ip, 40404,
         Message(Op.GET, ns, key, chunk, req_id=chunk, room=room).encode())]
     raw = [bytes(f) for f in frames]
-    sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
-    sock.bind(("eth0", 0))
-    end, rounds = time.monotonic() + seconds, 0
-    while time.monotonic() < end:
-        for frame in raw:
-            sock.send(frame)
-        rounds += 1
-        time.sleep(period)
-    sock.close()
+    rounds = _flood(raw, seconds, period)
     return {"rounds": rounds, "frames": rounds * len(raw)}
 
 
@@ -202,15 +209,7 @@ def unanswerable_gets(pool_ip: str, pool_mac: str, ns: int, key_hex: str, chunks
         elif how != "port0":
             raise ValueError(how)
         raw.append(bytes(frame))
-    sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
-    sock.bind(("eth0", 0))
-    end, passes = time.monotonic() + seconds, 0
-    while time.monotonic() < end:
-        for frame in raw:
-            sock.send(frame)
-        passes += 1
-        time.sleep(period)
-    sock.close()
+    passes = _flood(raw, seconds, period)
     return {"passes": passes, "frames": passes * len(raw)}
 
 

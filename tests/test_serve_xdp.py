@@ -322,7 +322,8 @@ def test_a_put_hog_in_one_namespace_leaves_another_its_puts_and_xdp_serving():
     assert other["xdp_share"] >= 0.98, r                  # (a chunk at a segment's end: Python)
     assert end["refused_ns"] > 0 and end["xdp_dense_refused"] >= 1, r
     assert r["peak"]["assembling_bytes"] <= 48 << 20, r
-    assert end["resent_chunks"] > 0 and end["expired_blocks"] >= 5, r   # 4 bulk, 1 tiny
+    # every block the hog held at its peak expired (how many its budgets let in varies)
+    assert end["resent_chunks"] > 0 and end["expired_blocks"] >= r["peak"]["assembling_blocks"], r
     assert end["assembling_payload_bytes"] < 1 << 20, r  # re-sent chunk 0s kept nothing alive
     # (an upper bound: the heap BCC's compile left behind is reused first)
     assert r["rss_per_charged_byte"] < 1.5, r
