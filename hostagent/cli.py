@@ -162,7 +162,8 @@ def _make_store(ctx: click.Context, v: dict):
                          min(v["assembly_per_source"], v["assembly"]), v["incomplete_blocks"],
                          v["incomplete_per_ns"], v["incomplete_per_source"],
                          v["assembly_timeout"], v["pool_chunk_size"] or 0)
-    common = {"budgets": budgets, "xdp_slots_per_ns": v["xdp_slots_per_ns"]}
+    common = {"budgets": budgets, "xdp_slots_per_ns": v["xdp_slots_per_ns"],
+              "disk": _disk_tier(ctx, v)}
     if v["store_kind"] == "memory":
         for name in ("mooncake_master", "mooncake_metadata", "replicas", "segment"):
             if _given(ctx, v, name):
@@ -186,6 +187,21 @@ def _make_store(ctx: click.Context, v: dict):
                           v["segment"], v["mooncake_metadata"], **common)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def _disk_tier(ctx: click.Context, v: dict):
+    """The pool disk tier ``--disk-dir``/``--disk-bytes`` ask for, or None."""
+    if not v["disk_dir"]:
+        if _given(ctx, v, "disk_bytes"):
+            raise click.UsageError("--disk-bytes needs --disk-dir DIR")
+        return None
+    if v["disk_bytes"] <= 0:
+        raise click.BadParameter("must be positive", param_hint="--disk-bytes")
+    where = Path(v["disk_dir"])
+    if where.exists() and not where.is_dir():
+        raise click.BadParameter(f"{where} is not a directory", param_hint="--disk-dir")
+    from .disk_tier import DiskTier
+    return DiskTier(where, v["disk_bytes"])     # an unwritable one: one log line, DRAM only
 
 
 def _allocated(make, capacity: int, *args, **kw):
@@ -241,6 +257,11 @@ def _allocated(make, capacity: int, *args, **kw):
 @click.option("--xdp-slots-per-ns", type=click.IntRange(0), default=None,
               help="Chunk slots for blocks of chunks under 1 KiB one namespace may take in "
                    "XDP serving [default: a quarter of them].")
+@click.option("--disk-dir", type=click.Path(file_okay=False), default=None,
+              help="Pool disk tier: keep blocks that leave this node's DRAM in this directory "
+                   "and stage them back on a GET (docs/pool-nodes.md#tiers).")
+@click.option("--disk-bytes", type=SizeType(), default="16GiB", show_default=True,
+              help="Bytes of blocks the disk tier keeps at most (least recently used go).")
 @click.option("--stats-file", type=click.Path(dir_okay=False),
               help="Write the request counters here as JSON on SIGUSR1 and on exit.")
 def serve(config, **_):

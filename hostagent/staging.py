@@ -4,8 +4,11 @@
 one page per value can take its place, so an XDP program can serve the same bytes) cut into
 pages, a block taking a contiguous run of them (first fit, neighbouring free runs merged).
 ``Staging`` owns what is in it: an index from (namespace, key) to the staged block (its run,
-its layout as ``hostagent.blockfmt`` stores it, its CRC array), least recently used first, a
-byte bound (the arena's size), and pins: a run being filled or written out is never evicted.
+its layout as ``hostagent.blockfmt`` stores it, its CRC array), a byte bound (the arena's size),
+the eviction order (``lru``: least recently used first; ``value``: lowest ``value_fn(ns, key,
+nbytes)`` first, ties least recent first), the eviction hook (``on_evict(block)``, called while
+the block is still whole in its run: where a pool disk tier writes it down) and pins: a run
+being filled or written out is never evicted.
 Nothing here touches a socket or a store; the server reads chunks from ``StagedBlock``s, the
 stores fill runs (``reserve`` then ``commit``, or ``release`` on failure), and the arena hears
 of every block that becomes servable (``publish``) and of every one about to leave
@@ -142,14 +145,38 @@ class StagedBlock:
         return self.run.view[off:off + ln], self.crcs[i]
 
 
+EVICT_ORDERS = ("lru", "value")
+
+
 class Staging:
     """The staged blocks of one arena, by (namespace, key), least recently used first."""
 
-    def __init__(self, arena: Arena):
+    def __init__(self, arena: Arena, evict: str = "lru", value_fn=None, on_evict=None):
         self.arena = arena
         self.blocks: OrderedDict[tuple[int, bytes], StagedBlock] = OrderedDict()
         self.evicted_blocks = 0
         self.reserved_pages = 0
+        self.on_evict = on_evict
+        self.set_eviction(evict, value_fn)
+
+    def set_eviction(self, evict: str, value_fn=None) -> None:
+        """``lru``, or ``value`` with ``value_fn(ns, key, nbytes)`` (anything comparable:
+        lowest leaves first)."""
+        if evict not in EVICT_ORDERS:
+            raise ValueError(f"eviction order {evict!r} is not one of {', '.join(EVICT_ORDERS)}")
+        if evict == "value" and value_fn is None:
+            raise ValueError("evict='value' needs a value_fn(ns, key, nbytes)")
+        self.evict, self.value_fn = evict, value_fn
+
+    def _victims(self):
+        """Unpinned staged blocks in the order they leave."""
+        if self.evict == "lru":
+            return (k for k, b in list(self.blocks.items()) if not b.pins)
+        vf = self.value_fn
+        cands = [(k, b) for k, b in self.blocks.items() if not b.pins]
+        ranked = sorted(range(len(cands)),
+                        key=lambda i: (vf(cands[i][0][0], cands[i][0][1], cands[i][1].nbytes), i))
+        return (cands[i][0] for i in ranked)
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -178,15 +205,24 @@ class Staging:
             raise StagingFull(f"a {nbytes}-byte block is larger than the {arena.size}-byte "
                               "staging area")
         start = arena.alloc(npages)
-        if start is None:
-            arena.refresh(self.blocks)
-        while start is None:
-            victim = next((k for k, b in self.blocks.items() if not b.pins), None)
-            if victim is None:
-                raise StagingFull("the staging area is full of blocks in use")
+        if start is not None:
+            return self._reserved(start, npages)
+        arena.refresh(self.blocks)
+        for victim in self._victims():
+            block = self.blocks.get(victim)
+            if block is None or block.pins:
+                continue
+            if self.on_evict is not None:
+                self.on_evict(block)
             self.remove(*victim)
             self.evicted_blocks += 1
             start = arena.alloc(npages)
+            if start is not None:
+                return self._reserved(start, npages)
+        raise StagingFull("the staging area is full of blocks in use")
+
+    def _reserved(self, start: int, npages: int) -> Run:
+        arena = self.arena
         self.reserved_pages += npages
         lo = start * arena.page
         return Run(start, npages, arena.view[lo:lo + npages * arena.page], arena.addr + lo)

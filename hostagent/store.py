@@ -10,7 +10,12 @@ answered. ``PoolStore`` is that common part and the interface the server uses: `
 
 ``MemoryStore`` (alias ``BlockStore``) has no backing store: the arena is the store, a miss is
 NOT_FOUND and the least recently used blocks go when space runs out. The Mooncake Store one is
-``hostagent.mooncake_store``. Blocks are immutable: a PUT of a chunk that differs from the
+``hostagent.mooncake_store``. Either may have a pool disk tier (``disk=``, a
+``hostagent.disk_tier.DiskTier``): a block evicted from the arena is written there first (if
+``demote_fn(ns, key, nbytes)`` says so; default: every one), and a GET the arena misses is
+staged back from it (read in a worker thread, every chunk checked) before the backing store is
+asked. The eviction order is ``lru`` or ``value`` (``value_fn(ns, key, nbytes)``, lowest
+first: ``set_policy``). Blocks are immutable: a PUT of a chunk that differs from the
 stored one is refused; one that matches (a retransmission) is acknowledged again.
 """
 from __future__ import annotations
@@ -18,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from array import array
+from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
 
 from kvproto import Status, checksum
 from .assembly import (DEFAULT_ASSEMBLY_BYTES, DEFAULT_ASSEMBLY_TIMEOUT, Assembler, PutBudgets,
                        StoreError)
 from .blockfmt import Layout, write_block
+from .disk_tier import DiskTier
 from .staging import DEFAULT_PAGE, Arena, StagedBlock, Staging, StagingFull
 
 __all__ = ["Assembler", "BlockStore", "MemoryStore", "PoolStore", "PutBudgets", "StoreError",
@@ -41,7 +48,9 @@ class PoolStore:
 
     def __init__(self, capacity: int, page: int = DEFAULT_PAGE,
                  assembly_bytes: int | None = None, assembly_timeout: float | None = None,
-                 budgets: PutBudgets | None = None, xdp_slots_per_ns: int | None = None):
+                 budgets: PutBudgets | None = None, xdp_slots_per_ns: int | None = None,
+                 disk: DiskTier | None = None, evict: str = "lru", value_fn=None,
+                 demote_fn=None):
         if capacity <= 0:
             raise ValueError("capacity must be positive")
         budgets = budgets or PutBudgets()
@@ -51,7 +60,11 @@ class PoolStore:
                 budgets, total=total, per_ns=min(budgets.per_ns, total),
                 per_source=min(budgets.per_source, total),
                 timeout=assembly_timeout if assembly_timeout is not None else budgets.timeout)
-        self.staging = Staging(Arena(max(capacity, page), page))
+        self.disk, self.demote_fn = disk, demote_fn
+        self._disk_reads: dict[tuple[int, bytes], asyncio.Future] = {}
+        self._disk_pool: ThreadPoolExecutor | None = None
+        self.staging = Staging(Arena(max(capacity, page), page), evict, value_fn,
+                               self._evicting)
         self.assembler = Assembler(budgets.capped(self.staging.capacity),
                                    max_block=self.staging.capacity)
         self.xdp_slots_per_ns = xdp_slots_per_ns    # (what an XDP-served arena lends a tenant)
@@ -63,17 +76,33 @@ class PoolStore:
         """Connect to whatever backs the store (returns once it can serve)."""
 
     async def close(self) -> None:
+        if self._disk_reads:
+            await asyncio.gather(*self._disk_reads.values(), return_exceptions=True)
+        if self._disk_pool is not None:
+            self._disk_pool.shutdown(wait=True)
         self.staging.arena.close()
 
     def describe(self) -> str:
-        return f"{self.kind} store, {self.capacity} bytes"
+        return f"{self.kind} store, {self.capacity} bytes{self._disk_text()}"
+
+    def _disk_text(self) -> str:
+        d = self.disk
+        return "" if d is None else f", disk tier {d.dir} ({d.capacity} bytes)"
 
     def use_arena(self, arena: Arena) -> None:
         """Stage into ``arena`` (an XDP-served one) from now on: only before serving starts."""
         if len(self.staging) or self.staging.reserved_pages:
             raise RuntimeError("the staging arena can only be replaced while it is empty")
-        old, self.staging = self.staging.arena, Staging(arena)
+        s = self.staging
+        old, self.staging = s.arena, Staging(arena, s.evict, s.value_fn, s.on_evict)
         old.close()
+
+    def set_policy(self, evict: str = "lru", value_fn=None, demote_fn=None) -> None:
+        """How pool DRAM gives way: ``evict`` ``lru`` or ``value`` (``value_fn(ns, key,
+        nbytes)``, anything comparable, lowest leaves first); ``demote_fn(ns, key, nbytes)``:
+        whether an evicted block goes to the disk tier (None: every one does)."""
+        self.staging.set_eviction(evict, value_fn)
+        self.demote_fn = demote_fn
 
     def tick(self) -> None:
         """Housekeeping, about once a second: drop stale incomplete blocks."""
@@ -86,6 +115,9 @@ class PoolStore:
             return block
         if (ns, key) in self.assembler:
             raise StoreError(Status.INCOMPLETE, "block is still being written")
+        staging_back = self._from_disk(ns, key)
+        if staging_back is not None:
+            return staging_back
         return self._miss(ns, key)
 
     def put_chunk(self, ns: int, key: bytes, chunk: int, nchunks: int, payload: bytes,
@@ -112,6 +144,8 @@ class PoolStore:
         except StagingFull as exc:
             raise StoreError(Status.NO_SPACE, str(exc)) from None
         write_block(run.view, layout, chunks, crcs)
+        if self.disk is not None and (ns, key) in self.disk:
+            self.disk.remove(ns, key)         # a new copy: the old one on disk is stale
         block = self.staging.commit(run, layout, array("I", crcs), meta={"source": source})
         self.counters["blocks_put"] += 1
         return self._persist(block)
@@ -128,14 +162,65 @@ class PoolStore:
         return bytes(payload), crc, block.nchunks
 
     def remove(self, ns: int, key: bytes) -> bool:
-        return self.staging.remove(ns, key)
+        on_disk = self.disk is not None and self.disk.remove(ns, key)
+        return self.staging.remove(ns, key) or on_disk
 
     def stats(self) -> dict:
         s = self.staging
         return {"store": self.kind, "staged_blocks": len(s), "staged_bytes": s.used,
                 "capacity": s.capacity, "evicted_blocks": s.evicted_blocks,
-                **self.assembler.stats(), **self.counters,
+                "evict": s.evict, **self.assembler.stats(), **self.counters,
+                **(self.disk.stats() if self.disk is not None else {}),
                 **s.arena.stats()}
+
+    # ---- the pool disk tier ----------------------------------------------------------------
+    def _evicting(self, block: StagedBlock) -> None:
+        """A block leaving pool DRAM (still whole in its run): to disk, if it goes there."""
+        disk = self.disk
+        if disk is None:
+            return
+        ns, key, n = block.layout.ns, block.layout.key, block.nbytes
+        if self.demote_fn is not None and not self.demote_fn(ns, key, n):
+            self.counters["disk_not_demoted"] += 1
+            return
+        disk.write(ns, key, block.run.view[:n])
+
+    def _from_disk(self, ns: int, key: bytes) -> asyncio.Future | None:
+        """A future of the block staged back from the disk tier, or None if it is not there."""
+        name = (ns, key)
+        reading = self._disk_reads.get(name)
+        if reading is not None:
+            return reading
+        if self.disk is None or name not in self.disk:
+            return None
+        size = self.disk.size(ns, key)
+        try:
+            run = self.staging.reserve(size)
+        except StagingFull as exc:
+            raise StoreError(Status.NO_SPACE, str(exc)) from None
+        loop = asyncio.get_running_loop()
+        if self._disk_pool is None:
+            self._disk_pool = ThreadPoolExecutor(1, thread_name_prefix="disk-tier")
+        fut = self._disk_reads[name] = loop.create_future()
+        read = loop.run_in_executor(self._disk_pool, self.disk.read_into, ns, key, run.view)
+        read.add_done_callback(lambda r: self._staged_back(name, run, r, fut))
+        return fut
+
+    def _staged_back(self, name, run, read: asyncio.Future, fut: asyncio.Future) -> None:
+        self._disk_reads.pop(name, None)
+        exc = read.exception() if not read.cancelled() else StoreError(Status.NOT_FOUND, "")
+        if exc is not None:
+            self.staging.release(run)
+            self.counters["disk_misses"] += 1
+            if not fut.done():
+                fut.set_exception(exc if isinstance(exc, StoreError) else
+                                  StoreError(Status.NOT_FOUND, f"no such block ({exc})"))
+            return
+        layout, crcs = read.result()
+        block = self.staging.commit(run, layout, crcs, meta={"source": "disk"})
+        self.counters["disk_staged"] += 1
+        if not fut.done():
+            fut.set_result(block)
 
     # ---- what a store with a backing store overrides -------------------------------------
     def _miss(self, ns: int, key: bytes) -> asyncio.Future:
@@ -178,7 +263,7 @@ def _same_chunk(block: StagedBlock, chunk: int, nchunks: int, payload: bytes, cr
 
 class MemoryStore(PoolStore):
     """Blocks in this process's memory only (the embedded default): ``capacity`` bytes of them,
-    least recently used first out; lost when the process ends."""
+    least recently used first out; lost when the process ends, unless a disk tier keeps them."""
 
     kind = "memory"
 
