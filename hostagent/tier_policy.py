@@ -9,14 +9,19 @@ run this one code. It owns a block's value and every decision about moving KV be
              costing (1 + d / depth_scale) (attention over the prefix, as the cluster model).
   write_down now | later | never: ``all`` writes every computed block through now;
              ``selective`` (SGLang HiCache's write_through_selective) writes a block now once it
-             has ``write_after`` reuses, later (asked again on its next use, and when the node
-             tier evicts it) until then, never if recomputing it is cheaper than fetching it.
+             has ``write_after`` reuses, or at once if blocks at its prefix depth have been
+             reused often enough here (``write_prob``: the share of blocks first seen at that
+             depth that were used again, learned online; a node sees only its own requests, and
+             this is how it guesses that other nodes will want a block it has not seen twice),
+             later (asked again on its next use, and when the node tier evicts it) until then,
+             never if recomputing it is cheaper than fetching it.
   promote    into node DRAM on a fetch from a lower tier: always, unless the node tier orders
              by value and the block is worth less than what it would push out.
   demote     on eviction from a tier, to the next tier down (node -> pool, pool -> disk):
              ``none`` drops, ``all`` moves everything down, ``value`` moves a block down only
              when its expected reuses pay for the bytes: reuses x (saved - read time from the
-             tier) >= min_gain x time to write it there (and > 0).
+             tier) >= min_gain x time to write it there (and > 0), or when the tier below has
+             free room (free bytes displace nothing) and a hit from it beats recomputing.
   eviction   ``value`` mode orders a full tier by value (lowest first, ties least recent);
              ``none``/``all`` by recency (LRU).
 
@@ -73,6 +78,7 @@ class PolicyConfig:
     depth_scale: float = 60.0
     min_gain: float = 0.5           # demote when expected saving >= min_gain x write time (a
     #                                 write is bandwidth off the critical path: weighed at half)
+    write_prob: float = 0.25        # selective: write at once if its depth's reuse share is this
     costs: dict = field(default_factory=lambda: dict(DEFAULT_COSTS))
 
     def __post_init__(self) -> None:
@@ -87,6 +93,8 @@ class PolicyConfig:
                 raise PolicyError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.block_tokens < 1 or self.write_after < 0 or self.min_gain < 0:
             raise PolicyError("block_tokens must be >= 1, write_after and min_gain >= 0")
+        if not 0 <= self.write_prob <= 1.0 + 1e-9:
+            raise PolicyError(f"write_prob must be in [0, 1], got {self.write_prob}")
 
 
 class Popularity:
@@ -94,7 +102,7 @@ class Popularity:
     c at time t is kept as log2(c) + t / half_life, so counts taken at different times compare
     without touching every block (the order of decayed counts does not change with time)."""
 
-    __slots__ = ("half_life", "_log", "last", "uses", "depth", "size")
+    __slots__ = ("half_life", "_log", "last", "uses", "depth", "size", "seen_at", "reused_at")
 
     def __init__(self, half_life_s: float = 60.0):
         self.half_life = half_life_s
@@ -103,6 +111,18 @@ class Popularity:
         self.uses: dict[Block, int] = {}
         self.depth: dict[Block, int] = {}
         self.size: dict[Block, int] = {}
+        self.seen_at: dict[int, int] = {}      # depth bucket -> blocks first seen there
+        self.reused_at: dict[int, int] = {}    # ... of which used again
+
+    @staticmethod
+    def bucket(depth: int) -> int:
+        return depth if depth < 16 else 12 + depth.bit_length()
+
+    def reuse_share(self, depth: int | None) -> float:
+        """The share of blocks first seen at ``depth``'s bucket that were used again (one
+        seen-and-reused block of prior: 1.0 until there is evidence)."""
+        b = self.bucket(depth or 0)
+        return (self.reused_at.get(b, 0) + 1) / (self.seen_at.get(b, 0) + 1)
 
     def touch(self, block: Block, now: float, depth: int | None = None,
               size: int | None = None, weight: float = 1.0) -> None:
@@ -113,6 +133,10 @@ class Popularity:
             self.size[block] = size
         n = self.uses.get(block, 0)
         self.uses[block] = n + 1
+        if n < 2:
+            b = self.bucket(self.depth.get(block, 0))
+            tally = self.seen_at if n == 0 else self.reused_at
+            tally[b] = tally.get(b, 0) + 1
         self.last[block] = max(now, self.last.get(block, now))
         if n == 0 or weight <= 0:
             self._log.setdefault(block, -math.inf)
@@ -185,7 +209,10 @@ class TierPolicy:
             return "now"
         if self.saved_s(block) <= self.cfg.costs["pool"].read_s(self._size(block, size)):
             return "never"                  # fetching it would take longer than computing it
-        return "now" if self.pop.uses.get(block, 0) - 1 >= self.cfg.write_after else "later"
+        if self.pop.uses.get(block, 0) - 1 >= self.cfg.write_after:
+            return "now"
+        share = self.pop.reuse_share(self.pop.depth.get(block))
+        return "now" if share >= self.cfg.write_prob else "later"
 
     def pays(self, block: Block, tier: str, now: float, size: int | None = None) -> bool:
         """Do ``block``'s expected reuses pay for holding its bytes in ``tier``?"""
@@ -195,15 +222,20 @@ class TierPolicy:
         gain = reuses * (self.saved_s(block) - cost.read_s(n))
         return reuses > 0 and gain > 0 and gain >= self.cfg.min_gain * cost.write_s(n)
 
-    def demote(self, block: Block, from_tier: str, now: float,
-               size: int | None = None) -> str | None:
-        """Where a block evicted from ``from_tier`` goes: the next tier down, or None (drop)."""
+    def demote(self, block: Block, from_tier: str, now: float, size: int | None = None,
+               free: float = 0.0) -> str | None:
+        """Where a block evicted from ``from_tier`` goes: the next tier down, or None (drop).
+        ``free``: bytes the tier below has free, if the caller knows (a pool node its disk)."""
         down = NEXT_DOWN.get(from_tier)
         if down is None or self.cfg.demote == "none":
             return None
         if self.cfg.demote == "all":
             return down
-        return down if self.pays(block, down, now, size) else None
+        n = self._size(block, size)
+        if self.pays(block, down, now, n):
+            return down
+        roomy = free >= n and self.saved_s(block) > self.cfg.costs[down].read_s(n)
+        return down if roomy else None
 
     def promote(self, block: Block, now: float, tier: "OrderedTier | None" = None,
                 size: int | None = None) -> bool:
@@ -284,3 +316,32 @@ class OrderedTier:
 
     def keys(self) -> Iterable[Block]:
         return self.blocks.keys()
+
+
+class PoolSide:
+    """A pool node's use of the policy (blocks are (ns, key)): the PUTs and the GETs that reach
+    it feed it (switch hits never do); it gives the store its eviction order (``value_fn``, for
+    ``evict="value"``) and decides whether a block leaving DRAM goes to disk (``demote_fn``)."""
+
+    def __init__(self, cfg: PolicyConfig | None = None, clock=None):
+        import time
+        self.policy = TierPolicy(cfg)
+        self.clock = clock or time.monotonic
+
+    def put(self, ns: int, key: bytes, nbytes: int) -> None:
+        """A block written to the pool (its first use: the compute that made it)."""
+        if (ns, key) not in self.policy.pop:
+            self.policy.access((ns, key), self.clock(), None, nbytes)
+
+    def get(self, ns: int, key: bytes, nbytes: int | None = None) -> None:
+        """A GET of the block's chunk 0 (one per fetch) that reached this pool node."""
+        self.policy.access((ns, key), self.clock(), None, nbytes)
+
+    def value_fn(self, ns: int, key: bytes, nbytes: int):
+        return self.policy.order_key((ns, key), nbytes)
+
+    def demote_fn(self, ns: int, key: bytes, nbytes: int, free: float = 0.0) -> bool:
+        return self.policy.demote((ns, key), "pool", self.clock(), nbytes, free) == "disk"
+
+    def forget(self, ns: int, key: bytes) -> None:
+        self.policy.pop.forget((ns, key))

@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from hostagent.tier_policy import (OrderedTier, PolicyConfig, PolicyError, Popularity,
-                                   TierCost, TierPolicy)
+from hostagent.tier_policy import (OrderedTier, PolicyConfig, PolicyError, PoolSide,
+                                   Popularity, TierCost, TierPolicy)
 
 MIB = 1 << 20
 BLOCK = 64 * MIB            # a 512-token block of Llama-3-8B
@@ -51,14 +51,41 @@ WRITE_CASES = [
 ]                                               # costs more than computing
 
 
+def seasoned(p: TierPolicy, depth=0, n=8) -> TierPolicy:
+    """A policy that has seen ``n`` blocks at ``depth`` never used again."""
+    for i in range(n):
+        p.access(("cold", i), 0.0, depth, BLOCK)
+    return p
+
+
 @pytest.mark.parametrize("mode,uses,size,want", WRITE_CASES)
 def test_write_down(mode, uses, size, want):
-    p = used(policy(write_down=mode), "b", [0.0] * uses, size=size)
+    p = used(seasoned(policy(write_down=mode)), "b", [0.0] * uses, size=size)
     assert p.write_down("b", 0.0, size) == want
 
 
+# (blocks seen at depth 3, of which reused, write_prob, expected for a new block at depth 3)
+DEPTH_CASES = [
+    (0, 0, 0.25, "now"),          # no evidence yet: the prior (1 of 1, and itself) writes
+    (7, 0, 0.25, "later"),        # (0 + 1) / (7 + 1 + 1) < 0.25
+    (7, 2, 0.25, "now"),          # 3/9
+    (7, 2, 0.5, "later"),
+]
+
+
+@pytest.mark.parametrize("seen,reused,prob,want", DEPTH_CASES)
+def test_selective_learns_which_depths_are_reused(seen, reused, prob, want):
+    p = policy(write_down="selective", write_prob=prob)
+    for i in range(seen):
+        used(p, ("d", i), [0.0] * (2 if i < reused else 1), depth=3)
+    seasoned(p, depth=0)                       # other depths do not count
+    used(p, "new", [1.0], depth=3)
+    assert p.write_down("new", 1.0) == want
+    assert p.pop.reuse_share(3) == pytest.approx((reused + 1) / (seen + 2))
+
+
 def test_selective_threshold_is_configurable():
-    p = used(policy(write_down="selective", write_after=3), "b", [0, 1, 2])
+    p = used(seasoned(policy(write_down="selective", write_after=3)), "b", [0, 1, 2])
     assert p.write_down("b", 2) == "later"
     p.access("b", 3)
     assert p.write_down("b", 3) == "now"
@@ -96,6 +123,30 @@ def test_value_demotion_weighs_reuses_against_the_tier():
     assert p3.demote("b", "pool", 0, BLOCK) is None       # 29 ms < 2 x 45 ms
     assert p.value("b", 0, BLOCK) == pytest.approx(1 * 0.0512 / BLOCK)
     assert p2.value("deep", 0, BLOCK) == pytest.approx(3 * p.value("b", 0, BLOCK))
+
+
+def test_value_demotes_unproven_blocks_only_into_free_room():
+    p = used(policy(demote="value"), "b", [0.0])            # never reused
+    assert p.demote("b", "pool", 0, BLOCK, free=0) is None
+    assert p.demote("b", "pool", 0, BLOCK, free=BLOCK) == "disk"
+    assert p.demote("b", "pool", 0, BLOCK, free=BLOCK - 1) is None
+    slow = {"node": TierCost(200, 200), "pool": TierCost(100, 100), "disk": TierCost(4, 2)}
+    q = used(TierPolicy(PolicyConfig(demote="value", costs=slow)), "b", [0.0])
+    assert q.demote("b", "pool", 0, BLOCK, free=10 * BLOCK) is None   # slower than compute
+
+
+def test_pool_side_counts_what_reaches_the_pool():
+    t = [0.0]
+    side = PoolSide(PolicyConfig(demote="value"), clock=lambda: t[0])
+    side.put(1, b"a", BLOCK)
+    side.put(1, b"b", BLOCK)
+    side.get(1, b"b", BLOCK)
+    side.put(1, b"b", BLOCK)                                 # a rewrite is not a use
+    assert side.value_fn(1, b"a", BLOCK) < side.value_fn(1, b"b", BLOCK)
+    assert not side.demote_fn(1, b"a", BLOCK) and side.demote_fn(1, b"b", BLOCK)
+    assert side.demote_fn(1, b"a", BLOCK, free=BLOCK)
+    side.forget(1, b"b")
+    assert (1, b"b") not in side.policy.pop
 
 
 def test_value_decays_so_old_demand_demotes_no_more():
@@ -160,6 +211,7 @@ def test_promote(by_value, room, cand, victim, want):
     ({"write_down": "later"}, "unknown write-down mode 'later'"),
     ({"half_life_s": 0}, "half_life_s must be > 0"),
     ({"write_after": -1}, "write_after and min_gain >= 0"),
+    ({"write_prob": 1.5}, "write_prob must be in"),
 ])
 def test_bad_config_is_one_line(kw, msg):
     with pytest.raises(PolicyError, match=msg) as e:

@@ -177,6 +177,7 @@ class SwitchModel:
         self.misses: dict = defaultdict(int)
         self.sizes: dict = {}
         self.last_miss: dict = {}
+        self.next_step: float | None = None     # kept across runs (TierSim runs fetch by fetch)
 
     @property
     def steps(self) -> int:
@@ -200,7 +201,8 @@ class SwitchModel:
         out = np.empty(len(keys), np.int8)
         if not len(keys):
             return out
-        next_step = float(times[0]) + self.interval
+        next_step = (float(times[0]) + self.interval if self.next_step is None
+                     else self.next_step)
         filled, last_miss = self.filled, self.last_miss
         for i, (k, t, s, w) in enumerate(zip(keys.tolist(), times.tolist(), sizes.tolist(),
                                              windows.tolist())):
@@ -226,4 +228,138 @@ class SwitchModel:
                     filled[k] = (s, True)
                     self.used += s
                     self.spec_budget -= s
+        self.next_step = next_step
         return out
+
+
+# ---- the four live tiers, exact, request by request --------------------------------------------
+class TierSim:
+    """Node DRAM (per inference node), the switch (SwitchModel), pool DRAM and pool disk (per
+    pool node), replayed request by request with hostagent.tier_policy deciding, the same code
+    the live inference nodes and pool nodes run: what each node writes down and when, what it
+    promotes, what leaves a full tier first and whether an evicted block moves down or is
+    dropped. Each inference node and each pool node has a policy of its own, fed with what it
+    sees (a node: its requests; a pool node: the PUTs and the GETs that reach it). A request
+    uses the longest run of blocks some tier holds from its first block and computes the rest;
+    ``pool_bytes`` None is an unbounded pool."""
+
+    def __init__(self, cfg, nodes: int, pools: int, block_bytes: int, node_bytes: float,
+                 pool_bytes: float | None, disk_bytes: float, owner, nchunks: int = 1,
+                 switch_entries: int = 0, switch_policy: str = "prefix",
+                 switch_headroom: int | None = None, interval: float = 1.0,
+                 fetch_window: float = 0.0):
+        from hostagent.tier_policy import OrderedTier, TierPolicy
+        self.cfg, self.size, self.owner, self.nchunks = cfg, block_bytes, owner, nchunks
+        by_value = cfg.demote == "value"
+        self.node_pol = [TierPolicy(cfg) for _ in range(nodes)]
+        self.pool_pol = [TierPolicy(cfg) for _ in range(pools)]
+        self.node = [OrderedTier(node_bytes, p, by_value) for p in self.node_pol]
+        big = math.inf if pool_bytes is None else pool_bytes
+        self.pool = [OrderedTier(big, p, by_value) for p in self.pool_pol]
+        self.disk = [OrderedTier(disk_bytes, p, by_value) for p in self.pool_pol]
+        self.written = [set() for _ in range(nodes)]   # what a node knows is in the pool
+        self.switch = None
+        if switch_entries:
+            head = switch_entries // 16 if switch_headroom is None else switch_headroom
+            self.switch = SwitchModel(switch_policy, switch_entries, head, interval)
+        self.window = fetch_window
+        self.hits = dict.fromkeys(("node", "switch", "pool", "disk"), 0)
+        self.requests = self.blocks = self.computed = 0
+        self.write_bytes = self.writes = self.demoted = self.dropped = 0
+
+    # pool side
+    def _pool_put(self, p: int, block, now: float) -> None:
+        pol = self.pool_pol[p]
+        if block not in self.pool[p] and block not in self.disk[p]:
+            pol.access(block, now, size=self.size)           # a PUT: the compute that made it
+        for gone, size in self.pool[p].put(block, self.size):
+            if gone in self.disk[p]:
+                continue
+            if pol.demote(gone, "pool", now, size, self.disk[p].free) == "disk":
+                self.demoted += 1
+                self.disk[p].put(gone, size)
+            else:
+                self.dropped += 1
+
+    def _pool_get(self, p: int, block, now: float) -> str | None:
+        if self.pool[p].get(block):
+            self.pool_pol[p].access(block, now, size=self.size)
+            return "pool"
+        if self.disk[p].get(block):
+            self.pool_pol[p].access(block, now, size=self.size)
+            self._pool_put(p, block, now)                    # staged back into DRAM
+            return "disk"
+        return None
+
+    # node side
+    def _write(self, n: int, block, now: float) -> None:
+        self.written[n].add(block)
+        self.writes += 1
+        self.write_bytes += self.size
+        self._pool_put(self.owner(block), block, now)
+
+    def _node_put(self, n: int, block, now: float) -> None:
+        for gone, _size in self.node[n].put(block, self.size):
+            if gone not in self.written[n] and \
+                    self.node_pol[n].demote(gone, "node", now, self.size) == "pool":
+                self._write(n, gone, now)
+
+    def _switch(self, block, now: float) -> bool:
+        """The switch answers (a hit or a coalesced reply) for a block the pool holds."""
+        if self.switch is None:
+            return False
+        k = np.array([hash(block)], np.int64)
+        out = self.switch.run(k, np.array([now]), np.array([self.nchunks], float),
+                              np.array([self.window]))
+        return int(out[0]) in (SWITCH, REPLICA)
+
+    def _switch_has(self, block) -> bool:
+        return self.switch is not None and hash(block) in self.switch.filled
+
+    def request(self, n: int, now: float, keys: list) -> list:
+        """One request of node ``n``: the tier each block came from (None: computed)."""
+        pol, tier = self.node_pol[n], self.node[n]
+        got: list = []
+        for d, b in enumerate(keys):
+            pol.access(b, now, d, self.size)
+        for b in keys:
+            if tier.get(b):
+                got.append("node")
+                continue
+            p = self.owner(b)
+            if self._switch_has(b) or b in self.pool[p] or b in self.disk[p]:
+                if self._switch(b, now):
+                    got.append("switch")
+                    continue
+                got.append(self._pool_get(p, b, now))
+            else:
+                got.append(None)
+        run = next((i for i, g in enumerate(got) if g is None), len(got))
+        self.requests += 1
+        self.blocks += len(keys)
+        for i, (b, g) in enumerate(zip(keys, got)):
+            if i < run:
+                self.hits[g] += 1
+            if g == "node":
+                continue
+            if g is not None and i < run:
+                self.written[n].add(b)                       # it is in the pool
+                if pol.promote(b, now, tier, self.size):
+                    self._node_put(n, b, now)
+            elif i >= run:
+                self.computed += 1
+                self._node_put(n, b, now)
+        for i, b in enumerate(keys):      # write down what is due now (computed or held)
+            if b not in self.written[n] and (i >= run or got[i] == "node") and \
+                    pol.write_down(b, now, self.size) == "now":
+                self._write(n, b, now)
+        return got[:run] + [None] * (len(keys) - run)
+
+    def summary(self) -> dict:
+        n = max(1, self.blocks)
+        shares = {k: round(v / n, 4) for k, v in self.hits.items()}
+        return {"tier_hits": shares, "hit_ratio": round(sum(self.hits.values()) / n, 4),
+                "pool_write_bytes": self.write_bytes, "writes": self.writes,
+                "block_requests": self.blocks, "requests": self.requests,
+                "computed_blocks": self.computed, "demoted_to_disk": self.demoted,
+                "dropped_from_pool": self.dropped}
