@@ -4,15 +4,18 @@
  *    kv_cache, room trimmed, addresses swapped, KV_F_FROM_SWITCH set) and sent back with XDP_TX.
  *  - GET miss: goes on to the pool node and opens a pending round (an outstanding request). With
  *    coalescing on, GETs for the same chunk from other ports while the round is open are held
- *    (dropped here, remembered in kv_waiters); a round older than the pending timeout is retried,
- *    and until a reply for its chunk passes nobody is held for it (KV_RF_PROBATION). A GET the
- *    pool's kernel would drop (reply.h: its UDP checksum) is forwarded, never held or answered;
- *    one from UDP port 0 is dropped.
+ *    (dropped here, remembered in kv_waiters); a waiting port asking again once the reply is due
+ *    goes upstream (its GET or the reply may be lost). A round older than the round timeout
+ *    (the pending timeout, or longer while replies take longer: a link's queue; measured here)
+ *    is asked again and keeps its waiters, and until a reply for its chunk passes nobody more is
+ *    held for it (KV_RF_PROBATION). A GET the pool's kernel would drop (reply.h: its UDP
+ *    checksum) is forwarded, never held or answered; one from UDP port 0 is dropped.
  *  - GET_REPLY from a pool-node port that answers an open round: copied into kv_cache if its
  *    payload matches its CRC and its block is admitted (or switchd's speculative-fill budget
  *    has room: switchd then keeps or evicts it at its next step); if several ports wait for it, broadcast
  *    through kv_devmap, where kv_egress rewrites each copy for the waiter on its port and drops
- *    the copies for ports that did not ask.
+ *    the copies for ports that did not ask. A NACK closing a round reaches its waiters the same
+ *    way (never learned).
  *  - replies (GET_REPLY, PUT_ACK, NACK, ERROR, anything from the KV port) pass only from pool
  *    ports; elsewhere they are dropped and counted.
  *  - port checks, set by switchd per port: a secured port's frames must carry its bound source
@@ -206,6 +209,7 @@ static __always_inline void open_round(struct kv_pending *p, struct kv_frame *f,
                                        __u32 ifindex)
 {
     p->gen = now;
+    p->sent = now;
     p->waiters = 1;
     p->first_ifindex = ifindex;
     p->daddr = f->ip->daddr;
@@ -213,13 +217,67 @@ static __always_inline void open_round(struct kv_pending *p, struct kv_frame *f,
     __builtin_memcpy(p->dmac, f->eth->h_dest, ETH_ALEN);
 }
 
+static __always_inline int same_dest(struct kv_pending *p, struct kv_frame *f)
+{
+    return p->daddr == f->ip->daddr && p->dport == f->udp->dest && mac_eq(p->dmac, f->eth->h_dest);
+}
+
+/* How long a round's reply takes lately (SRTT + 4 RTTVAR of rounds the data plane closed),
+ * never more than KV_ROUND_CAP pending timeouts. */
+static __always_inline __u64 round_estimate(__u64 pending)
+{
+    __u64 est = setting(KV_SET_ROUND_SRTT_NS) + 4 * setting(KV_SET_ROUND_VAR_NS);
+    return est < KV_ROUND_CAP * pending ? est : KV_ROUND_CAP * pending;
+}
+
+/* One round's time from its upstream GET to its reply, into the estimate (RFC 6298's gains;
+ * not atomic: a concurrent update may lose a sample, which an estimate can afford). */
+static __always_inline void round_sample(__u64 rtt)
+{
+    __u32 si = KV_SET_ROUND_SRTT_NS, vi = KV_SET_ROUND_VAR_NS;
+    __u64 *srtt = kv_settings.lookup(&si), *var = kv_settings.lookup(&vi);
+    if (!srtt || !var)
+        return;
+    __u64 s = *srtt;
+    if (!s) {
+        *srtt = rtt;
+        *var = rtt / 2;
+        return;
+    }
+    __u64 d = rtt > s ? rtt - s : s - rtt;
+    *var = *var - (*var >> 2) + (d >> 2);
+    *srtt = s - (s >> 3) + (rtt >> 3);
+}
+
+/* Put the waiter `w` of port `wk` into round `p`: a port already waiting in it has its request
+ * id updated (the same asker again: answer its latest request), a new one is counted. Returns
+ * whether the port was already waiting. */
+static __always_inline int add_waiter(struct kv_pending *p, struct kv_waiter_key *wk,
+                                      struct kv_waiter *w, __u32 coalesced)
+{
+    struct kv_waiter *old = kv_waiters.lookup(wk);
+    if (old && old->gen == p->gen) {
+        old->req_id = w->req_id;
+        return 1;
+    }
+    w->gen = p->gen;
+    w->coalesced = coalesced;
+    kv_waiters.update(wk, w);
+    __sync_fetch_and_add(&p->waiters, 1);
+    return 0;
+}
+
 /* Hold this GET in the open round `p`: remember where its replica goes. Only a GET addressed
  * where the round's went may wait in it: a round sent to an address nobody answers (by mistake
- * or to stall others) must not capture the GETs of the chunk's real pool node. */
+ * or to stall others) must not capture the GETs of the chunk's real pool node. A port that
+ * already waits and asks again once the round's reply is due (its GET or the reply may have
+ * been lost on a link) is let through upstream; the round keeps its timers, so asking again
+ * never prolongs a hold. */
 static __always_inline int join_round(struct kv_pending *p, struct kv_frame *f,
-                                      struct kv_waiter_key *wk, struct kv_waiter *w)
+                                      struct kv_waiter_key *wk, struct kv_waiter *w,
+                                      __u64 now, __u64 due)
 {
-    if (p->daddr != f->ip->daddr || p->dport != f->udp->dest || !mac_eq(p->dmac, f->eth->h_dest)) {
+    if (!same_dest(p, f)) {
         count(KV_STAT_OTHER_DEST, 1);
         count(KV_STAT_GET_MISS, 1);
         return XDP_PASS;
@@ -232,6 +290,11 @@ static __always_inline int join_round(struct kv_pending *p, struct kv_frame *f,
             return XDP_PASS;
         }
         old->req_id = w->req_id;  /* the same asker again: answer its latest request */
+        if (now - p->sent > due) {
+            count(KV_STAT_REASKED, 1);
+            count(KV_STAT_GET_MISS, 1);
+            return XDP_PASS;
+        }
         count(KV_STAT_COALESCED, 1);
         return XDP_DROP;
     }
@@ -267,12 +330,21 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
 
     struct kv_pending *p = kv_pending.lookup(k);
     if (p && (p->flags & KV_RF_PROBATION)) {
-        count(KV_STAT_UNHELD, 1);  /* its last round went unanswered: nobody waits here until */
-        count(KV_STAT_GET_MISS, 1);  /* a reply for the chunk passes (it closes the round) */
+        /* Its last round went unanswered: nobody is held here until a reply for the chunk
+         * passes (it closes the round). This GET goes upstream, and its port gets a copy of
+         * that reply too if the round is replicated (else the copy meant for this port, which
+         * may be the very reply to this GET, would be dropped as nobody's). */
+        if (same_dest(p, f))
+            add_waiter(p, &wk, &w, 0);
+        count(KV_STAT_UNHELD, 1);
+        count(KV_STAT_GET_MISS, 1);
         return XDP_PASS;
     }
-    if (p && now - p->gen < setting(KV_SET_PENDING_NS))
-        return join_round(p, f, &wk, &w);
+    __u64 pending = setting(KV_SET_PENDING_NS);
+    __u64 est = round_estimate(pending);
+    __u64 timeout = est > pending ? est : pending;
+    if (p && now - p->sent < timeout)
+        return join_round(p, f, &wk, &w, now, est > pending / 2 ? est : pending / 2);
     if (!p) {
         /* No round open: maybe one just closed on another CPU, whose reply was learned before
          * the round was deleted. Look again rather than send a needless request upstream. */
@@ -280,14 +352,25 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
         if (v)
             return answer_get(ctx, v, k, f->payload_len);
     }
+    if (p && same_dest(p, f)) {
+        /* A stale round: its reply did not come within the round timeout. This GET asks
+         * upstream again for the round, whose waiters keep waiting for whichever reply comes
+         * (the first may only be late), this GET's port among them; until a reply passes
+         * nobody more is held for the chunk: a requester that keeps re-arming rounds its pool
+         * never answers holds others one round timeout at most. */
+        count(KV_STAT_EXPIRED, 1);
+        p->sent = now;
+        p->flags |= KV_RF_PROBATION;
+        add_waiter(p, &wk, &w, 0);
+        count(KV_STAT_GET_MISS, 1);
+        return XDP_PASS;
+    }
     struct kv_pending np = {};
     open_round(&np, f, now, wk.ifindex);
     w.gen = now;
     kv_waiters.update(&wk, &w);
     if (p) {
-        /* A stale round: its waiters waited one pending timeout for nothing. This GET retries
-         * upstream, and until a reply for the chunk passes nobody is held for it: a requester
-         * that keeps re-arming rounds its pool never answers holds others one timeout at most. */
+        /* A stale round that went elsewhere: replaced by this GET's (on probation, as above). */
         count(KV_STAT_EXPIRED, 1);
         np.flags = KV_RF_PROBATION;
         kv_pending.update(k, &np);
@@ -295,7 +378,7 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
         /* another CPU opened a round between our lookup and now: wait in it */
         p = kv_pending.lookup(k);
         if (p && !(p->flags & KV_RF_PROBATION))
-            return join_round(p, f, &wk, &w);
+            return join_round(p, f, &wk, &w, now, ~0ULL);
     }
     count(KV_STAT_GET_MISS, 1);
     return XDP_PASS;
@@ -533,6 +616,8 @@ static __always_inline int release_waiters(struct xdp_md *ctx, struct kv_cache_k
     struct kv_pending *p = kv_pending.lookup(k);
     if (!p)
         return XDP_PASS;
+    if (!(p->flags & KV_RF_PROBATION))  /* asked once: the reply is that GET's (Karn) */
+        round_sample(bpf_ktime_get_ns() - p->sent);
     __u64 gen = p->gen;
     __u32 waiters = p->waiters;
     struct kv_waiter_key wk = {};
@@ -576,6 +661,19 @@ static __always_inline int handle_reply(struct xdp_md *ctx, struct kv_frame *f)
             rec->nchunks = bpf_ntohl(kv->nchunks);
     }
     learn_reply(ctx, f, &k);
+    return release_waiters(ctx, &k);
+}
+
+/* A NACK from a pool node passing through: the block or chunk is not there, for whoever asked
+ * where the round's GET went, so every waiter of the round gets it (never learned). An ERROR
+ * may answer one request's own fault and is not replicated: its round times out. */
+static __always_inline int handle_nack(struct xdp_md *ctx, struct kv_frame *f)
+{
+    struct kv_cache_key k = {};
+    chunk_key(&k, f->kv);
+    if (!kv_pending.lookup(&k))
+        return XDP_PASS;
+    count(KV_STAT_NACK_CLOSED, 1);
     return release_waiters(ctx, &k);
 }
 
@@ -643,6 +741,8 @@ int kv_ingress(struct xdp_md *ctx)
         return verdict(handle_get(ctx, &f));
     if (f.kv->op == KV_OP_GET_REPLY && f.udp->source == bpf_htons(KV_UDP_PORT))
         return verdict(handle_reply(ctx, &f));
+    if (f.kv->op == KV_OP_NACK && f.udp->source == bpf_htons(KV_UDP_PORT))
+        return verdict(handle_nack(ctx, &f));
     count(KV_STAT_OTHER_KV, 1);
     return verdict(XDP_PASS);
 }

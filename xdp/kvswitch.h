@@ -98,11 +98,13 @@ struct kv_pending {                /* a chunk whose GET went upstream and whose 
     __be16 dport;                  /* address (IP, UDP port, MAC) may wait in this round */
     __u8  dmac[6];
     __u16 flags;                   /* KV_RF_* */
+    __u64 sent;                    /* when its latest upstream GET passed (gen: when it opened) */
 };
-#define KV_RF_PROBATION 1          /* a round that expired was asked for again: nobody is held
-                                      for this chunk until a reply for it passes (a requester
+#define KV_RF_PROBATION 1          /* a round that expired was asked for again: nobody more is
+                                      held for this chunk until a reply for it passes (a requester
                                       re-arming a round nobody answers cannot hold others
-                                      beyond one pending timeout) */
+                                      beyond one round timeout); those already held stay held
+                                      and get that reply */
 
 struct kv_waiter_key {
     struct kv_cache_key chunk;
@@ -177,7 +179,14 @@ struct kv_ns_stats {
 #define KV_SET_PORT_CHECKS 3       /* 1: some port has checks (KV_PF_NS_LIMITED, KV_PF_SECURED) */
 #define KV_SET_SPEC_FILL 2         /* chunks of blocks not admitted that may still be learned
                                       (s64, decremented per fill; switchd refills it each step) */
-#define KV_SET_MAX 4
+#define KV_SET_ROUND_SRTT_NS 4     /* written by the data plane: smoothed time from a round's
+                                      upstream GET to its reply (RFC 6298's SRTT, rounds never
+                                      retried only) */
+#define KV_SET_ROUND_VAR_NS 5      /* written by the data plane: its mean deviation (RTTVAR) */
+#define KV_SET_MAX 6
+#define KV_ROUND_CAP 8             /* a round times out after max(pending, SRTT + 4 RTTVAR), at
+                                      most this many pending timeouts: a reply queued behind a
+                                      shaped link's backlog is late, not lost */
 
 /* per-CPU counters, indexes into kv_stats */
 #define KV_STAT_PACKETS 0          /* frames seen */
@@ -226,6 +235,11 @@ struct kv_ns_stats {
 #define KV_STAT_PORT_ZERO 34       /* GET from UDP port 0 (nobody can be answered there): dropped */
 #define KV_STAT_UNHELD 35          /* GET for a chunk whose round expired unanswered: forwarded,
                                       not held (KV_RF_PROBATION) */
+#define KV_STAT_REASKED 36         /* a waiting port's GET again, after the round's reply was due:
+                                      forwarded upstream (its GET or the reply may be lost); the
+                                      round's timers are not touched */
+#define KV_STAT_NACK_CLOSED 37     /* NACK from a pool port closing an open round: its waiters get
+                                      it too (replicated like a reply, never learned) */
 #define KV_STAT_MAX 40
 
 #endif /* KVSWITCH_H */
