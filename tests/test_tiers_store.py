@@ -1,0 +1,377 @@
+"""The storage tiers of issue #29: the node DRAM tier (hostagent.node_tier: bounded, shared,
+zero-copy, a hit needs no network fetch), the pool disk tier (hostagent.disk_tier: blocks
+evicted from pool DRAM come back byte-exact through the server's GET path, survive a pool
+process restart, a corrupt file is detected and dropped, a full or unwritable directory is one
+log line and DRAM serving goes on) and the pool's eviction order (lru or value). Pure Python
+with real pool servers and clients over loopback UDP; one e2e run of `hostagent serve
+--disk-dir` in a testbed with XDP serving and the fetch engine."""
+import asyncio
+import logging
+import os
+import subprocess
+import threading
+import zlib
+
+import numpy as np
+import pytest
+
+from hostagent import blockfmt
+from hostagent.client import BlockNotFound, KVClient, TransferStats
+from hostagent.disk_tier import DiskTier, file_name
+from hostagent.fetch.block import Block
+from hostagent.node_tier import NodeTier, fetch, view_of
+from hostagent.server import serve
+from hostagent.store import MemoryStore
+from kvproto import checksum
+from testbed.lab.topology import python_argv
+
+NS, CS, PAGE = 3, 1024, 4096
+
+
+def key(i: int) -> bytes:
+    return bytes([i]) * 16
+
+
+def payload(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def engine_block(i: int, n: int = 1000, released: list | None = None) -> Block:
+    """A Block as the fetch engine hands one over: a view of an arena, released once."""
+    arena = np.frombuffer(bytearray(payload(n, i)), np.uint8)
+    return Block(NS, key(i), 1, arena, TransferStats(),
+                 (lambda: released.append(i)) if released is not None else None)
+
+
+# ---- node DRAM tier ---------------------------------------------------------------------------
+def test_node_tier_hands_back_the_same_buffer_and_stays_within_its_bytes():
+    released, told = [], []
+
+    def on_evict(ns, k, obj, nbytes):         # the block is still whole while it is decided
+        told.append((k[0], obj.tobytes() == payload(1000, k[0]), nbytes))
+
+    tier = NodeTier(3000, on_evict=on_evict)
+    blocks = [engine_block(i, released=released) for i in range(5)]
+    addr0 = blocks[0].numpy().__array_interface__["data"][0]
+    assert tier.put(NS, key(0), blocks[0])
+    got = tier.get(NS, key(0))
+    assert got is blocks[0]                                    # the same object: no copy
+    assert got.numpy().__array_interface__["data"][0] == addr0
+    assert np.shares_memory(view_of(got), blocks[0].numpy())
+    for b in blocks[1:]:
+        assert tier.put(NS, b.key, b)
+        assert tier.used <= tier.capacity
+    # three blocks fit: 0 (touched before 1 and 2 came) leaves first, then 1
+    assert [t[0] for t in told] == [0, 1] and all(ok for _, ok, _ in told)
+    assert released == [0, 1]                                  # released after the decision
+    assert tier.get(NS, key(0)) is None and tier.get(NS, key(4)) is blocks[4]
+    s = tier.stats()
+    assert (s["bytes"], s["blocks"], s["evictions"], s["hits"], s["misses"]) == (3000, 3, 2, 2, 1)
+    assert not tier.put(NS, key(9), engine_block(9, 3001))    # larger than the tier
+    assert tier.stats()["rejected"] == 1
+
+
+def test_node_tier_value_order_leases_and_names_already_held():
+    values = {0: 5.0, 1: 1.0, 2: 3.0, 3: 9.0}
+    released = []
+    tier = NodeTier(3000, evict="value", value_fn=lambda ns, k, n: values[k[0]])
+    for i in range(3):
+        assert tier.put(NS, key(i), engine_block(i, released=released))
+    assert tier.put(NS, key(3), engine_block(3, released=released))
+    assert released == [1]                                     # the lowest value left first
+    lease = tier.lease(NS, key(2))                             # 2 is the lowest now, but leased
+    assert tier.put(NS, key(4), engine_block(4, released=released)) and released == [1, 0]
+    values[4] = 0.5
+    with lease:
+        assert tier.put(NS, key(5), engine_block(5, released=released))   # 4 goes, not 2
+        assert released == [1, 0, 4]
+        assert tier.remove(NS, key(2)) and released == [1, 0, 4]   # freed when the lease ends
+    assert released == [1, 0, 4, 2]
+    held = tier.get(NS, key(3))
+    dup = engine_block(3, released=released)
+    assert not tier.put(NS, key(3), dup) and tier.get(NS, key(3)) is held   # first copy stays
+    with pytest.raises(ValueError):
+        NodeTier(100, evict="value")
+    with pytest.raises(ValueError):
+        NodeTier(0)
+
+
+def test_node_tier_is_shared_by_threads_within_its_bound():
+    tier = NodeTier(64 * 1000)
+    errors = []
+
+    def engine(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(2000):
+                i = int(rng.integers(0, 200))
+                got = tier.get(NS, key(i))
+                if got is None:
+                    tier.put(NS, key(i), bytes([i]) * 1000)
+                elif bytes(view_of(got)[:1]) != bytes([i]):
+                    errors.append(i)
+        except Exception as exc:                   # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=engine, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s = tier.stats()
+    assert not errors and s["bytes"] == 1000 * s["blocks"] <= tier.capacity
+    assert s["hits"] > 0 and s["evictions"] > 0 and s["hits"] + s["misses"] == 8000
+
+
+async def _with_pool(store, body):
+    ready, stop, handle = asyncio.Event(), asyncio.Event(), {}
+    task = asyncio.create_task(serve("127.0.0.1", 0, 0, ready, stop, handle, store=store))
+    await asyncio.wait([task, asyncio.create_task(ready.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        task.result()
+    proto = handle["protocol"]
+    try:
+        return await body(proto.sock.getsockname(), proto)
+    finally:
+        stop.set()
+        await task
+
+
+def test_a_node_tier_hit_needs_no_network_fetch():
+    data = payload(20_000, 7)
+
+    async def body(addr, proto):
+        tier = NodeTier(1 << 20)
+        async with KVClient([addr], chunk_size=CS, deadline=10) as c:
+            await c.put_block(NS, key(1), data)
+            first = await fetch(tier, c, NS, key(1))
+            gets = proto.counters["rx_get"]
+            with first, await fetch(tier, c, NS, key(1)) as again:
+                assert proto.counters["rx_get"] == gets          # nothing went to the pool
+                return first, again, gets
+
+    first, again, gets = asyncio.run(_with_pool(MemoryStore(1 << 20), body))
+    assert first.source == "fetch" and first.held and gets >= 20     # 20 chunks
+    assert again.source == "node" and again.stats is None and again.data is first.data
+    assert bytes(again.view) == data
+
+
+# ---- pool disk tier ---------------------------------------------------------------------------
+def _put(store, i: int, n: int = 3000) -> bytes:
+    data = payload(n, i)
+    chunks = [data[o:o + CS] for o in range(0, n, CS)]
+    for c, chunk in enumerate(chunks):
+        done = store.put_chunk(NS, key(i), c, len(chunks), chunk, checksum(chunk))
+    assert done is True
+    return data
+
+
+def _disk_store(path, capacity=3 * PAGE, disk_bytes=1 << 20, **kw):
+    return MemoryStore(capacity, disk=DiskTier(path, disk_bytes), **kw)
+
+
+async def _get_all(addr, keys, chunk_size=CS):
+    async with KVClient([addr], chunk_size=chunk_size, deadline=10) as c:
+        return [(await c.get_block(NS, key(i)))[0] for i in keys]
+
+
+def test_blocks_evicted_from_pool_dram_come_back_byte_exact_from_disk(tmp_path):
+    store = _disk_store(tmp_path)
+    blocks = {i: _put(store, i) for i in range(6)}                 # one page each, 3 fit
+
+    async def body(addr, proto):
+        assert set(os.listdir(tmp_path)) == {file_name(NS, key(i)) for i in range(3)}
+        got = await _get_all(addr, range(6))
+        return got, proto.stats()
+
+    got, stats = asyncio.run(_with_pool(store, body))
+    assert got == [blocks[i] for i in range(6)]
+    # 0-2 staged back from disk push 3-5 out (to disk), which come back from it in turn
+    assert stats["disk_staged"] == 6 and stats["disk_writes"] == 6
+    assert stats["disk_corrupt"] == 0 and stats["disk_ok"] == 1
+
+
+def test_the_disk_tier_survives_a_pool_process_restart(tmp_path):
+    """Blocks on disk are served by a new pool process (a real `hostagent serve`) started on
+    the same directory, byte-exact, and an oversized tier keeps only its newest blocks."""
+    first = _disk_store(tmp_path, capacity=2 * PAGE)
+    blocks = {i: _put(first, i) for i in range(5)}                 # 0, 1, 2 go to disk
+    asyncio.run(first.close())
+    port = 20000 + os.getpid() % 20000
+    proc = subprocess.Popen(python_argv("hostagent", "serve", "--bind", "127.0.0.1",
+                                        "--port", str(port), "--capacity", "64KiB",
+                                        "--disk-dir", str(tmp_path), "--disk-bytes", "1MiB"),
+                            stderr=subprocess.PIPE, text=True, env={**os.environ,
+                                                                   "HOSTAGENT_XDP_SERVE": "0"})
+    try:
+        for line in proc.stderr:
+            if "ready" in line or "error" in line:
+                break
+        assert "ready" in line and "disk tier" in line, line
+
+        got = asyncio.run(_get_all(("127.0.0.1", port), range(3)))
+        assert got == [blocks[i] for i in range(3)]
+        with pytest.raises(BlockNotFound):                         # never left DRAM: gone
+            asyncio.run(_get_all(("127.0.0.1", port), [3]))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    small = DiskTier(tmp_path, 2 * 4 * CS)             # room for two 4 KiB objects: oldest goes
+    assert len(small) == 2 and small.stats()["disk_dropped"] == 1
+
+
+def test_a_corrupt_file_is_detected_and_dropped(tmp_path, caplog):
+    store = _disk_store(tmp_path)
+    blocks = {i: _put(store, i) for i in range(5)}                 # 0 and 1 on disk
+    f0, f1 = tmp_path / file_name(NS, key(0)), tmp_path / file_name(NS, key(1))
+    raw = bytearray(f0.read_bytes())
+    raw[-10] ^= 0x40                                               # a payload byte
+    f0.write_bytes(raw)
+    caplog.set_level(logging.WARNING, "hostagent.disk")
+
+    async def body(addr, proto):
+        with pytest.raises(BlockNotFound):
+            await _get_all(addr, [0])
+        return await _get_all(addr, [1]), proto.stats()
+
+    got, stats = asyncio.run(_with_pool(store, body))
+    assert got == [blocks[1]] and stats["disk_corrupt"] == 1 and not f0.exists()
+    lines = [r.getMessage() for r in caplog.records if "corrupt" in r.getMessage()]
+    assert len(lines) == 1 and file_name(NS, key(0)) in lines[0] and "CRC" in lines[0]
+    # at start: a header that does not check out (or names another block) is dropped too
+    head = bytearray(f1.read_bytes())
+    head[20] ^= 1
+    f1.write_bytes(head)
+    (tmp_path / file_name(NS, key(7))).write_bytes(f1.read_bytes()[:100])
+    (tmp_path / ".tmp.1.x.kvb").write_bytes(b"half")
+    caplog.clear()
+    again = DiskTier(tmp_path, 1 << 20)              # 2 went to disk when 1 was staged back
+    assert list(again.index) == [(NS, key(2))] and again.stats()["disk_corrupt"] == 2
+    assert os.listdir(tmp_path) == [file_name(NS, key(2))]
+    assert len([r for r in caplog.records if "corrupt" in r.getMessage()]) == 2
+
+
+def _mount_tmpfs(where, *opts):
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("size=64k",) + opts), "tmpfs",
+                        str(where)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.fail(f"cannot mount a tmpfs for the test (needs root and mount(8)): {r.stderr}")
+
+
+@pytest.mark.parametrize("kind", ["full", "unwritable"])
+def test_a_full_or_unwritable_disk_is_one_log_line_and_dram_serving_goes_on(tmp_path, caplog,
+                                                                            kind):
+    where = tmp_path / "disk"
+    _mount_tmpfs(where, *(("ro",) if kind == "unwritable" else ()))
+    try:
+        caplog.set_level(logging.WARNING, "hostagent.disk")
+        store = _disk_store(where, capacity=3 * 7 * PAGE, disk_bytes=1 << 30)   # > the tmpfs
+        blocks = {i: _put(store, i, 24 * CS) for i in range(40)}   # 25 KiB objects, 7 pages
+
+        async def body(addr, proto):
+            return await _get_all(addr, [37, 38, 39]), proto.stats()
+
+        got, stats = asyncio.run(_with_pool(store, body))
+        assert got == [blocks[i] for i in (37, 38, 39)]           # DRAM still serves
+        assert stats["disk_write_errors"] > 1 and stats["disk_ok"] == 0
+        assert stats["disk_writes"] == (2 if kind == "full" else 0)   # 2 x 25 KiB fit 64 KiB
+        lines = [r.getMessage() for r in caplog.records if r.name == "hostagent.disk"]
+        why = "disk full" if kind == "full" else "Read-only file system"
+        assert len(lines) == 1 and why in lines[0] and "keeps serving from DRAM" in lines[0]
+        assert not [n for n in os.listdir(where) if n.startswith(".tmp")]
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_pool_dram_gives_way_by_value_and_the_policy_decides_what_goes_to_disk(tmp_path):
+    values = {i: float(10 - i) for i in range(10)}                 # older blocks worth more
+    store = _disk_store(tmp_path, evict="value", value_fn=lambda ns, k, n: values[k[0]],
+                        demote_fn=lambda ns, k, n: values[k[0]] > 7)
+    for i in range(5):
+        _put(store, i)
+    # by value the lowest-valued block leaves: 2 (for 3; worth more than 7: to disk), then 3
+    # (for 4; worth 7: dropped)
+    assert sorted(k[0] for _, k in store.staging.blocks) == [0, 1, 4]
+    assert list(store.disk.index) == [(NS, key(2))] and store.stats()["disk_not_demoted"] == 1
+    store.set_policy("lru", demote_fn=None)
+    _put(store, 5)
+    assert (NS, key(0)) in store.disk                              # LRU again: the oldest
+    with pytest.raises(ValueError):
+        store.set_policy("value")
+    asyncio.run(store.close())
+
+
+def test_serve_disk_options_refuse_bad_values(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for args, message in (
+            (["--disk-bytes", "1MiB"], "--disk-bytes needs --disk-dir"),
+            (["--disk-dir", str(tmp_path), "--disk-bytes", "0"], "--disk-bytes: must be positive"),
+            (["--disk-dir", str(tmp_path), "--disk-bytes", "lots"], "is not a size"),
+            (["--disk-dir", str(tmp_path / "file")], "is a file")):
+        r = subprocess.run(python_argv("hostagent", "serve", *args), capture_output=True,
+                           text=True, timeout=60)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and len(lines) == 1, r.stderr
+        assert lines[0].startswith("hostagent: error:") and message in lines[0], lines[0]
+
+
+# ---- e2e: hostagent serve --disk-dir, XDP serving, the fetch engine through a node tier ---------
+def node_tier_probe(pool: str, ns: int, key_hex: str, chunk_size: int) -> dict:
+    """Run in an inference node: fetch a block twice through a node tier (the fetch engine
+    where it runs); what the second fetch was and whether it is the first one's memory."""
+    from hostagent.fetch import open_client
+
+    async def go():
+        tier = NodeTier(64 << 20)
+        async with open_client([pool], chunk_size, arena_bytes=16 << 20) as c:
+            first = await fetch(tier, c, ns, bytes.fromhex(key_hex))
+            again = await fetch(tier, c, ns, bytes.fromhex(key_hex))
+            a, b = np.asarray(first.view), np.asarray(again.view)
+            out = {"first": first.source, "again": again.source, "same": again.data is first.data,
+                   "same_memory": bool(np.shares_memory(a, b)), "engine": type(c).__name__,
+                   "sha": zlib.crc32(again.view), "stats": tier.stats()}
+            first.release()
+            again.release()
+            tier.clear()
+            return out
+
+    return go()
+
+
+@pytest.mark.e2e
+def test_hostagent_serve_disk_tier_with_xdp_serving_restart_and_a_node_tier(tmp_path):
+    from testbed.lab import Lab
+    from testbed.lab.topology import namespaces_of
+    prefix = f"td{os.getpid() % 100000}"
+    cs, n = 3072, 3072 * 300 + 1000                               # ~0.9 MiB blocks
+    with Lab(prefix, hosts=1, pools=1, switch=False, chunk_size=cs, pool_capacity="4MiB",
+             pool_args=("--disk-dir", str(tmp_path), "--disk-bytes", "64MiB")) as lab:
+        assert "answered by XDP on eth0" in lab.pool_log(0)
+        keys = [os.urandom(16) for _ in range(8)]                  # 4 fit in DRAM
+        blocks = {k: os.urandom(n) for k in keys}
+        for k in keys:
+            lab.put("h1", NS, k, blocks[k])
+        c = lab.pool_counters()
+        assert c["disk_writes"] >= 4 and c["evicted_blocks"] >= 4
+        for k in keys[:3]:                                         # from disk, then from XDP
+            for _ in range(2):
+                stats, data = lab.get("h1", NS, k)
+                assert data == blocks[k]
+        c = lab.pool_counters()
+        assert c["disk_staged"] >= 3 and c["xdp_hit"] > 0
+        lab.stop_pool(0)                                           # restart: disk survives
+        lab.start_pool(0)
+        for k in keys[:3]:
+            stats, data = lab.get("h1", NS, k)
+            assert data == blocks[k]
+        assert lab.pool_counters()["disk_staged"] == 3
+        probe = lab.task("h1", "tests.test_tiers_store:node_tier_probe", lab.pool_addrs[0], NS,
+                         keys[0].hex(), cs)
+        assert probe["engine"] == "AsyncFetchClient", probe          # the XDP fetch engine
+        assert probe["first"] == "fetch" and probe["again"] == "node"
+        assert probe["same"] and probe["same_memory"], probe
+        assert probe["sha"] == zlib.crc32(blocks[keys[0]])
+        assert probe["stats"]["hits"] == 1 and probe["stats"]["misses"] == 1
+    assert not namespaces_of(prefix)
