@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import xdp
-
-from . import libbpf
+from xdp import libbpf
 
 log = logging.getLogger("switchd")
 CONSTANTS = xdp.constants("kvswitch.h")   # the wire format's and the switch's own
@@ -138,7 +137,7 @@ def pinned_deployment(pin_dir: str) -> Deployment:
     if not os.path.exists(path):
         raise SwitchError(f"no switch maps pinned in {pin_dir}: is 'switchd run' started "
                           "(with the same --pin-dir / --netns)?")
-    info = libbpf.map_info(path)
+    info = libbpf.pinned_map_info(path)
     return Deployment(info.value_size - CACHE_VAL_HEADER, info.max_entries, pin_dir)
 
 
@@ -284,7 +283,7 @@ class DataPlane:
 
     def map_id(self, name: str) -> int:
         """The kernel's id of one of the switch's maps."""
-        return libbpf.map_info_by_fd(self.bpf.get_table(name.encode()).get_fd()).id
+        return libbpf.map_info(self.bpf.get_table(name.encode()).get_fd()).id
 
     def set_port_role(self, ifname: str, role: int, namespaces: list[int] | None = None,
                       secured: bool = False, source: tuple[str, str] | None = None) -> None:

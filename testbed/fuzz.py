@@ -33,7 +33,7 @@ from kvproto.frames import UDP_LEN as UDPH
 from kvproto.frames import XDP, ip_checksum, ipv4_frame
 from switchd.cache import Cache
 from switchd.dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment
-from switchd.libbpf import xdp_test_run
+from xdp.libbpf import xdp_test_run
 
 from .lab import write_json
 from .lab.topology import scratch_ports

@@ -12,7 +12,6 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import ARP, Ether
 
 from hostagent.fetch.crcfold import Folder
-from hostagent.fetch.kernel import prog_test_run
 from hostagent.fetch.netpath import route_header
 from hostagent.fetch.program import C, GEN_MASK, FetchProgram
 from hostagent.fetch.transfers import Route, Transfer
@@ -20,6 +19,7 @@ from hostagent.fetch.verify import verify
 from kvproto import PORT, Flag, Op, Status
 from kvproto.frames import PAYLOAD_OFF, XDP
 from kvproto.scapy_layer import KV
+from xdp.libbpf import xdp_test_run
 
 from fetch_fixtures import (BASE, CS, ENGINE_PORT, GEN, IDX, KEY, NCHUNKS, NEVER_WRITTEN, NODE_IP,
                             NODE_MAC, NONCE, NS, POOL2_IP, POOL2_MAC, POOL_IP, POOL_MAC, SLOTS,
@@ -52,7 +52,7 @@ def fp(prog):
 
 
 def run(prog, frame, meta=b""):
-    return prog_test_run(prog.fd, frame, meta=meta)
+    return xdp_test_run(prog.fd, frame, meta=meta)
 
 
 def landed(prog) -> dict[int, tuple[int, int, int]]:
@@ -247,7 +247,6 @@ def test_the_switch_serves_a_generated_get_whatever_its_room_holds(fp):
     rule accepts a checksum of 0, so it answers them from its cache."""
     from switchd.cache import Cache
     from switchd.dataplane import ROLE_POOL, DataPlane, Deployment
-    from switchd.libbpf import xdp_test_run
     from testbed.lab.topology import scratch_ports
     fp.set_route(0, route_header(NODE_MAC, POOL_MAC, NODE_IP, ENGINE_PORT, POOL_IP, PORT, CS))
     queue_sends(fp, [(2, 0)])

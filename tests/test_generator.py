@@ -14,7 +14,7 @@ from kvproto.frames import XDP
 from switchd import netns
 from switchd.cache import Cache
 from switchd.dataplane import ROLE_POOL, DataPlane, Deployment
-from switchd.libbpf import xdp_test_run
+from xdp.libbpf import xdp_test_run
 from testbed.bench.throughput import fill_cache
 from testbed.bench.generator import (GEN_PORT, MC_PORT, Endpoint, Generator, Iperf3,
                                check_kv_reply, check_memcached_reply, check_reflected, endpoint,

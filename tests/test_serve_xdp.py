@@ -18,7 +18,7 @@ from hostagent.xdpserve import SEG, ServeProgram, XdpArena
 from kvproto import PORT, Op, checksum
 from kvproto.frames import XDP
 from kvproto.scapy_layer import KV
-from switchd.libbpf import xdp_test_run
+from xdp.libbpf import xdp_test_run
 from xdp_fixtures import (HOST_IP, HOST_MAC, KEY, POOL_IP, POOL_MAC, _malformed, get_frame,
                           put_frame)
 

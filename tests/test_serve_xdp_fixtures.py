@@ -24,7 +24,7 @@ from hostagent.xdpserve import SEG, ServeProgram, XdpArena
 from kvproto import PORT, Op, checksum
 from kvproto.frames import ETH_LEN, IPV4_LEN, XDP, ip_checksum
 from kvproto.scapy_layer import KV
-from switchd.libbpf import xdp_test_run
+from xdp.libbpf import xdp_test_run
 from xdp_fixtures import (HOST_IP, HOST_MAC, KEY, POOL_IP, POOL_MAC, get_frame,
                           get_with_zero_checksum)
 

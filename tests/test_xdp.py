@@ -17,7 +17,7 @@ from switchd.cache import Cache
 from switchd import ports
 from switchd.dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment, SwitchError
 from switchd.ports import resolve
-from switchd.libbpf import xdp_test_run
+from xdp.libbpf import xdp_test_run
 from testbed.lab.topology import scratch_ports
 from xdp_fixtures import (CASES, HOST_IP, HOST_MAC, KEY, OTHER_IP, OTHER_MAC,  # noqa: F401
                           PAYLOAD, POOL_IP, POOL_MAC, Case, get_frame, put_frame, reply_frame)

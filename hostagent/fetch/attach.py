@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import socket
 
-from . import kernel
+from xdp import libbpf
+
 from .netpath import Netns, NoXdp
 from .program import PROG_NAME, loss_ppm_of, owner_of
 
@@ -35,12 +36,12 @@ def _alive(pid: int) -> bool:
 
 def program_on(ifname: str) -> str | None:
     """Name of the native XDP program on ``ifname`` in this thread's namespace (None: none)."""
-    pid = kernel.attached_id(socket.if_nametoindex(ifname))
+    pid = libbpf.attached_id(socket.if_nametoindex(ifname))
     if not pid:
         return None
-    fd = kernel.prog_fd_by_id(pid)
+    fd = libbpf.prog_fd_by_id(pid)
     try:
-        return kernel.prog_info(fd)[0]
+        return libbpf.prog_info(fd)[0]
     finally:
         os.close(fd)
 
@@ -74,11 +75,11 @@ class Attachment:
             raise
 
     def _current(self) -> tuple[int | None, str | None]:
-        pid = kernel.attached_id(self.ifindex)
+        pid = libbpf.attached_id(self.ifindex)
         if not pid:
             return None, None
-        fd = kernel.prog_fd_by_id(pid)
-        return fd, kernel.prog_info(fd)[0]
+        fd = libbpf.prog_fd_by_id(pid)
+        return fd, libbpf.prog_info(fd)[0]
 
     def _check_replaceable(self) -> None:
         name, fd = self.old_name, self.old_fd
@@ -97,7 +98,7 @@ class Attachment:
     def attach(self, prog_fd: int) -> None:
         with self.ns:
             try:
-                kernel.xdp_attach(self.ifindex, prog_fd, self.old_fd)
+                libbpf.xdp_attach(self.ifindex, prog_fd, self.old_fd)
             except OSError as exc:
                 raise NoXdp(f"attaching to {self.ifname} failed: {exc}") from None
         self.prog_fd = prog_fd
@@ -106,15 +107,15 @@ class Attachment:
         """Another instance of the engine's program in place of the attached one."""
         if not self.suspended:
             with self.ns:
-                kernel.xdp_attach(self.ifindex, prog_fd, self.prog_fd)
+                libbpf.xdp_attach(self.ifindex, prog_fd, self.prog_fd)
         self.prog_fd = prog_fd
 
     def _put_back(self) -> None:
         with self.ns:
             if self.old_fd is not None:
-                kernel.xdp_attach(self.ifindex, self.old_fd, self.prog_fd)
+                libbpf.xdp_attach(self.ifindex, self.old_fd, self.prog_fd)
             else:
-                kernel.xdp_attach(self.ifindex, -1, self.prog_fd)     # detach, if still ours
+                libbpf.xdp_attach(self.ifindex, -1, self.prog_fd)     # detach, if still ours
 
     def restore(self) -> None:
         """Put back the program that was there (or none); a warning if it cannot be."""
@@ -139,7 +140,7 @@ class Attachment:
         try:
             self._check_replaceable()
             with self.ns:
-                kernel.xdp_attach(self.ifindex, self.prog_fd, old_fd)
+                libbpf.xdp_attach(self.ifindex, self.prog_fd, old_fd)
         except (NoXdp, OSError) as exc:
             if old_fd is not None:
                 os.close(old_fd)

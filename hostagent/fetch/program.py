@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 import xdp
+from xdp import libbpf
 
-from . import kernel
 from .netpath import NoXdp
 
 SOURCE = "kvfetch.c"
@@ -90,7 +90,7 @@ def _compile(chunk_size: int) -> Bytecode:
         by_fd, maps = {}, {}
         for name in MAP_NAMES:
             fd = bpf.get_table(name.encode()).get_fd()
-            info = kernel.map_info(fd)
+            info = libbpf.map_info(fd)
             by_fd[fd] = name
             maps[name] = (info.type, info.key_size, info.value_size, info.max_entries,
                           info.map_flags)
@@ -160,11 +160,11 @@ class FetchProgram:
             for name, (mtype, ksize, vsize, entries, flags) in code.maps.items():
                 if name in SIZED_BY_SLOTS:
                     entries = slots
-                self.fds[name] = kernel.map_create(name, mtype, ksize, vsize, entries, flags)
+                self.fds[name] = libbpf.map_create(name, mtype, ksize, vsize, entries, flags)
             insns = bytearray(code.insns)
             for i, name in code.relocs:
                 struct.pack_into("<i", insns, 8 * i + 4, self.fds[name])
-            self.fd = kernel.prog_load_xdp(PROG_NAME, bytes(insns))
+            self.fd = libbpf.prog_load_xdp(PROG_NAME, bytes(insns))
         except OSError as exc:
             self.close()
             raise NoXdp(f"loading {SOURCE}: {exc}") from None
@@ -186,7 +186,7 @@ class FetchProgram:
         self.ctl = np.frombuffer(mm("kvf_ctl", CTL_DTYPE.itemsize), CTL_DTYPE)
 
     def set_route(self, index: int, header: bytes) -> None:
-        kernel.map_update(self.fds["kvf_routes"], index, header.ljust(self._route_size, b"\0"))
+        libbpf.map_update(self.fds["kvf_routes"], index, header.ljust(self._route_size, b"\0"))
 
     def set_transfer(self, idx: int, gen: int, ns: int, key: bytes, nchunks: int, base: int,
                      nslots: int, route: int = 0, flags: int = 0) -> None:
@@ -205,7 +205,7 @@ class FetchProgram:
         """The data plane's per-CPU counters, summed, by name."""
         fd, out = self.fds["kvf_stats"], {}
         for i, name in sorted(STAT_NAMES.items()):
-            raw = kernel.map_lookup(fd, i, 8 * self._ncpu)
+            raw = libbpf.map_lookup(fd, i, 8 * self._ncpu)
             out[name] = sum(struct.unpack(f"<{self._ncpu}Q", raw))
         return out
 
@@ -219,12 +219,12 @@ class FetchProgram:
 
 def owner_of(prog_fd: int) -> int | None:
     """The pid recorded in a kv_fetch program's control block (None: not readable)."""
-    found = kernel.prog_map(prog_fd, "kvf_ctl")
+    found = libbpf.prog_map(prog_fd, "kvf_ctl")
     if found is None:
         return None
     fd, info = found
     try:
-        raw = kernel.map_lookup(fd, 0, info.value_size)
+        raw = libbpf.map_lookup(fd, 0, info.value_size)
     finally:
         os.close(fd)
     return struct.unpack_from("<I", raw, OWNER_OFF)[0]
@@ -232,12 +232,12 @@ def owner_of(prog_fd: int) -> int | None:
 
 def loss_ppm_of(prog_fd: int) -> int:
     """The drop rate of the testbed's loss injector (its ``loss_ppm`` map), 0 if none."""
-    found = kernel.prog_map(prog_fd, "loss_ppm")
+    found = libbpf.prog_map(prog_fd, "loss_ppm")
     if found is None:
         return 0
     fd, _ = found
     try:
-        return struct.unpack("<I", kernel.map_lookup(fd, 0, 4))[0]
+        return struct.unpack("<I", libbpf.map_lookup(fd, 0, 4))[0]
     finally:
         os.close(fd)
 

@@ -13,7 +13,8 @@ import numpy as np
 
 from kvproto import Flag
 
-from . import kernel
+from xdp import libbpf
+
 from .program import SENDQ, FetchProgram
 from .transfers import Transfer
 
@@ -88,8 +89,7 @@ class SendRing:
         self._mark(a, n, self.done_time, np.inf)
         err = None
         try:
-            kernel.prog_test_run(self.prog.fd, template, meta=meta, ifindex=ifindex, live=True,
-                                 repeat=n, batch_size=min(n, batch))
+            libbpf.live_frames(self.prog.fd, template, ifindex, n, min(n, batch), meta=meta)
         except BaseException as exc:          # raised by the stepping thread
             err = exc
         t1 = time.monotonic()
