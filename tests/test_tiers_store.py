@@ -285,6 +285,52 @@ def test_a_full_or_unwritable_disk_is_one_log_line_and_dram_serving_goes_on(tmp_
         subprocess.run(["umount", str(where)], check=True)
 
 
+def test_with_mooncake_the_pool_nodes_own_disk_tier_keeps_what_the_cluster_dropped(tmp_path):
+    """--store mooncake: blocks leaving the node's staging DRAM go to its disk tier; one the
+    cluster has since evicted, and any while the master is down, is served from there."""
+    from hostagent.client import Refused
+    from hostagent.mooncake_store import MooncakeStore
+    from hostagent.store import UNAVAILABLE
+    from test_pool_store import FakeCluster, FakeMaster
+
+    async def run():
+        cluster, master = FakeCluster(), FakeMaster()
+        await master.start()
+        store = MooncakeStore(3 * PAGE, f"127.0.0.1:{master.port}",
+                              metadata=f"http://127.0.0.1:{master.port}/metadata",
+                              module=cluster.module, disk=DiskTier(tmp_path, 1 << 20))
+        store.PROBE_INTERVAL = 0.05
+
+        async def body(addr, proto):
+            data = {i: payload(3000, i) for i in range(6)}
+            async with KVClient([addr], chunk_size=CS, deadline=5) as c:
+                for i in range(6):
+                    await c.put_block(NS, key(i), data[i])
+                assert len(store.disk) == 3 and len(cluster.objects) == 6
+                for i in range(3):                  # Mooncake evicted them: gone but on disk
+                    del cluster.objects[blockfmt.object_key(NS, key(i))]
+                back = [(await c.get_block(NS, key(i)))[0] for i in range(3)]
+                await master.stop()
+                while store.available:
+                    await asyncio.sleep(0.02)
+                down = (await c.get_block(NS, key(0)))[0]      # staged: served
+                store.staging.remove(NS, key(1))
+                from_disk = (await c.get_block(NS, key(1)))[0]  # on disk: served
+                with pytest.raises(Refused) as refused:         # neither: UNAVAILABLE
+                    await c.get_block(NS, key(9))
+            return ([data[i] for i in range(3)], back, data[0], down, data[1], from_disk,
+                    refused.value.status, proto.stats())
+
+        try:
+            return await _with_pool(store, body)
+        finally:
+            await master.stop() if master.server.is_serving() else None
+
+    want, back, d0, down, d1, from_disk, status, stats = asyncio.run(run())
+    assert back == want and down == d0 and from_disk == d1 and status == UNAVAILABLE
+    assert stats["disk_staged"] == 4 and stats.get("fills", 0) == 0
+
+
 def test_pool_dram_gives_way_by_value_and_the_policy_decides_what_goes_to_disk(tmp_path):
     values = {i: float(10 - i) for i in range(10)}                 # older blocks worth more
     store = _disk_store(tmp_path, evict="value", value_fn=lambda ns, k, n: values[k[0]],
