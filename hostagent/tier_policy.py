@@ -11,8 +11,10 @@ run this one code. It owns a block's value and every decision about moving KV be
              ``selective`` (SGLang HiCache's write_through_selective) writes a block now once it
              has ``write_after`` reuses, or at once if blocks at its prefix depth have been
              reused often enough here (``write_prob``: the share of blocks first seen at that
-             depth that were used again, learned online; a node sees only its own requests, and
-             this is how it guesses that other nodes will want a block it has not seen twice),
+             depth that were used again here, learned online, times ``sharers``: the nodes that
+             requests for the same content are spread over (a node sees 1/sharers of them under
+             random routing; 1 with prefix affinity) — how a node guesses that other nodes will
+             want a block it has not seen twice),
              later (asked again on its next use, and when the node tier evicts it) until then,
              never if recomputing it is cheaper than fetching it.
   promote    into node DRAM on a fetch from a lower tier: always, unless the node tier orders
@@ -79,6 +81,7 @@ class PolicyConfig:
     min_gain: float = 0.5           # demote when expected saving >= min_gain x write time (a
     #                                 write is bandwidth off the critical path: weighed at half)
     write_prob: float = 0.25        # selective: write at once if its depth's reuse share is this
+    sharers: int = 1                # nodes sharing the content (the depth share scales with it)
     costs: dict = field(default_factory=lambda: dict(DEFAULT_COSTS))
 
     def __post_init__(self) -> None:
@@ -91,8 +94,9 @@ class PolicyConfig:
         for name in ("prefill_tokens_per_s", "half_life_s", "depth_scale"):
             if not getattr(self, name) > 0:
                 raise PolicyError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.block_tokens < 1 or self.write_after < 0 or self.min_gain < 0:
-            raise PolicyError("block_tokens must be >= 1, write_after and min_gain >= 0")
+        if self.block_tokens < 1 or self.write_after < 0 or self.min_gain < 0 or self.sharers < 1:
+            raise PolicyError("block_tokens and sharers must be >= 1, write_after and min_gain "
+                              ">= 0")
         if not 0 <= self.write_prob <= 1.0 + 1e-9:
             raise PolicyError(f"write_prob must be in [0, 1], got {self.write_prob}")
 
@@ -211,7 +215,7 @@ class TierPolicy:
             return "never"                  # fetching it would take longer than computing it
         if self.pop.uses.get(block, 0) - 1 >= self.cfg.write_after:
             return "now"
-        share = self.pop.reuse_share(self.pop.depth.get(block))
+        share = self.pop.reuse_share(self.pop.depth.get(block)) * self.cfg.sharers
         return "now" if share >= self.cfg.write_prob else "later"
 
     def pays(self, block: Block, tier: str, now: float, size: int | None = None) -> bool:

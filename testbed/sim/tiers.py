@@ -5,6 +5,7 @@ by fetch, with switchd's own admission loop (switchd.admission, the code the dae
 stepping it every interval."""
 from __future__ import annotations
 
+import heapq
 import math
 from collections import defaultdict
 
@@ -247,7 +248,8 @@ class TierSim:
                  pool_bytes: float | None, disk_bytes: float, owner, nchunks: int = 1,
                  switch_entries: int = 0, switch_policy: str = "prefix",
                  switch_headroom: int | None = None, interval: float = 1.0,
-                 fetch_window: float = 0.0):
+                 fetch_window: float = 0.0, prefill_tok_s: float | None = None,
+                 block_tokens: int = 512):
         from hostagent.tier_policy import OrderedTier, TierPolicy
         self.cfg, self.size, self.owner, self.nchunks = cfg, block_bytes, owner, nchunks
         by_value = cfg.demote == "value"
@@ -256,13 +258,16 @@ class TierSim:
         self.node = [OrderedTier(node_bytes, p, by_value) for p in self.node_pol]
         big = math.inf if pool_bytes is None else pool_bytes
         self.pool = [OrderedTier(big, p, by_value) for p in self.pool_pol]
-        self.disk = [OrderedTier(disk_bytes, p, by_value) for p in self.pool_pol]
+        self.disk = [OrderedTier(disk_bytes) for _ in self.pool_pol]   # LRU, as DiskTier
         self.written = [set() for _ in range(nodes)]   # what a node knows is in the pool
         self.switch = None
         if switch_entries:
             head = switch_entries // 16 if switch_headroom is None else switch_headroom
             self.switch = SwitchModel(switch_policy, switch_entries, head, interval)
-        self.window = fetch_window
+        self.window, self.prefill, self.block_tokens = fetch_window, prefill_tok_s, block_tokens
+        self.busy = [0.0] * nodes          # with prefill_tok_s: a node serves one at a time
+        self.pending: list = []            # writes in flight: (lands at, seq, node, block)
+        self._lands = None
         self.hits = dict.fromkeys(("node", "switch", "pool", "disk"), 0)
         self.requests = self.blocks = self.computed = 0
         self.write_bytes = self.writes = self.demoted = self.dropped = 0
@@ -296,7 +301,15 @@ class TierSim:
         self.written[n].add(block)
         self.writes += 1
         self.write_bytes += self.size
-        self._pool_put(self.owner(block), block, now)
+        if self._lands is not None:         # after the request's prefill, as live
+            heapq.heappush(self.pending, (self._lands, self.writes, n, block))
+        else:
+            self._pool_put(self.owner(block), block, now)
+
+    def _land(self, now: float) -> None:
+        while self.pending and self.pending[0][0] <= now:
+            t, _, _n, block = heapq.heappop(self.pending)
+            self._pool_put(self.owner(block), block, t)
 
     def _node_put(self, n: int, block, now: float) -> None:
         for gone, _size in self.node[n].put(block, self.size):
@@ -316,8 +329,14 @@ class TierSim:
     def _switch_has(self, block) -> bool:
         return self.switch is not None and hash(block) in self.switch.filled
 
-    def request(self, n: int, now: float, keys: list) -> list:
-        """One request of node ``n``: the tier each block came from (None: computed)."""
+    def request(self, n: int, now: float, keys: list, tokens: int | None = None) -> list:
+        """One request of node ``n`` arriving at ``now``: the tier each block came from (None:
+        computed). With ``prefill_tok_s`` and ``tokens`` the node serves its requests one at
+        a time and what it writes lands after the request's prefill."""
+        timed = self.prefill is not None and tokens is not None
+        if timed:
+            now = max(now, self.busy[n])
+        self._land(now)
         pol, tier = self.node_pol[n], self.node[n]
         got: list = []
         for d, b in enumerate(keys):
@@ -335,6 +354,10 @@ class TierSim:
             else:
                 got.append(None)
         run = next((i for i, g in enumerate(got) if g is None), len(got))
+        if timed:
+            fetch = self.window * (len(keys) - got.count("node"))
+            self.busy[n] = now + fetch + max(0, tokens - run * self.block_tokens) / self.prefill
+            self._lands = self.busy[n] + self.window
         self.requests += 1
         self.blocks += len(keys)
         for i, (b, g) in enumerate(zip(keys, got)):
@@ -344,7 +367,7 @@ class TierSim:
                 continue
             if g is not None and i < run:
                 self.written[n].add(b)                       # it is in the pool
-                if pol.promote(b, now, tier, self.size):
+                if pol.promote(b, now, None, self.size):     # as the live node does
                     self._node_put(n, b, now)
             elif i >= run:
                 self.computed += 1
@@ -353,6 +376,7 @@ class TierSim:
             if b not in self.written[n] and (i >= run or got[i] == "node") and \
                     pol.write_down(b, now, self.size) == "now":
                 self._write(n, b, now)
+        self._lands = None
         return got[:run] + [None] * (len(keys) - run)
 
     def summary(self) -> dict:

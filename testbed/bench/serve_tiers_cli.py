@@ -1,0 +1,45 @@
+"""The `--tiers` options of `testbed bench serve` (testbed.bench.serve_tiers): a decorator that
+adds them to the command and, when ``--tiers`` is given, runs the tiers benchmark in place of
+the serving one (its own defaults: 4 nodes, 1 pool node, unless --nodes/--pools are given)."""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import click
+
+TIERS_JSON = "bench/results/serve-tiers.json"
+
+
+def _modes(value: str) -> list[str]:
+    return [m.strip() for m in value.split(",") if m.strip()]
+
+
+def tiers_options(command):
+    @click.option("--tiers", is_flag=True, default=False,
+                  help="Measure the tiers (#29) instead: node DRAM, switch, pool DRAM, pool "
+                       "disk, per demote and write-down mode, with `testbed sim` beside.")
+    @click.option("--demote", "demotes", default="none,all,value", show_default=True,
+                  help="With --tiers: comma list of none, all, value.")
+    @click.option("--write-down", "write_downs", default="all,selective", show_default=True,
+                  help="With --tiers: comma list of all, selective.")
+    @click.option("--fill", type=float, default=2.0, show_default=True,
+                  help="With --tiers: the workload's distinct blocks / the pool's DRAM.")
+    @functools.wraps(command)
+    def wrapper(*args, tiers, demotes, write_downs, fill, **kw):
+        if not tiers:
+            return command(*args, **kw)
+        ctx = click.get_current_context()
+        given = lambda name: ctx.get_parameter_source(name).name != "DEFAULT"   # noqa: E731
+        json_path = kw["json_path"] if given("json_path") else TIERS_JSON
+        plot_path = kw.get("plot_path") or (json_path and str(Path(json_path).with_suffix(".png")))
+        from .serve_tiers import run_tiers
+        out = run_tiers(kw["nodes"] if given("nodes") else 4,
+                        kw["pools"] if given("pools") else 1, kw["link_gbit"],
+                        _modes(demotes), _modes(write_downs), kw["model"], fill, kw["scale"],
+                        json_path=json_path, plot_path=plot_path, log=click.echo)
+        click.echo(json.dumps(out["summary"], indent=2) + f"\nwrote {json_path}, {plot_path}")
+        if not out["summary"]["all_byte_exact"]:
+            raise click.ClickException("some block was not byte-exact")
+    return wrapper

@@ -1,0 +1,68 @@
+"""The pool node of `testbed bench serve --tiers`: `hostagent serve` (DRAM store, disk tier)
+with hostagent.tier_policy's pool side plugged in: the PUTs it stores and the GETs (chunk 0,
+one a fetch) that reach it feed the policy; DRAM gives way in the policy's order (``value``
+mode: lowest value first, else least recent) through the store's ``set_policy``, and the
+policy's demotion gate decides which evicted blocks go to disk. GETs are answered by the
+server process (HOSTAGENT_XDP_SERVE=0) so that every one is seen.
+
+  python -m testbed.bench.serve_tiers_pool '<policy JSON>' <hostagent serve options>
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def policy_config(d: dict):
+    from hostagent.tier_policy import PolicyConfig, TierCost
+    kw = dict(d)
+    if "costs" in kw:
+        kw["costs"] = {k: TierCost(*v) for k, v in kw["costs"].items()}
+    return PolicyConfig(**kw)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = policy_config(json.loads(argv.pop(0)))
+    os.environ["HOSTAGENT_XDP_SERVE"] = "0"
+    from hostagent import cli, server
+    from hostagent.tier_policy import PoolSide
+    side = PoolSide(cfg)
+    make_store = cli._make_store
+
+    def make(ctx, v):
+        store = make_store(ctx, v)
+
+        def demote_fn(ns: int, key: bytes, nbytes: int) -> bool:
+            d = store.disk
+            return side.demote_fn(ns, key, nbytes, d.capacity - d.used if d else 0)
+
+        by_value = cfg.demote == "value"
+        store.set_policy("value" if by_value else "lru", side.value_fn if by_value else None,
+                         demote_fn)
+        put_chunk = store.put_chunk
+
+        def put(ns, key, chunk, nchunks, payload, crc, source=""):
+            done = put_chunk(ns, key, chunk, nchunks, payload, crc, source)
+            if done is not False:
+                side.put(ns, key, nchunks * len(payload))
+            return done
+
+        store.put_chunk = put
+        return store
+
+    cli._make_store = make
+    handle = server.PoolServer.handle
+
+    def counted(self, msg, addr):
+        if msg.op == server._GET and msg.chunk == 0:
+            side.get(msg.ns, msg.key)
+        return handle(self, msg, addr)
+
+    server.PoolServer.handle = counted
+    cli.main(["serve", *argv])
+
+
+if __name__ == "__main__":
+    main()
