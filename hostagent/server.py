@@ -90,7 +90,10 @@ class PoolServer(asyncio.DatagramProtocol):
              _csum) = _unpack(data)
             if op == _GET and magic == MAGIC and version == VERSION and not reserved and \
                     length == len(data) - HEADER_LEN and length <= MAX_PAYLOAD:
-                block = self.store.staging.get(ns, key, touch=chunk == 0)
+                first = chunk == 0
+                if first and self.store.on_get is not None:
+                    self.store.on_get(ns, key)    # a fetch seen by the process (tier policy)
+                block = self.store.staging.get(ns, key, touch=first)
                 if block is not None and chunk < block.nchunks:
                     self.counters["rx_get"] += 1
                     self._send_chunk(block, ns, req_id, key, chunk, addr)

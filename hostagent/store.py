@@ -15,7 +15,9 @@ NOT_FOUND and the least recently used blocks go when space runs out. The Mooncak
 ``demote_fn(ns, key, nbytes)`` says so; default: every one), and a GET the arena misses is
 staged back from it (read in a worker thread, every chunk checked) before the backing store is
 asked. The eviction order is ``lru`` or ``value`` (``value_fn(ns, key, nbytes)``, lowest
-first: ``set_policy``). Blocks are immutable: a PUT of a chunk that differs from the
+first: ``set_policy``); ``on_get(ns, key)``, if set, hears of every fetch (a GET of chunk 0)
+the server process sees (not the ones XDP answers: run with ``HOSTAGENT_XDP_SERVE=0`` to see
+them all). Blocks are immutable: a PUT of a chunk that differs from the
 stored one is refused; one that matches (a retransmission) is acknowledged again.
 """
 from __future__ import annotations
@@ -45,6 +47,7 @@ class PoolStore:
     store shares: assembly, staging, and answering from staged blocks."""
 
     kind = "abstract"
+    on_get = None       # on_get(ns, key): every GET of a chunk 0 the server process sees
 
     def __init__(self, capacity: int, page: int = DEFAULT_PAGE,
                  assembly_bytes: int | None = None, assembly_timeout: float | None = None,

@@ -349,6 +349,19 @@ def test_pool_dram_gives_way_by_value_and_the_policy_decides_what_goes_to_disk(t
     asyncio.run(store.close())
 
 
+def test_the_policy_hears_of_every_fetch_the_pool_process_sees(tmp_path):
+    store = _disk_store(tmp_path)
+    blocks = {i: _put(store, i) for i in range(4)}               # 0 on disk, 1-3 in DRAM
+    seen = []
+    store.on_get = lambda ns, k: seen.append(k[0])
+
+    async def body(addr, proto):
+        return await _get_all(addr, [3, 0, 3])
+
+    assert asyncio.run(_with_pool(store, body)) == [blocks[3], blocks[0], blocks[3]]
+    assert seen == [3, 0, 3]                                     # chunk 0 of each fetch
+
+
 def test_serve_disk_options_refuse_bad_values(tmp_path):
     (tmp_path / "file").write_text("x")
     for args, message in (
