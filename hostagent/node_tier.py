@@ -29,6 +29,7 @@ to the pool.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -39,6 +40,7 @@ __all__ = ["Fetched", "Lease", "NodeTier", "fetch", "fetch_sync", "nbytes_of", "
            "view_of"]
 
 EVICT_ORDERS = ("lru", "value")
+log = logging.getLogger("hostagent.node_tier")
 
 
 def nbytes_of(obj) -> int:
@@ -94,29 +96,25 @@ class NodeTier:
     def get(self, ns: int, key: bytes, touch: bool = True):
         """The held object (the same one that was put: no copy), or None. Counts a hit or a
         miss. The object stays valid until it is evicted: ``lease`` to keep it from that."""
-        with self._lock:
-            e = self._entries.get((ns, key))
-            if e is None:
-                self.counters["misses"] += 1
-                return None
-            self.counters["hits"] += 1
-            self.counters["hit_bytes"] += e.nbytes
-            if touch:
-                self._entries.move_to_end((ns, key))
-            return e.obj
+        e = self._lookup(ns, key, True, touch, False)
+        return None if e is None else e.obj
 
     def lease(self, ns: int, key: bytes, count: bool = True) -> Lease | None:
         """A hit pinned until ``Lease.release()`` (or the ``with`` block's end), or None."""
+        e = self._lookup(ns, key, count, True, True)
+        return None if e is None else Lease(self, (ns, key), e)
+
+    def _lookup(self, ns: int, key: bytes, count: bool, touch: bool, pin: bool):
         with self._lock:
             e = self._entries.get((ns, key))
-            if e is None:
-                self.counters["misses"] += count
-                return None
-            self.counters["hits"] += count
-            self.counters["hit_bytes"] += e.nbytes if count else 0
-            self._entries.move_to_end((ns, key))
-            e.pins += 1
-            return Lease(self, (ns, key), e)
+            if count:
+                self.counters["misses" if e is None else "hits"] += 1
+                self.counters["hit_bytes"] += e.nbytes if e is not None else 0
+            if e is not None:
+                if touch:
+                    self._entries.move_to_end((ns, key))
+                e.pins += pin
+            return e
 
     def __contains__(self, name: tuple[int, bytes]) -> bool:
         return name in self._entries
@@ -184,12 +182,13 @@ class NodeTier:
 
     def _evicted(self, victims: list) -> None:
         for (ns, key), e in victims:
-            try:
-                if self.on_evict is not None:
+            if self.on_evict is not None:
+                try:
                     self.on_evict(ns, key, e.obj, e.nbytes)
-            finally:
-                if e.release is not None:
-                    e.release()
+                except Exception:             # a demotion that failed must not leak the rest
+                    log.exception("node tier: on_evict failed for %d/%s", ns, key.hex())
+            if e.release is not None:
+                e.release()
 
     def remove(self, ns: int, key: bytes) -> bool:
         """Drop a block (released now, or when its last lease ends); no on_evict call."""

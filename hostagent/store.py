@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from array import array
 from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
@@ -38,6 +39,7 @@ from .staging import DEFAULT_PAGE, Arena, StagedBlock, Staging, StagingFull
 __all__ = ["Assembler", "BlockStore", "MemoryStore", "PoolStore", "PutBudgets", "StoreError",
            "UNAVAILABLE", "DEFAULT_ASSEMBLY_BYTES", "DEFAULT_ASSEMBLY_TIMEOUT"]
 
+log = logging.getLogger("hostagent.store")
 # the status a pool node answers with while its backing store is unreachable
 UNAVAILABLE = Status.UNAVAILABLE
 
@@ -183,9 +185,12 @@ class PoolStore:
         if disk is None:
             return
         ns, key, n = block.layout.ns, block.layout.key, block.nbytes
-        if self.demote_fn is not None and not self.demote_fn(ns, key, n):
-            self.counters["disk_not_demoted"] += 1
-            return
+        try:
+            if self.demote_fn is not None and not self.demote_fn(ns, key, n):
+                self.counters["disk_not_demoted"] += 1
+                return
+        except Exception:                     # a policy error must not fail the PUT
+            log.exception("demote_fn failed: %d/%s goes to disk", ns, key.hex())
         disk.write(ns, key, block.run.view[:n])
 
     def _from_disk(self, ns: int, key: bytes) -> asyncio.Future | None:
