@@ -14,7 +14,7 @@ NOT_FOUND and the least recently used blocks go when space runs out. The Mooncak
 ``hostagent.disk_tier.DiskTier``): a block evicted from the arena is written there first (if
 ``demote_fn(ns, key, nbytes)`` says so; default: every one), and a GET the arena misses is
 staged back from it (read in a worker thread, every chunk checked) before the backing store is
-asked. The eviction order is ``lru`` or ``value`` (``value_fn(ns, key, nbytes)``, lowest
+asked; at a clean stop (``close``) the blocks only in DRAM are written there too. The eviction order is ``lru`` or ``value`` (``value_fn(ns, key, nbytes)``, lowest
 first: ``set_policy``); ``on_get(ns, key)``, if set, hears of every fetch (a GET of chunk 0)
 the server process sees (not the ones XDP answers: run with ``HOSTAGENT_XDP_SERVE=0`` to see
 them all). Blocks are immutable: a PUT of a chunk that differs from the
@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from array import array
 from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
@@ -85,7 +86,21 @@ class PoolStore:
             await asyncio.gather(*self._disk_reads.values(), return_exceptions=True)
         if self._disk_pool is not None:
             self._disk_pool.shutdown(wait=True)
+        if self.disk is not None:
+            self._flush()
         self.staging.arena.close()
+
+    def _flush(self) -> None:
+        """At a clean stop: what is only in DRAM goes to disk (least recent first), so a
+        restarted pool process has it too."""
+        t0, n = time.monotonic(), 0
+        for block in list(self.staging.blocks.values()):
+            name = (block.layout.ns, block.layout.key)
+            if name not in self.disk and self.disk.write(*name, block.run.view[:block.nbytes]):
+                n += 1
+        if n:
+            log.info("disk tier: %d blocks only in DRAM written at shutdown in %.2f s", n,
+                     time.monotonic() - t0)
 
     def describe(self) -> str:
         return f"{self.kind} store, {self.capacity} bytes{self._disk_text()}"

@@ -194,10 +194,13 @@ def test_blocks_evicted_from_pool_dram_come_back_byte_exact_from_disk(tmp_path):
 
 def test_the_disk_tier_survives_a_pool_process_restart(tmp_path):
     """Blocks on disk are served by a new pool process (a real `hostagent serve`) started on
-    the same directory, byte-exact, and an oversized tier keeps only its newest blocks."""
+    the same directory, byte-exact, and an oversized tier keeps only its newest blocks; the
+    blocks only in DRAM go to disk at a clean stop, but not when the process is killed."""
     first = _disk_store(tmp_path, capacity=2 * PAGE)
     blocks = {i: _put(first, i) for i in range(5)}                 # 0, 1, 2 go to disk
-    asyncio.run(first.close())
+    assert len(first.disk) == 3
+    asyncio.run(first.close())                                     # 3, 4 at the clean stop
+    assert len(first.disk) == 5
     port = 20000 + os.getpid() % 20000
     proc = subprocess.Popen(python_argv("hostagent", "serve", "--bind", "127.0.0.1",
                                         "--port", str(port), "--capacity", "64KiB",
@@ -210,15 +213,23 @@ def test_the_disk_tier_survives_a_pool_process_restart(tmp_path):
                 break
         assert "ready" in line and "disk tier" in line, line
 
-        got = asyncio.run(_get_all(("127.0.0.1", port), range(3)))
-        assert got == [blocks[i] for i in range(3)]
-        with pytest.raises(BlockNotFound):                         # never left DRAM: gone
-            asyncio.run(_get_all(("127.0.0.1", port), [3]))
+        got = asyncio.run(_get_all(("127.0.0.1", port), range(5)))
+        assert got == [blocks[i] for i in range(5)]
+        _put_by_client(("127.0.0.1", port), 9, blocks)             # only in its DRAM
     finally:
-        proc.terminate()
+        proc.kill()                                                # no clean stop
         proc.wait(10)
-    small = DiskTier(tmp_path, 2 * 4 * CS)             # room for two 4 KiB objects: oldest goes
-    assert len(small) == 2 and small.stats()["disk_dropped"] == 1
+    assert (NS, key(9)) not in DiskTier(tmp_path, 1 << 20)
+    small = DiskTier(tmp_path, 2 * 4 * CS)             # room for two 4 KiB objects: oldest go
+    assert len(small) == 2 and small.stats()["disk_dropped"] == 3
+
+
+def _put_by_client(addr, i, blocks):
+    async def go():
+        async with KVClient([addr], chunk_size=CS, deadline=10) as c:
+            await c.put_block(NS, key(i), payload(3000, i))
+    asyncio.run(go())
+    blocks[i] = payload(3000, i)
 
 
 def test_a_corrupt_file_is_detected_and_dropped(tmp_path, caplog):
@@ -246,9 +257,11 @@ def test_a_corrupt_file_is_detected_and_dropped(tmp_path, caplog):
     (tmp_path / file_name(NS, key(7))).write_bytes(f1.read_bytes()[:100])
     (tmp_path / ".tmp.1.x.kvb").write_bytes(b"half")
     caplog.clear()
-    again = DiskTier(tmp_path, 1 << 20)              # 2 went to disk when 1 was staged back
-    assert list(again.index) == [(NS, key(2))] and again.stats()["disk_corrupt"] == 2
-    assert os.listdir(tmp_path) == [file_name(NS, key(2))]
+    again = DiskTier(tmp_path, 1 << 20)     # 2 went to disk when 1 was staged back, 3 and 4
+    left = [2, 3, 4]                        # at the stop; 1 was there already
+    assert sorted(again.index) == [(NS, key(i)) for i in left]
+    assert again.stats()["disk_corrupt"] == 2
+    assert sorted(os.listdir(tmp_path)) == [file_name(NS, key(i)) for i in left]
     assert len([r for r in caplog.records if "corrupt" in r.getMessage()]) == 2
 
 
