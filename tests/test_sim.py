@@ -162,8 +162,8 @@ def test_run_and_sweep_compute_the_same_point(tmp_path):
     assert on["hit_ratio"]["switch"] > 0.01
     assert on["bytes"]["pool_to_switch"] < off["bytes"]["pool_to_switch"]
     assert on["gpu_s_total"] != off["gpu_s_total"]
-    r = CliRunner().invoke(main, ["sim", "sweep", *flags, "--json", str(sweep_json),
-                                  "--plot", str(tmp_path / "sweep.png")])
+    r = CliRunner().invoke(main, ["sim", "sweep", *flags, "--skew-cases", "",
+                                  "--json", str(sweep_json), "--plot", str(tmp_path / "sweep.png")])
     assert r.exit_code == 0, r.output
     (pt,) = json.loads(sweep_json.read_text())["points"]
     b = run["switch_benefit"]

@@ -20,6 +20,8 @@ DEMOTES = ("none", "all", "value")
 ROOT = Path(__file__).resolve().parents[2]
 THROUGHPUT_JSON = "bench/results/throughput.json"
 REQUESTS_PER_NODE, MAX_REQUESTS = 200, 200_000    # a point's default request count
+MIN_ENTRIES = 1_000_000           # the cache size the data plane's CPU should be measured at
+PPS_KEYS = ("switch_hit_pps", "hit_pps_sequential", "hit_pps_zipf", "hit_pps")
 HBM, DRAM, SWITCH, POOL, REPLICA, RECOMPUTE, UNSAMPLED = range(7)
 TIERS = ("hbm", "dram", "switch", "pool", "switch_replica", "recompute")
 
@@ -79,6 +81,7 @@ class SimConfig:
     xdp_ns_per_frame: float | None = None   # data-plane CPU per frame; None: from throughput_json
     throughput_json: str = THROUGHPUT_JSON  # `testbed bench throughput` result (relative: to cwd
     #                                         or else the source tree)
+    skew: float = 0.0                 # Zipf exponent of prefix-tree popularity (0: uniform)
     seed: int = 1
     # cost model (break-even), see docs/sim.md
     gpu_hour_usd: float = 2.0
@@ -102,7 +105,7 @@ class SimConfig:
                              f"(choose from {', '.join(POLICIES)})")
         if not (1 <= self.block_tokens <= BLOCK_TOKENS and BLOCK_TOKENS % self.block_tokens == 0):
             raise SimError(f"block tokens must divide {BLOCK_TOKENS}, got {self.block_tokens}")
-        for name in ("hbm_gib", "dram_gib", "switch_gib"):
+        for name in ("hbm_gib", "dram_gib", "switch_gib", "skew"):
             if getattr(self, name) < 0:
                 raise SimError(f"{name} must be >= 0")
         for name in ("node_gbps", "pool_gbps", "pcie_gbps", "interval", "load"):
@@ -125,39 +128,100 @@ def default_requests(nodes: int) -> int:
 
 
 def xdp_frame_cost(cfg: SimConfig) -> dict:
-    """The data plane's CPU per frame it handles: ``cfg.xdp_ns_per_frame`` if set, else what the
-    throughput benchmark measured at the chunk size nearest ``cfg.chunk_bytes``: the program's
-    own run time per frame (bpf_stats) when the result has it, else one core's switch-hit rate
-    (1e9 / switch_hit_pps; the generator shares that core, so this errs high)."""
+    """The data plane's CPU per frame it handles: ``cfg.xdp_ns_per_frame`` if set, else what
+    ``testbed bench throughput`` measured (``cfg.throughput_json``) at the chunk size nearest
+    ``cfg.chunk_bytes`` and, at that chunk size, the largest cache the file measured (the
+    model's switch holds millions of blocks' chunks: ``MIN_ENTRIES`` or more is what it should
+    be priced at). Per entry: the program's own run time per frame (bpf_stats) when the entry
+    has it, else 1e9 / its hit replies per second on one core (the generator shares that core,
+    so this errs high). Says which file and entry it read, and ``fallback`` when the entry's
+    cache is smaller than ``MIN_ENTRIES`` (the file has no such entry at that chunk size)."""
     if cfg.xdp_ns_per_frame is not None:
         return {"ns_per_frame": float(cfg.xdp_ns_per_frame), "source": "configured"}
     path = Path(cfg.throughput_json)
     if not path.is_absolute() and not path.exists() and (ROOT / path).exists():
         path = ROOT / path
     path = path.resolve()
-    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-    measured = dict(_measured(str(path), cfg.chunk_bytes))
-    how = ("kv_ingress run time per frame (bpf_stats)" if "switch_hit_ns_per_frame" in measured
-           else "1e9 / switch_hit_pps (one core)")
-    return {**measured, "source": f"{shown}: {how}"}
+    shown = str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+    try:
+        st = path.stat()
+        stamp = (st.st_mtime_ns, st.st_size)
+    except OSError:
+        stamp = None
+    m = dict(_measured(str(path), cfg.chunk_bytes, stamp))
+    return {**m, "file": shown,
+            "source": f"{shown} {m['entry']}: {m['entries']:,} entries x "
+                      f"{m['measured_chunk_bytes']} B chunks, {m['how']}"
+                      + (" (fallback: smaller cache than 1M)" if "fallback" in m else "")}
+
+
+def throughput_entries(doc: dict) -> list[dict]:
+    """Every switch-hit measurement in a throughput result: the entry (``section[index]``),
+    its cache entries, chunk size, ns per frame and how that was got. Rows of ``results``
+    measured ``config.keys`` entries unless they say (``entries``; 0: unknown); other sections'
+    rows count only if they name their ``entries`` (``cache_scaling``, or any section added
+    later)."""
+    if not isinstance(doc, dict):
+        raise TypeError("not a JSON object")
+    keys = (doc.get("config") or {}).get("keys")
+    out = []
+    for section, rows in doc.items():
+        if not isinstance(rows, list):
+            continue
+        for i, r in enumerate(rows):
+            if not isinstance(r, dict) or not r.get("chunk_bytes"):
+                continue
+            entries = r.get("entries", r.get("cache_entries",
+                                            (keys or 0) if section == "results" else None))
+            if entries is None:
+                continue
+            own = r.get("switch_hit_ns_per_frame") or r.get("ns_per_frame")
+            pps = [r[k] for k in PPS_KEYS if r.get(k)]
+            if own:
+                ns, how = float(own), "program run time per frame (bpf_stats)"
+            elif pps:
+                ns = 1e9 / min(pps)
+                how = f"1e9 / {PPS_KEYS[[r.get(k) for k in PPS_KEYS].index(min(pps))]} (one core)"
+            else:
+                continue
+            out.append({"entry": f"{section}[{i}]", "entries": int(entries),
+                        "chunk_bytes": int(r["chunk_bytes"]), "ns_per_frame": round(ns, 1),
+                        "how": how})
+    return out
+
+
+def pick_entry(entries: list[dict], chunk_bytes: int) -> dict:
+    """The entry at the chunk size nearest ``chunk_bytes`` (ties: the larger) with the largest
+    cache there (ties: the costlier)."""
+    near = min(entries, key=lambda e: (abs(e["chunk_bytes"] - chunk_bytes), -e["chunk_bytes"]))
+    at = [e for e in entries if e["chunk_bytes"] == near["chunk_bytes"]]
+    return max(at, key=lambda e: (e["entries"], e["ns_per_frame"]))
 
 
 @lru_cache(maxsize=8)
-def _measured(path: str, chunk_bytes: int) -> tuple:
+def _measured(path: str, chunk_bytes: int, stamp=None) -> tuple:
+    """The priced entry (``stamp``: the file's mtime and size, so a rewritten file is read
+    again)."""
     try:
-        rows = [r for r in json.loads(Path(path).read_text())["results"]
-                if r.get("switch_hit_pps")]
+        entries = throughput_entries(json.loads(Path(path).read_text()))
     except FileNotFoundError:
         raise SimError(f"no throughput result at {path}: run `testbed bench throughput --json "
                        f"{THROUGHPUT_JSON}` or give the data plane's ns per frame "
                        f"(--xdp-ns-per-frame)") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise SimError(f"{path} is not a throughput result ({exc})") from None
-    if not rows:
-        raise SimError(f"{path} has no switch_hit_pps to price the data plane's CPU with")
-    row = min(rows, key=lambda r: (abs(r["chunk_bytes"] - chunk_bytes), -r["chunk_bytes"]))
-    own = row.get("switch_hit_ns_per_frame")
-    return (("ns_per_frame", own or round(1e9 / row["switch_hit_pps"], 1)),
-            ("measured_chunk_bytes", row["chunk_bytes"]),
-            ("switch_hit_pps", row["switch_hit_pps"]),
-            *((("switch_hit_ns_per_frame", own),) if own else ()))
+    if not entries:
+        raise SimError(f"{path} has no switch-hit measurement (switch_hit_pps, hit_pps_* or "
+                       f"switch_hit_ns_per_frame with chunk_bytes) to price the data plane with")
+    e = pick_entry(entries, chunk_bytes)
+    out = {"ns_per_frame": e["ns_per_frame"], "entry": e["entry"], "entries": e["entries"],
+           "measured_chunk_bytes": e["chunk_bytes"], "how": e["how"]}
+    if e["entries"] < MIN_ENTRIES:
+        big = [x for x in entries if x["entries"] >= MIN_ENTRIES]
+        out["fallback"] = (f"no entry of >= {MIN_ENTRIES:,} cache entries at "
+                           f"{e['chunk_bytes']} B chunks in this file; priced at its largest "
+                           f"there ({e['entries']:,} entries)"
+                           + (f"; at {MIN_ENTRIES:,}+ it has only "
+                              + ", ".join(f"{x['entry']} ({x['entries']:,} x {x['chunk_bytes']} B: "
+                                          f"{x['ns_per_frame']} ns)" for x in big) if big else ""))
+    return tuple(out.items())

@@ -38,6 +38,7 @@ import numpy as np
 
 from .config import FRAME_OVERHEAD, GIB, MODELS, SimConfig, default_requests, xdp_frame_cost
 from .evaluate import GAMMA
+from .sample import time_windows
 from .tiers import (DRAM, HBM, POOL, RECOMPUTE, REPLICA, SWITCH, TIERS, UNSAMPLED, SwitchModel,
                     che_ttl, dram_hits, gaps, stable_order)
 from .trace import BLOCK_TOKENS, Trace
@@ -171,11 +172,8 @@ def simulate(wl: Workload, cfg: SimConfig, log=None) -> dict:
     del prev_n, next_n, ord_n, same_n, prev_g, next_g, ord_g, same_g, orders, node, b.node
     tiers = _tiers(b, cfg, in_hbm, in_dram, pool_has)
 
-    # the switch tier runs on a spatial sample of prefix trees when its stream is too long
-    rate = min(1.0, cfg.switch_budget / max(1, len(tiers.ri)))
-    sampled = np.ones(wl.n, bool)
-    if rate < 1:
-        sampled = mix(wl.hash_ids[wl.offsets[:-1]], 11) < np.uint64(rate * 2.0**64)
+    # the switch tier runs on windows of the run when its stream is too long (sample.py)
+    sampled = time_windows(wl.time, b.t[tiers.ri], b.nsec, cfg.switch_budget)
     res = {"config": asdict(cfg), "model": asdict(MODELS[cfg.model]), "requests": int(wl.n),
            "block_requests": int(b.nb), "distinct_blocks": distinct,
            "seconds_simulated": round(span, 3), "resampled": wl.resampled}
@@ -201,24 +199,83 @@ def simulate(wl: Workload, cfg: SimConfig, log=None) -> dict:
     return res
 
 
-def _switch(cfg, b, tiers, sampled) -> tuple:
-    """Run the switch tier on the switch-bound fetches (those of sampled trees): their indices,
-    outcomes, the sampling rate and what to report."""
-    ri = tiers.ri
-    keep = sampled[b.req[ri]]
-    rate = 1.0
-    if not keep.all():
-        rate = max(float(keep.mean()), 1e-12)
-        ri = ri[keep]
+def _switch(cfg, b, tiers, smp) -> tuple:
+    """Run the switch tier on the switch-bound fetches (all, or the sample's windows, each from
+    the start of its warm-up): the counted fetches' indices, their outcomes and what to
+    report."""
+    ri = tiers.ri[smp.sim]
     cap = cfg.switch_gib * GIB / cfg.block_bytes
     headroom = cap / 16 if cfg.headroom is None else cfg.headroom * cap
-    sw = SwitchModel(cfg.switch_policy, cap * rate, headroom * rate, cfg.interval, cfg.coalesce)
-    out = sw.run(b.key[ri], b.t[ri] / cfg.clock_scale, b.nbytes[ri] / cfg.block_bytes,
-                 b.wire[ri] / (b.link_bps * cfg.clock_scale))
-    info = {"sample_rate": round(rate, 6), "switch_bound_fetches": len(tiers.ri),
-            "simulated_fetches": len(ri), "policy_steps": sw.steps,
-            "capacity_blocks": round(cap * rate, 2)}
-    return ri, out, rate, info
+    sw = SwitchModel(cfg.switch_policy, cap, headroom, cfg.interval, cfg.coalesce)
+    out = np.empty(len(ri), np.int8)
+    for j in np.unique(smp.window_of):
+        at = np.flatnonzero(smp.window_of == j)
+        x = ri[at]
+        out[at] = sw.run(b.key[x], b.t[x] / cfg.clock_scale, b.nbytes[x] / cfg.block_bytes,
+                         b.wire[x] / (b.link_bps * cfg.clock_scale))
+    info = {"sample_rate": round(smp.rate, 6), "switch_bound_fetches": len(tiers.ri),
+            "simulated_fetches": len(ri), "counted_fetches": int(smp.counted.sum()),
+            "policy_steps": sw.steps, "capacity_blocks": round(cap, 2)}
+    if smp.windows:
+        info["windows"] = smp.windows
+    return ri[smp.counted], out[smp.counted], smp.rate, info
+
+
+def _request_times(b, fetch_t, saved_work) -> tuple:
+    """Per request: time loading its prefix and time computing, given each block's fetch time
+    (a node recomputes its prefix instead when fetching it would take longer)."""
+    fetch_req = np.bincount(b.req, weights=fetch_t, minlength=b.n)
+    load_t = np.minimum(fetch_req, saved_work)
+    compute_t = b.total_work - saved_work + np.where(fetch_req > saved_work, saved_work, 0.0)
+    return load_t, compute_t
+
+
+class _Estimate:
+    """Sums and percentiles over every request of a figure known exactly for every request
+    without its own switch hits (``base``: its blocks from the pool nodes, at the pool links'
+    load with or without the switch) and, with them, only for the requests whose prefix trees
+    the switch tier simulated (``own``, rate R of the requests). A sum is the exact sum of
+    ``base`` plus the sampled requests' difference / R; the TTFT distribution is ``base``'s
+    over all requests with the sampled requests' own-hit shift weighted 1/R. Unsampled (R = 1),
+    both are exact. (Until #25 every figure came from the sampled requests alone, the pool-off
+    ones too, so two sample rates of one point differed by 2x in GPU-seconds saved.)"""
+
+    def __init__(self, smp, base, own):
+        self.sampled, self.base, self.own = smp.sampled, base, own
+        sampled = smp.sampled
+        self.rate = float(sampled.mean())
+
+    def total(self, f) -> float:
+        b, o, s = f(self.base), f(self.own), self.sampled
+        return float(b.sum() + (o[s] - b[s]).sum() / self.rate)
+
+    def percentiles(self) -> dict:
+        b = self.base[0] + self.base[1]
+        if self.rate >= 1 or self.own is self.base:
+            return _percentiles((self.own[0] + self.own[1]) if self.rate >= 1 else b)
+        o, s = self.own[0] + self.own[1], self.sampled
+        vals = np.concatenate([b, b[s], o[s]])
+        w = np.concatenate([np.ones(len(b)), np.full(s.sum(), -1 / self.rate),
+                            np.full(s.sum(), 1 / self.rate)])
+        u, inv = np.unique(vals, return_inverse=True)
+        cdf = np.maximum.accumulate(np.cumsum(np.bincount(inv, weights=w)) / len(b))
+        pick = [float(u[min(len(u) - 1, np.searchsorted(cdf, q - 1e-12))]) for q in (0.5, 0.99)]
+        return {"p50": round(pick[0], 4), "p99": round(pick[1], 4),
+                "mean": round(self.total(lambda t: t[0] + t[1]) / len(b), 4)}
+
+
+def _less(load: np.ndarray, cut: np.ndarray, smp, groups: int) -> np.ndarray:
+    """Per (group, second) ``load`` less what the switch takes off it (``cut``, counted in the
+    sample's windows): exactly in the seconds inside a window and elsewhere by the windows'
+    fractional cut of the group's load."""
+    if smp.exact:
+        return np.maximum(load - cut, 0.0)
+    load, cut = load.reshape(groups, -1), cut.reshape(groups, -1)
+    inside = smp.window_secs[:load.shape[1]]
+    frac = cut[:, inside].sum(1) / np.maximum(load[:, inside].sum(1), 1e-300)
+    out = load * (1 - np.minimum(frac, 1.0))[:, None]
+    out[:, inside] = np.maximum(load[:, inside] - cut[:, inside], 0.0)
+    return out.reshape(-1)
 
 
 def _serve(cfg, b, tiers, sampled, switch: bool, light: bool = False) -> dict:
@@ -236,8 +293,8 @@ def _serve(cfg, b, tiers, sampled, switch: bool, light: bool = False) -> dict:
         src[sri] = out
         si = sri[out != POOL]                               # served by the switch
         hit_w = np.full(len(si), 1 / rate)
-        pool_load = np.maximum(pool_load - np.bincount(b.cell[si], weights=b.wire[si] * hit_w,
-                                                       minlength=len(pool_load)), 0.0)
+        pool_load = _less(pool_load, np.bincount(b.cell[si], weights=b.wire[si],
+                                                 minlength=len(pool_load)), sampled, cfg.pools)
     counts = np.bincount(src, minlength=len(TIERS) + 1).astype(float)
     counts[SWITCH] = hit_w[src[si] == SWITCH].sum()
     counts[REPLICA] = hit_w[src[si] == REPLICA].sum()
@@ -262,23 +319,23 @@ def _serve(cfg, b, tiers, sampled, switch: bool, light: bool = False) -> dict:
     hop = cfg.hop_us * 1e-6 if switch else 0.0
     fetch_t[ri] = (b.wire[ri] / (min(node_bps, pool_bps) * (1 - np.minimum(rho[b.cell[ri]], 0.98)))
                    + hop)
-    fetch_t[si] = b.wire[si] / node_bps + cfg.hop_us * 1e-6
-    fetch_req = np.bincount(b.req, weights=fetch_t, minlength=b.n)
     saved_work = tiers.saved_work
-    # a node recomputes its prefix instead when fetching it would take longer
-    load_t = np.minimum(fetch_req, saved_work)
-    compute_t = b.total_work - saved_work + np.where(fetch_req > saved_work, saved_work, 0.0)
-    ttft = load_t + compute_t
-    req_w = sampled
-    scale = model.gpus_per_node / float(req_w.mean())
+    base = _request_times(b, fetch_t, saved_work)          # every fetch from its pool node
+    if len(si):
+        fetch_t[si] = b.wire[si] / node_bps + cfg.hop_us * 1e-6
+        own = _request_times(b, fetch_t, saved_work)       # exact for the sampled requests
+    else:
+        own = base
+    est = _Estimate(sampled, base, own)
     out = {
         "hit_ratio": hit,
         "bytes": links,
         "remote_bytes": int(round(b.nbytes[ri].sum())),
-        "ttft_s": _percentiles(ttft[req_w]),
-        "prefill_gpu_s_saved": round(float((b.total_work - compute_t)[req_w].sum()) * scale, 2),
-        "gpu_s_waiting_for_kv": round(float(load_t[req_w].sum()) * scale, 2),
-        "gpu_s_total": round(float(ttft[req_w].sum()) * scale, 2),
+        "ttft_s": est.percentiles(),
+        "prefill_gpu_s_saved": round(est.total(lambda t: b.total_work - t[1])
+                                     * model.gpus_per_node, 2),
+        "gpu_s_waiting_for_kv": round(est.total(lambda t: t[0]) * model.gpus_per_node, 2),
+        "gpu_s_total": round(est.total(lambda t: t[0] + t[1]) * model.gpus_per_node, 2),
     }
     if light:
         return out
@@ -293,9 +350,9 @@ def _serve(cfg, b, tiers, sampled, switch: bool, light: bool = False) -> dict:
         # a coalesced one and a write-through PUT are two (request in, reply or ack back)
         hits = si[src[si] == SWITCH]
         runs = (np.bincount(b.cell[ri] % b.nsec, weights=2 * b.chunks[ri], minlength=b.nsec)
-                + np.bincount(b.cell[comp] % b.nsec, weights=2 * b.chunks[comp], minlength=b.nsec)
-                - np.bincount(b.cell[hits] % b.nsec, weights=b.chunks[hits] / rate,
-                              minlength=b.nsec))
+                + np.bincount(b.cell[comp] % b.nsec, weights=2 * b.chunks[comp], minlength=b.nsec))
+        runs = _less(runs, np.bincount(b.cell[hits] % b.nsec, weights=b.chunks[hits],
+                                       minlength=b.nsec), sampled, 1)
         out["switch"] = {**sw, "frames_per_s": round(float(runs.sum()) / b.span, 1),
                          "frames_per_s_p99": round(float(np.percentile(runs, 99)), 1)}
     else:
@@ -332,7 +389,7 @@ def summary(res: dict) -> dict:
     on, off, b = res["pool_on"], res["pool_off"], res["switch_benefit"]
     c = res["config"]
     return {"nodes": c["nodes"], "pools": c["pools"], "switch_gib": c["switch_gib"],
-            "sharing": res["sharing"], "requests": res["requests"],
+            "sharing": res["sharing"], "skew": c["skew"], "requests": res["requests"],
             "switch_hit_ratio": round(on["hit_ratio"]["switch"]
                                       + on["hit_ratio"]["switch_replica"], 6),
             "node_tier_hit_ratio": round(off["hit_ratio"]["hbm"] + off["hit_ratio"]["dram"], 6),
@@ -360,6 +417,10 @@ def point(trace: Trace, cfg: SimConfig, requests: int | None = None, sharing: fl
     (what value recovery saves), switch_benefit (break-even terms), sharing, point (``summary``),
     wall_seconds (including the workload)."""
     t0 = time.perf_counter()
+    xdp = xdp_frame_cost(cfg)               # fail before any work if it cannot be priced
+    if log:
+        log(f"data plane: {xdp['ns_per_frame']} ns/frame from {xdp['source']}"
+            + (f"; {xdp['fallback']}" if "fallback" in xdp else ""))
     if requests is None:
         requests = default_requests(cfg.nodes)
     wl = workload(trace, cfg, requests or None, sharing)

@@ -1,13 +1,15 @@
-"""`testbed sim sweep`: the cluster model over nodes x switch memory x sharing ratio, the
-break-even point of the switch pool (where what it saves exceeds what it costs), JSON and a plot.
+"""`testbed sim sweep`: the cluster model over nodes x switch memory x cases (a sharing ratio,
+and a skew: Zipf popularity of prefix trees, the hot-object case), the break-even point of the
+switch pool (where what it saves exceeds what it costs), JSON and a plot.
 
 Per point: ``requests_per_node * nodes`` requests (at most ``max_requests``) resampled from the
 trace, simulated with the switch pool on and off by ``testbed.sim.model.point``, the function
 ``sim run`` calls (so a point and ``sim run`` with the same flags agree). The pool pays when
 ``switch_benefit.net_usd_per_hour`` > 0: GPU time saved (prefill and waiting for KV) priced at the
 GPU's hourly rate, against switch memory, switchd's core and the data plane's per-frame CPU. The
-break-even of a (memory, sharing) curve is the smallest node count where it pays, interpolated
-log-linearly between the two sweep points around the sign change.
+break-even of a (memory, case) curve is the smallest node count where it pays, interpolated
+log-linearly between the two sweep points around the sign change; the default node grid is
+fine (4..64 in steps of 1.33-1.5x) where the break-even lies.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import math
 import time
 
 from ..lab import write_json
-from .config import MAX_REQUESTS, REQUESTS_PER_NODE, SimConfig, xdp_frame_cost
+from .config import MAX_REQUESTS, REQUESTS_PER_NODE, SimConfig, SimError, xdp_frame_cost
 from .model import point
 from .trace import load_trace
 
@@ -32,45 +34,72 @@ def break_even(nodes: list[int], net: list[float]) -> float | None:
     return None
 
 
-def break_even_curves(points: list[dict], sharing, switch_gib) -> list[dict]:
-    """Per (sharing, switch memory): the break-even node count and the node counts where the
+def parse_cases(text: str) -> list[tuple[float, float]]:
+    """"SHARING:SKEW,..." -> [(sharing, skew)]; SimError on anything else."""
+    cases = []
+    for item in filter(None, (x.strip() for x in (text or "").split(","))):
+        try:
+            s, k = (float(v) for v in item.split(":"))
+        except ValueError:
+            raise SimError(f"a skew case is SHARING:SKEW (e.g. 0.5:0.99), got {item!r}") from None
+        if not (0 <= s <= 1 and k >= 0):
+            raise SimError(f"a skew case needs 0 <= sharing <= 1 and skew >= 0, got {item!r}")
+        cases.append((s, k))
+    return cases
+
+
+def _case(p) -> tuple:
+    return (p["sharing"], p.get("skew", 0.0))
+
+
+def break_even_curves(points: list[dict], cases, switch_gib) -> list[dict]:
+    """Per (case, switch memory): the break-even node count and the node counts where the
     pool pays (a curve may fall below break-even again as the cluster grows)."""
     curves = []
-    for s in sharing:
+    for s, k in cases:
         for mem in switch_gib:
-            pts = [p for p in points if p["sharing"] == s and p["switch_gib"] == mem]
-            curves.append({"sharing": s, "switch_gib": mem,
+            pts = [p for p in points if _case(p) == (s, k) and p["switch_gib"] == mem]
+            curves.append({"sharing": s, "skew": k, "switch_gib": mem,
                            "break_even_nodes": break_even([p["nodes"] for p in pts],
                                                           [p["net_usd_per_hour"] for p in pts]),
                            "pays_at": [p["nodes"] for p in pts if p["net_usd_per_hour"] > 0]})
     return curves
 
 
-def run_sweep(trace_path, nodes, switch_gib, sharing, requests_per_node=REQUESTS_PER_NODE,
+def run_sweep(trace_path, nodes, switch_gib, cases, requests_per_node=REQUESTS_PER_NODE,
               max_requests=MAX_REQUESTS, json_path=None, plot_path=None, log=print,
               **cfg_kw) -> dict:
-    """Every point (sharing x switch memory x nodes), each ``point``'s summary; ``cfg_kw`` are
-    SimConfig fields shared by all points."""
+    """Every point (case x switch memory x nodes), each ``point``'s summary; ``cases`` are
+    (sharing, skew) pairs (a bare number: that sharing, no skew); ``cfg_kw`` are SimConfig
+    fields shared by all points."""
+    cases = [(float(c), 0.0) if not isinstance(c, (tuple, list)) else tuple(map(float, c))
+             for c in cases]
     trace = load_trace(trace_path)
+    cfg_kw.pop("skew", None)
     base = SimConfig(**cfg_kw)
     xdp = xdp_frame_cost(base)              # fail before the first point if it cannot be priced
+    log(f"data plane: {xdp['ns_per_frame']} ns/frame from {xdp['source']}"
+        + (f"; {xdp['fallback']}" if "fallback" in xdp else ""))
     points, t0 = [], time.perf_counter()
-    for s in sharing:
+    for s, k in cases:
         for mem in switch_gib:
             for n in nodes:
-                cfg = SimConfig(nodes=n, switch_gib=mem, **cfg_kw)
+                cfg = SimConfig(nodes=n, switch_gib=mem, skew=k, **cfg_kw)
                 points.append(point(trace, cfg, min(max_requests, requests_per_node * n),
                                     s)["point"])
                 p = points[-1]
-                log(f"sharing {s} switch {mem} GiB nodes {n}: switch hits "
+                log(f"sharing {s} skew {k} switch {mem} GiB nodes {n}: switch hits "
                     f"{p['switch_hit_ratio']:.3f}, egress saved {p['pool_egress_saved']:.3f}, "
+                    f"peak pool link {p['peak_pool_link_off']:.2f}, "
                     f"net ${p['net_usd_per_hour']:.3f}/h, xdp cores {p['xdp_cores']:.1f} "
                     f"(p99 {p['xdp_cores_p99']:.1f}) ({p['wall_seconds']}s)")
-    curves = break_even_curves(points, sharing, switch_gib)
+    curves = break_even_curves(points, cases, switch_gib)
     out = {"trace": str(trace_path), "routing": base.routing, "pools": base.pools,
-           "nodes": nodes, "switch_gib": switch_gib, "sharing": sharing,
+           "nodes": nodes, "switch_gib": switch_gib,
+           "sharing": sorted({s for s, _ in cases}), "cases": [list(c) for c in cases],
            "requests_per_node": requests_per_node, "max_requests": max_requests,
-           "defaults": {k: v for k, v in vars(base).items() if k not in ("nodes", "switch_gib")},
+           "defaults": {k: v for k, v in vars(base).items()
+                        if k not in ("nodes", "switch_gib", "skew")},
            "xdp": xdp,
            "break_even": curves, "points": points,
            "wall_seconds": round(time.perf_counter() - t0, 1)}
@@ -84,24 +113,24 @@ def plot(out: dict, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    shares = out["sharing"]
-    fig, axes = plt.subplots(2, len(shares), figsize=(4.6 * len(shares), 7.4), sharey="row",
+    cases = [tuple(c) for c in out.get("cases", [[s, 0.0] for s in out["sharing"]])]
+    fig, axes = plt.subplots(2, len(cases), figsize=(4.6 * len(cases), 7.4), sharey="row",
                              squeeze=False, gridspec_kw={"height_ratios": [3, 2]})
-    for ax, cores, s in zip(axes[0], axes[1], shares):
+    for ax, cores, (s, k) in zip(axes[0], axes[1], cases):
         for mem in out["switch_gib"]:
-            pts = [p for p in out["points"] if p["sharing"] == s and p["switch_gib"] == mem]
+            pts = [p for p in out["points"] if _case(p) == (s, k) and p["switch_gib"] == mem]
             ratio = [max(p["benefit_usd_per_hour"], 0) / p["cost_usd_per_hour"] for p in pts]
             x = [p["nodes"] for p in pts]
             ax.plot(x, [max(r, 1e-3) for r in ratio], marker="o", label=f"{mem:g} GiB switch")
             color = ax.lines[-1].get_color()
             be = next(c["break_even_nodes"] for c in out["break_even"]
-                      if c["sharing"] == s and c["switch_gib"] == mem)
+                      if _case(c) == (s, k) and c["switch_gib"] == mem)
             if be:
                 ax.axvline(be, ls=":", lw=1, color=color)
             cores.plot(x, [p["xdp_cores_p99"] for p in pts], marker="o", color=color)
             cores.plot(x, [p["xdp_cores"] for p in pts], ls="--", lw=1, color=color)
         ax.axhline(1.0, color="k", lw=1)
-        ax.set_title(f"sharing ratio {s:g}")
+        ax.set_title(f"sharing ratio {s:g}" + (f", skew (Zipf) {k:g}" if k else ""))
         for a in (ax, cores):
             a.set_xscale("log", base=2)
             a.set_yscale("log")

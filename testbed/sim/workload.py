@@ -48,6 +48,18 @@ def _partial_tail_fresh(offsets, ids, input_length, start_id):
     return ids
 
 
+def tree_popularity(trees: int, skew: float, rng) -> np.ndarray | None:
+    """How often each prefix tree is drawn: uniformly (None) or, with ``skew`` > 0, Zipf(skew)
+    over the trees in a random order (hot objects: a few system prompts or documents asked
+    for by most users; their first blocks sit on one pool node each, by hash placement)."""
+    if skew <= 0:
+        return None
+    rank = np.empty(trees)
+    rank[rng.permutation(trees)] = np.arange(1, trees + 1)
+    p = rank ** -skew
+    return p / p.sum()
+
+
 def workload(trace: Trace, cfg: SimConfig, requests: int | None = None,
              sharing: float = 0.0) -> Workload:
     """The requests the cluster serves. With ``requests`` unset and no sharing, the trace itself,
@@ -56,14 +68,15 @@ def workload(trace: Trace, cfg: SimConfig, requests: int | None = None,
     replacement; each drawn copy keeps the tree's requests and their offsets from its first request
     and starts at a uniform time in [-its duration, run length), and gets fresh block ids (a new
     session), except that with probability ``sharing`` it keeps the tree's original ids (the same
-    content asked again, e.g. a popular document). Partial last blocks always get fresh ids. The
+    content asked again, e.g. a popular document); with ``cfg.skew`` > 0 trees are drawn by a
+    Zipf popularity instead (``tree_popularity``). Partial last blocks always get fresh ids. The
     run is the first ``requests`` requests inside [0, requests / (nodes x rate)) seconds, so they
     arrive at the configured rate from start to end."""
     rate = cfg.rate_per_node or cfg.load * MODELS[cfg.model].prefill_tokens_per_s / max(
         1.0, float(trace.input_length.mean()))
     total_rate = rate * cfg.nodes
     max_id = int(trace.hash_ids.max()) + 1 if trace.n_block_requests else 1
-    if requests is None and sharing == 0:
+    if requests is None and sharing == 0 and cfg.skew <= 0:
         t = (trace.timestamp - trace.timestamp[0]) / 1000.0
         span = max(1e-9, float(t[-1]))
         scale = trace.n_requests / total_rate / span
@@ -86,10 +99,14 @@ def workload(trace: Trace, cfg: SimConfig, requests: int | None = None,
     # many trees as put requests there at the cluster's rate; W is a little longer than the
     # run so that its first n requests fill it from start to end (trees starting in [0, span)
     # and kept whole would spread the run over span + the longest tree, at a lower rate)
+    pop = tree_popularity(len(g_sizes), cfg.skew, rng)
     for margin in (1.25, 1.5, 2.0, 4.0, 16.0):
         W = margin * span
-        k = int(margin * n / float(np.mean(g_sizes * W / (W + dur)))) + 1
-        draws = rng.integers(0, len(g_sizes), k)
+        inside_share = g_sizes * W / (W + dur)
+        k = int(margin * n / float(np.mean(inside_share) if pop is None
+                                   else pop @ inside_share)) + 1
+        draws = (rng.integers(0, len(g_sizes), k) if pop is None
+                 else rng.choice(len(g_sizes), k, p=pop))
         size = g_sizes[draws]
         copy_of = np.repeat(np.arange(k), size)
         within = np.arange(len(copy_of)) - np.repeat(np.cumsum(size) - size, size)

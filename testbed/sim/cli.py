@@ -1,0 +1,134 @@
+"""`testbed sim`: the cluster model's commands (run, sweep, validate), registered on the
+`testbed` command line by testbed.cli. Each parses its options and calls the library function
+(testbed.sim.model.point, .sweep.run_sweep, .validate.run_validate, .validate_serve), imported
+when the command runs."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..options import (cluster_options, fail_unless, float_list, int_list, json_opt,
+                       sim_errors, trace_opt)
+
+SWEEP_NODES = "4,8,12,16,24,32,48,64,128,256,1024"
+
+
+@click.group()
+def sim():
+    """Cluster-scale model: tiers, switch pool on/off, break-even, testbed validation."""
+
+
+@sim.command("run")
+@trace_opt
+@click.option("--requests", type=click.IntRange(0),
+              help="Resample to this many requests (default 200 per node, at most 200,000, as "
+                   "the sweep; 0: the trace's own requests).")
+@click.option("--nodes", type=click.IntRange(1, 1 << 20), default=4, show_default=True)
+@click.option("--switch-gib", type=click.FloatRange(0), default=64.0, show_default=True)
+@click.option("--sharing", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="Share of resampled prefix trees that keep their ids (shared content).")
+@click.option("--skew", type=click.FloatRange(0), default=0.0, show_default=True,
+              help="Zipf exponent of prefix-tree popularity (hot objects; 0: uniform).")
+@cluster_options
+@json_opt()
+def sim_run(trace_path, requests, sharing, json_path, **kw):
+    """Simulate one cluster configuration, switch pool on and off (one point of the sweep)."""
+    from ..lab import write_json
+    from .config import SimConfig
+    from .model import point
+    from .trace import load_trace
+    out = sim_errors(lambda: point(load_trace(trace_path), SimConfig(**kw), requests, sharing,
+                                    log=lambda m: click.echo(m, err=True)))
+    write_json(json_path, out)
+    for mode in ("pool_off", "pool_on"):
+        r = out[mode]
+        click.echo(f"{mode}: hits {json.dumps(r['hit_ratio'])} ttft p50/p99 "
+                   f"{r['ttft_s']['p50']}/{r['ttft_s']['p99']}s prefill GPU-s saved "
+                   f"{r['prefill_gpu_s_saved']} pool egress {r['bytes']['pool_to_switch']}")
+    click.echo(f"point: {json.dumps(out['point'])}")
+    click.echo(f"{out['requests']} requests over {kw['nodes']} nodes in {out['wall_seconds']}s")
+
+
+@sim.command("sweep")
+@trace_opt
+@click.option("--nodes", "nodes", default=SWEEP_NODES, show_default=True, callback=int_list)
+@click.option("--switch-gib", "switch_gib", default="16,64,256", show_default=True,
+              callback=float_list())
+@click.option("--sharing", "sharing", default="0,0.5,0.9", show_default=True,
+              callback=float_list(1.0))
+@click.option("--skew-cases", "skew_cases", default="0.5:0.99", show_default=True,
+              help="SHARING:SKEW cases swept besides the sharing list (hot objects: Zipf "
+                   "popularity of prefix trees); '' for none.")
+@click.option("--requests-per-node", type=click.IntRange(1), default=200, show_default=True)
+@click.option("--max-requests", type=click.IntRange(1), default=200_000, show_default=True)
+@cluster_options
+@json_opt("bench/results/sim-sweep.json")
+@click.option("--plot", "plot_path", default="bench/results/sim-breakeven.png",
+              show_default=True)
+def sim_sweep(trace_path, nodes, switch_gib, sharing, skew_cases, requests_per_node,
+              max_requests, json_path, plot_path, **kw):
+    """Sweep nodes x switch memory x sharing (and skew cases); find and draw the break-even."""
+    from .sweep import parse_cases, run_sweep
+    cases = sim_errors(lambda: [(s, 0.0) for s in sharing] + parse_cases(skew_cases))
+    out = sim_errors(lambda: run_sweep(
+        trace_path, nodes, switch_gib, cases, requests_per_node, max_requests, json_path,
+        plot_path, log=lambda m: click.echo(m, err=True), **kw))
+    click.echo(json.dumps(out["break_even"], indent=2))
+    click.echo(f"wrote {json_path} and {plot_path}")
+
+
+@sim.command("validate")
+@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
+              help="Mooncake-format JSONL trace (required; with --serve: bench serve's trace "
+                   "workload).")
+@click.option("--serve", is_flag=True,
+              help="Validate at `bench serve`'s level: its workloads on a testbed, TTFT, hit "
+                   "ratio per tier and pool egress against the model at the same point.")
+@click.option("--limit", type=click.IntRange(4), default=2000, show_default=True,
+              help="First N requests of the trace (trace replay).")
+@click.option("--capacity", type=click.FloatRange(0, min_open=True), default=0.05,
+              show_default=True, help="Switch cache: fraction of distinct blocks (<1) or count.")
+@click.option("--speedup", type=click.FloatRange(0, min_open=True), default=20.0,
+              show_default=True)
+@click.option("--routing", type=click.Choice(["random", "affinity"]), default="random",
+              show_default=True)
+@click.option("--nodes", type=int, default=8, show_default=True,
+              help="--serve: inference nodes.")
+@click.option("--pools", type=int, default=2, show_default=True, help="--serve: pool nodes.")
+@click.option("--link-gbit", type=float, default=0.025, show_default=True,
+              help="--serve: every link's rate.")
+@click.option("--workloads", default="trace,burst,zipf", show_default=True,
+              help="--serve: bench serve's workloads.")
+@click.option("--modes", default="switch,bridge", show_default=True,
+              help="--serve: bench serve's modes.")
+@click.option("--scale", type=click.FloatRange(0, 1, min_open=True), default=1.0,
+              show_default=True, help="--serve: shrink the workloads (bench serve's --scale).")
+@click.option("--json", "json_path", default=None,
+              help="Write the result here (default bench/results/sim-validate.json, with "
+                   "--serve sim-validate-serve.json).")
+def sim_validate(trace_path, serve, limit, capacity, speedup, routing, nodes, pools, link_gbit,
+                 workloads, modes, scale, json_path):
+    """Check the model against the testbed: a replayed trace slice on 4 nodes, or (--serve)
+    bench serve's workloads."""
+    if not trace_path:
+        raise click.UsageError("--trace is required")
+    if serve:
+        from .validate_serve import run_validate_serve
+        out = run_validate_serve(nodes, pools, link_gbit, _names(workloads), _names(modes),
+                                 scale, trace_path,
+                                 json_path=json_path or "bench/results/sim-validate-serve.json",
+                                 log=lambda m: click.echo(m, err=True))
+        click.echo(json.dumps(out["comparison"], indent=2))
+        fail_unless(out["completed"])
+        return
+    from .validate import run_validate
+    out = run_validate(trace_path, limit, capacity, speedup, routing,
+                       json_path or "bench/results/sim-validate.json",
+                       log=lambda m: click.echo(m, err=True))
+    click.echo(json.dumps(out["comparison"], indent=2))
+    fail_unless(out["within_targets"])
+
+
+def _names(v: str) -> list[str]:
+    return [x.strip() for x in v.split(",") if x.strip()]

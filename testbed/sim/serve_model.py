@@ -1,0 +1,247 @@
+"""The cluster model at `testbed bench serve`'s scale (``testbed sim validate --serve``): the same
+per-node request lists (testbed.bench.serve_workloads) replayed through the model's tiers and
+the testbed's timing, so the two can be compared request for request.
+
+Tiers, as in the cluster model: a block is in the pool from its preload or once a node's
+write-through of it has completed; the switch tier is tiers.SwitchModel (switchd's own admission
+loop stepping a model of the data plane: a miss's reply learned if admitted or while the
+speculative-fill budget lasts), with a fetch of a block whose upstream fetch is still under way
+held and answered by it (coalescing); what no tier holds is recomputed.
+
+Timing, as bench serve's nodes do it: one request at a time per node (its GPU), queueing from
+arrival; all of a request's blocks fetched at once (a block the pool lacks costs one round
+trip); the longest fetched prefix is cached and the rest is prefilled at the preset's speed; the
+blocks computed are then written through by a background writer, one at a time. Every transfer
+crosses the links it uses (pool node egress and the node's downlink for a reply from the pool,
+the downlink alone for a switch hit; the node's uplink and the pool's ingress for a write), and
+the transfers on a link share its rate equally (fluid processor sharing, stepped every ``dt``:
+a link's FIFO interleaving the chunks of the windows in flight). Two constants, measured on the
+testbed before the run and not fitted to its results (``Calibration``): the links' rate and the
+fetch engine's round trip. Bytes on a link are the frames' (chunk + PAYLOAD_OFF per chunk; one
+header-only frame per NOT_FOUND and per acknowledged chunk)."""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from hostagent.client import pool_for
+from kvproto.wire import PORT
+
+from .config import FRAME_OVERHEAD
+from .tiers import POOL, REPLICA, SWITCH, SwitchModel
+
+BLOCK_TOKENS = 512
+
+
+@dataclass
+class Calibration:
+    """What the model is told about the testbed's links and fetch engine (measured)."""
+    link_bytes_per_s: float       # each link's rate, frame bytes per second
+    rtt_s: float                  # the fetch engine's round trip (a NOT_FOUND lookup)
+    chunk: int                    # payload bytes per frame
+    block_bytes: int
+    source: dict = field(default_factory=dict)
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.block_bytes // self.chunk)
+
+    @property
+    def wire(self) -> float:
+        return self.chunks * (self.chunk + FRAME_OVERHEAD)
+
+
+class HeldSwitch(SwitchModel):
+    """SwitchModel fetch by fetch in time order across calls, with a fetch of a block whose
+    upstream fetch is under way held (a replica of its reply)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.next_step = None
+
+    def fetch(self, k, t: float, inflight: bool) -> int:
+        if self.next_step is None:          # switchd has run since before the workload:
+            self.step(t)                    # its fill budget is there from the start
+            self.next_step = t + self.interval
+        while t >= self.next_step:
+            self.step(self.next_step)
+            self.next_step += self.interval
+        if inflight and self.coalesce:
+            self.misses[k] += 1
+            self.sizes[k] = 1.0
+            return REPLICA
+        if k in self.filled:
+            self.hits[k] += 1
+            return SWITCH
+        self.misses[k] += 1
+        self.sizes[k] = 1.0
+        if self.used + 1.0 <= self.total + 1e-9:
+            if k in self.admitted:
+                self.filled[k] = (1.0, False)
+                self.used += 1.0
+            elif 1.0 <= self.spec_budget:
+                self.filled[k] = (1.0, True)
+                self.used += 1.0
+                self.spec_budget -= 1.0
+        return POOL
+
+
+class _Transfer:
+    __slots__ = ("left", "links", "done", "after")
+
+    def __init__(self, size: float, links: tuple, after=None):
+        self.left, self.links, self.done, self.after = size, links, None, after
+
+
+def simulate_serve(requests: list[list[dict]], preload, mode: str, pools: list[str], ns: int,
+                   cal: Calibration, prefill_tok_s: float, cache_blocks: float = 10_000,
+                   headroom_blocks: float | None = None, interval: float = 1.0,
+                   policy: str = "prefix", dt: float = 5e-4, seed: int = 0) -> dict:
+    """Replay one workload in one mode (bridge, switch or replicas). Result: per request TTFT,
+    queueing, fetch and prefill (and whether it is a warm-up), the share of fetched blocks per
+    tier (switch hit, switch replica, pool), cached blocks / blocks, pool egress bytes per pool
+    node, and the chunks fetched."""
+    rng = random.Random(seed)
+    P = len(pools)
+    addrs = [(a, PORT) for a in pools]
+    owner = {}
+
+    def own(k: bytes) -> int:
+        if k not in owner:
+            owner[k] = addrs.index(pool_for(addrs, ns, k))
+        return owner[k]
+
+    bps = cal.link_bytes_per_s
+    avail = {bytes.fromhex(k): 0.0 for k in preload}
+    headroom = cache_blocks / 16 if headroom_blocks is None else headroom_blocks
+    sw = (HeldSwitch(policy, cache_blocks, headroom, interval) if mode == "switch" else None)
+    queues = [[(r, bytes_keys(r)) for r in q] for q in requests]
+    nxt = [0] * len(queues)
+    free_at = [0.0] * len(queues)
+    busy: dict[int, dict] = {}             # node -> the request it is fetching
+    prefilling: list = []                  # (end, node)
+    writes = [[] for _ in queues]          # per node: blocks waiting to be written
+    writing: dict[int, _Transfer] = {}
+    active: list[_Transfer] = []
+    upstream: dict[bytes, _Transfer] = {}  # block -> its fetch from a pool node under way
+    egress = [0.0] * P
+    tiers = {"switch": 0, "switch_replica": 0, "pool": 0}
+    out = []
+    t = 0.0
+    total = sum(len(q) for q in queues)
+
+    def start(i: int, r: dict, keys: list[bytes]) -> None:
+        held = [k for k in keys if avail.get(k, math.inf) <= t]
+        cached = 0
+        for k in keys:
+            if avail.get(k, math.inf) > t:
+                break
+            cached += 1
+        xs = []
+        missing = len(keys) - len(held)
+        for k in keys:
+            if avail.get(k, math.inf) > t:
+                p = own(k)
+                egress[p] += FRAME_OVERHEAD              # NOT_FOUND
+                continue
+            if sw is not None:
+                up = upstream.get(k)
+                o = sw.fetch(k, t, up is not None and up.done is None)
+            else:
+                o = POOL
+            if o == POOL:
+                p = rng.randrange(P) if mode == "replicas" else own(k)
+                x = _Transfer(cal.wire, (("pe", p), ("nd", i)))
+                egress[p] += cal.wire
+                upstream[k] = x
+                tiers["pool"] += 1
+            elif o == SWITCH:
+                x = _Transfer(cal.wire, (("nd", i),))
+                tiers["switch"] += 1
+            else:
+                x = _Transfer(cal.wire, (("nd", i),), after=upstream[k])
+                tiers["switch_replica"] += 1
+            xs.append(x)
+        active.extend(xs)
+        busy[i] = {"r": r, "keys": keys, "xs": xs, "start": t, "cached": cached,
+                   "fetched": len(held), "missing": missing}
+
+    while len(out) < total:
+        # requests whose node is free start (in arrival order per node)
+        for i, q in enumerate(queues):
+            if i in busy or nxt[i] >= len(q) or free_at[i] > t:
+                continue
+            r, keys = q[nxt[i]]
+            if r["at"] <= t:
+                nxt[i] += 1
+                start(i, r, keys)
+        # writers: one block at a time per node (to every pool node in the replicas mode)
+        for i, w in enumerate(writes):
+            if i not in writing and w:
+                k, p = w.pop(0)
+                writing[i] = x = _Transfer(cal.wire, (("nu", i), ("pi", p)))
+                x.after = k                       # the block it makes available
+                active.append(x)
+        # the links: each transfer gets its fair share of the slowest link it crosses
+        count: dict = {}
+        for x in active:
+            for link in x.links:
+                count[link] = count.get(link, 0) + 1
+        t += dt
+        still = []
+        for x in active:
+            x.left -= dt * bps / max(count[link] for link in x.links)
+            if x.left <= 0 and not (isinstance(x.after, _Transfer) and x.after.done is None):
+                x.done = t
+            else:
+                still.append(x)
+        active[:] = still
+        for i, x in list(writing.items()):
+            if x.done is not None:
+                del writing[i]
+                avail.setdefault(x.after, x.done + cal.rtt_s / 2)     # acknowledged
+        # fetches complete: a round trip after the last reply; then the modelled prefill
+        for i, f in list(busy.items()):
+            if all(x.done is not None for x in f["xs"]):
+                done = max([f["start"], *(x.done for x in f["xs"])]) + cal.rtt_s
+                r, keys = f["r"], f["keys"]
+                compute = max(0, r["tokens"] - f["cached"] * BLOCK_TOKENS) / prefill_tok_s
+                end = done + compute
+                out.append({"node": i, "at": r["at"], "queue": f["start"] - r["at"],
+                            "fetch": done - f["start"], "prefill": compute,
+                            "ttft": end - r["at"], "warmup": bool(r.get("warmup")),
+                            "blocks": len(keys), "cached": f["cached"],
+                            "fetched": f["fetched"]})
+                del busy[i]
+                free_at[i] = end
+                prefilling.append((end, i, keys[f["cached"]:]))
+        for item in [p for p in prefilling if p[0] <= t]:
+            prefilling.remove(item)
+            _, i, rest = item
+            for k in rest:
+                for p in (range(P) if mode == "replicas" else [own(k)]):
+                    writes[i].append((k, p))
+                    egress[p] += cal.chunks * FRAME_OVERHEAD      # acknowledgements
+    fetched = sum(tiers.values())
+    blocks = sum(o["blocks"] for o in out)
+    return {"mode": mode, "requests": out,
+            "tier_share": {k: round(v / max(1, fetched), 4) for k, v in tiers.items()},
+            "switch_hit_ratio": round(tiers["switch"] / max(1, fetched), 4),
+            "cached_block_ratio": round(sum(o["cached"] for o in out) / max(1, blocks), 4),
+            "pool_egress_bytes": [int(round(e)) for e in egress],
+            "chunks_fetched": fetched * cal.chunks, "calibration": asdict(cal),
+            "policy_steps": sw.steps if sw else 0}
+
+
+def bytes_keys(r: dict) -> list[bytes]:
+    return [bytes.fromhex(k) for k in r["keys"]]
+
+
+def summarise(rows: list[dict]) -> dict:
+    """TTFT p50/p99 (warm-up requests apart, as bench serve reports them)."""
+    x = np.array([o["ttft"] for o in rows if not o["warmup"]])
+    pct = (lambda q: round(float(np.percentile(x, q)), 4)) if len(x) else (lambda q: 0.0)
+    return {"ttft_p50_s": pct(50), "ttft_p99_s": pct(99), "requests": int(len(x))}

@@ -1,0 +1,173 @@
+"""`testbed sim validate --serve`: the cluster model against `testbed bench serve` at its own
+point. For each mode (switch, bridge; replicas on request) one testbed of bench serve's
+configuration (testbed.bench.serve: N inference nodes, P pool nodes, every link queueing at one
+rate, chunk and block sizes scaled with the links, switchd's default policy) runs bench serve's
+workloads one after another with bench serve's own code (make_workloads, _run_workload); before
+them, the testbed's two timing constants are measured on idle links (``calibrate``): the fetch
+engine's round trip and the links' rate as one node's fetch of 1 and of 8 blocks from the pool
+takes them. The model (testbed.sim.serve_model) then replays the same request lists with those
+constants and switchd's default policy at the same cache size, interval and fill headroom.
+Compared per (workload, mode): TTFT p50 and p99 (warm-up requests apart), the share of fetched
+blocks per tier (switch: hits and held replicas; pool) and of looked-up blocks found in a remote
+tier (the rest is recomputed), and each pool node's egress bytes. Targets: TTFT p50 within 10 %,
+tier shares within 2 pp. Result: bench/results/sim-validate-serve.json."""
+from __future__ import annotations
+
+import statistics
+import time
+
+from ..bench import serve as bench_serve
+from ..bench.serve_workloads import block_key
+from ..lab import Lab, write_json
+from .config import FRAME_OVERHEAD, MODELS
+from .serve_model import Calibration, simulate_serve, summarise
+
+TARGET_P50, TARGET_PP = 0.10, 2.0
+PROBE_NS, PROBE_REPS, PROBE_SET = 99, 5, 8
+INTERVAL = 1.0                                   # switchd's default policy step
+
+
+# ---- in a node (a testbed.lab task) -------------------------------------------------------------
+def probe(pools: list[str], chunk: int, ns: int, block_bytes: int, reps: int, n: int) -> dict:
+    """Times, on idle links, of: a lookup of a block no pool holds (NOT_FOUND), a fetch of one
+    block and a fetch of ``n`` blocks at once (each probe on blocks not fetched before)."""
+    from hostagent.fetch.engine import FetchEngine
+    out = {"not_found": [], "one": [], "many": []}
+    with FetchEngine(pools, chunk) as eng:
+        def timed(keys):
+            t0 = time.monotonic()
+            got = eng.get_blocks([(ns, k, None) for k in keys], return_exceptions=True)
+            dt = time.monotonic() - t0
+            for b in got:
+                if not isinstance(b, BaseException):
+                    b.release()
+            return dt
+        for r in range(reps):
+            out["not_found"].append(timed([block_key("probe-missing", r)]))
+            out["one"].append(timed([block_key("probe", r)]))
+            out["many"].append(timed([block_key("probe", 1000 + r * n + i) for i in range(n)]))
+            time.sleep(0.2)
+    return out
+
+
+def probe_keys(reps: int, n: int) -> list[str]:
+    return ([block_key("probe", r).hex() for r in range(reps)]
+            + [block_key("probe", 1000 + r * n + i).hex() for r in range(reps) for i in range(n)])
+
+
+def calibrate(lab: Lab, block_bytes: int, chunk: int, link_gbit: float) -> Calibration:
+    """The links' rate and the fetch engine's round trip, measured on this testbed's idle links:
+    t(n blocks) - t(1 block) is n - 1 blocks' frames through the node's link; t(1 block) less
+    one block's frames at that rate is the round trip."""
+    bench_serve._preload(lab, PROBE_NS, probe_keys(PROBE_REPS, PROBE_SET), False, block_bytes)
+    m = lab.task("h1", f"{__name__}:probe", lab.pool_addrs, chunk, PROBE_NS, block_bytes,
+                 PROBE_REPS, PROBE_SET)
+    med = {k: statistics.median(v) for k, v in m.items()}
+    chunks = -(-block_bytes // chunk)
+    wire = chunks * (chunk + FRAME_OVERHEAD)
+    configured = link_gbit * 1e9 / 8
+    rate = ((PROBE_SET - 1) * wire / (med["many"] - med["one"])
+            if med["many"] > med["one"] else configured)
+    rtt = max(0.0, med["one"] - wire / rate)
+    return Calibration(rate, rtt, chunk, block_bytes, source={
+        "measured_s": {k: [round(x, 5) for x in v] for k, v in m.items()},
+        "medians_s": {k: round(v, 5) for k, v in med.items()},
+        "link_rate_vs_configured": round(rate / configured, 3),
+        "how": f"rate = {PROBE_SET - 1} blocks' frames / (t({PROBE_SET} blocks) - t(1 block)); "
+               f"rtt = t(1 block) - one block's frames / rate; medians of {PROBE_REPS} "
+               f"probes on idle links from h1"})
+
+
+# ---- comparison ---------------------------------------------------------------------------------
+def _measured_tiers(row: dict) -> dict:
+    hit, rep = row["switch_hit_ratio"], row.get("replica_ratio", 0.0)
+    return {"switch": round(hit + rep, 4), "switch_hit": hit, "switch_replica": rep,
+            "pool": round(1 - hit - rep, 4), "cached_blocks": row["cached_block_ratio"],
+            "recompute": round(1 - row["cached_block_ratio"], 4)}
+
+
+def _model_tiers(m: dict) -> dict:
+    s = m["tier_share"]
+    return {"switch": round(s["switch"] + s["switch_replica"], 4), "switch_hit": s["switch"],
+            "switch_replica": s["switch_replica"], "pool": s["pool"],
+            "cached_blocks": m["cached_block_ratio"],
+            "recompute": round(1 - m["cached_block_ratio"], 4)}
+
+
+def compare(row: dict, model: dict) -> dict:
+    mt, tt = _measured_tiers(row), _model_tiers(model)
+    ms = summarise(model["requests"])
+    rel = (lambda a, b: round(b / a - 1, 4) if a else None)
+    ttft = {q: {"measured": row[f"ttft_{q}_s"], "model": ms[f"ttft_{q}_s"],
+                "error": rel(row[f"ttft_{q}_s"], ms[f"ttft_{q}_s"])} for q in ("p50", "p99")}
+    tiers = {k: {"measured": mt[k], "model": tt[k],
+                 "difference_pp": round(100 * (tt[k] - mt[k]), 2)} for k in mt}
+    egress = [{"measured": a, "model": b, "error": rel(a, b)}
+              for a, b in zip(row["pool_egress_bytes"], model["pool_egress_bytes"])]
+    ok_p50 = ttft["p50"]["error"] is not None and abs(ttft["p50"]["error"]) <= TARGET_P50
+    ok_tiers = all(abs(tiers[k]["difference_pp"]) <= TARGET_PP
+                   for k in ("switch", "pool", "recompute"))
+    return {"workload": row["workload"], "mode": row["mode"], "ttft": ttft, "tiers": tiers,
+            "pool_egress_bytes": egress, "chunks_fetched": {"measured": row["chunks_fetched"],
+                                                            "model": model["chunks_fetched"]},
+            "ttft_p50_within_target": ok_p50, "tiers_within_target": ok_tiers}
+
+
+# ---- orchestration ------------------------------------------------------------------------------
+def run_validate_serve(nodes: int = 8, pools: int = 2, link_gbit: float = 0.025,
+                       workloads=("trace", "burst", "zipf"), modes=("switch", "bridge"),
+                       scale: float = 1.0,
+                       trace_path: str = "../shared/traces/mooncake_synthetic_trace.jsonl",
+                       trace_requests: int = 96, json_path: str | None = None,
+                       prefix: str | None = None, model: str = "llama3-8b", log=print) -> dict:
+    bench_serve.check(nodes, pools, link_gbit, workloads, modes)
+    preset = MODELS[model]
+    block_bytes = bench_serve.block_bytes_for(link_gbit)
+    chunk = bench_serve.CHUNK
+    prefix = prefix or f"svv{__import__('os').getpid() % 10000}"
+    t0 = time.monotonic()
+    rows, comparisons, cals = [], [], {}
+    for mode in modes:
+        with Lab(prefix, hosts=nodes, pools=pools, chunk_size=chunk, switch=mode == "switch",
+                 store="memory", pool_capacity="1GiB", link_gbit=link_gbit,
+                 pool_link_gbit=link_gbit) as lab:
+            cal = calibrate(lab, block_bytes, chunk, link_gbit)
+            cals[mode] = {"link_bytes_per_s": round(cal.link_bytes_per_s, 1),
+                          "rtt_s": round(cal.rtt_s, 5), **cal.source}
+            log(f"{mode}: calibrated link {cal.link_bytes_per_s * 8 / 1e6:.2f} Mbit/s "
+                f"(configured {link_gbit * 1e3:g}), round trip {cal.rtt_s * 1e3:.1f} ms")
+            wls = bench_serve.make_workloads(workloads, nodes, lab.pool_addrs, preset,
+                                             trace_path, trace_requests, scale)
+            cache_blocks = lab.cache_entries // cal.chunks
+            for name in workloads:
+                wl = wls[name]
+                row = bench_serve._run_workload(lab, wl, mode, wl.params["ns"], preset,
+                                                block_bytes, log)
+                m = simulate_serve(wl.requests, wl.preload, mode, lab.pool_addrs,
+                                   wl.params["ns"], cal, preset.prefill_tokens_per_s,
+                                   cache_blocks=cache_blocks, interval=INTERVAL)
+                c = compare(row, m)
+                log(f"  model {name} {mode}: ttft p50 {c['ttft']['p50']['model']} "
+                    f"({c['ttft']['p50']['error']:+.1%}) p99 {c['ttft']['p99']['model']}; "
+                    f"switch {c['tiers']['switch']['model']} vs {c['tiers']['switch']['measured']}"
+                    f", cached {c['tiers']['cached_blocks']['model']} vs "
+                    f"{c['tiers']['cached_blocks']['measured']}")
+                rows.append(row)
+                comparisons.append(c)
+    out = {"config": {"nodes": nodes, "pools": pools, "link_gbit": link_gbit,
+                      "chunk_bytes": chunk, "block_bytes": block_bytes, "scale": scale,
+                      "workloads": list(workloads), "modes": list(modes), "preset": model,
+                      "trace": trace_path, "trace_requests": trace_requests,
+                      "switch": {"policy": "switchd default", "interval_s": INTERVAL,
+                                 "cache_entries": Lab.__init__.__defaults__[2],
+                                 "fill_headroom": "1/16 of the cache"}},
+           "calibration": cals,
+           "measured": rows,
+           "comparison": comparisons,
+           "targets": {"ttft_p50_relative": TARGET_P50, "tier_share_pp": TARGET_PP},
+           "within_targets": {f"{c['workload']}/{c['mode']}": c["ttft_p50_within_target"]
+                              and c["tiers_within_target"] for c in comparisons},
+           "completed": all(r["byte_exact"] for r in rows),
+           "seconds": round(time.monotonic() - t0, 1)}
+    write_json(json_path, out)
+    return out

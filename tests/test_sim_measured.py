@@ -1,0 +1,163 @@
+"""The cluster model on measured costs (#25 item 4): the data plane's ns/frame read from the
+throughput result (largest cache at the nearest chunk size, fallback said, bad files one line),
+the sweep's grid and skew case, sampled and exact runs agreeing on what does not depend on the
+sample, and the serve-level model (testbed.sim.serve_model) on hand-made workloads with known
+answers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from testbed.cli import main
+from testbed.sim.cli import SWEEP_NODES
+from testbed.sim.config import SimConfig, SimError, throughput_entries, xdp_frame_cost
+from testbed.sim.model import point
+from testbed.sim.serve_model import Calibration, simulate_serve, summarise
+from testbed.sim.sweep import parse_cases, run_sweep
+from testbed.sim.trace import load_trace
+from testbed.sim.workload import tree_popularity
+
+TRACE_HEAD = Path(__file__).parent / "data" / "mooncake-head300.jsonl"
+CURRENT = {  # the committed throughput.json's shape (4,096 keys per chunk size; 1M at 64 B)
+    "config": {"keys": 4096},
+    "results": [{"chunk_bytes": 1024, "switch_hit_pps": 4_000_000},
+                {"chunk_bytes": 3072, "switch_hit_pps": 2_500_000}],
+    "cache_scaling": [{"entries": 1000, "chunk_bytes": 64, "hit_pps_sequential": 6_000_000,
+                       "hit_pps_zipf": 6_100_000},
+                      {"entries": 1_000_000, "chunk_bytes": 64, "hit_pps_sequential": 2_500_000,
+                       "hit_pps_zipf": 2_000_000}],
+    "hit_ratio_sweep": [{"hit_percent": 100, "chunk_bytes": 3072, "reply_pps": 9_000_000}]}
+
+
+def _cost(tmp_path, doc, **kw):
+    f = tmp_path / "throughput.json"
+    f.write_text(json.dumps(doc))
+    return xdp_frame_cost(SimConfig(throughput_json=str(f), **kw))
+
+
+def test_reader_prices_the_nearest_chunk_at_its_largest_cache_and_says_so(tmp_path):
+    x = _cost(tmp_path, CURRENT)                          # the model's 3,072-byte chunks
+    assert x["ns_per_frame"] == 400.0 and x["measured_chunk_bytes"] == 3072
+    assert x["entry"] == "results[1]" and x["entries"] == 4096
+    assert "1,000,000" in x["fallback"] and "cache_scaling[1]" in x["fallback"]
+    assert "fallback" in x["source"] and x["file"].endswith("throughput.json")
+    # at 64-byte chunks the million-entry row, priced at the slower of its two sweeps
+    x = _cost(tmp_path, CURRENT, chunk_bytes=64)
+    assert (x["entry"], x["ns_per_frame"]) == ("cache_scaling[1]", 500.0)
+    assert "fallback" not in x
+    # a new entry (the data plane's rerun) with a million entries at 3 KiB and the program's
+    # own run time: read in preference, whatever its section is called
+    new = {**CURRENT, "large_cache": [{"entries": 1_048_576, "chunk_bytes": 3072,
+                                       "switch_hit_pps": 1_000_000,
+                                       "switch_hit_ns_per_frame": 612.5}]}
+    x = _cost(tmp_path, new)
+    assert (x["entry"], x["entries"], x["ns_per_frame"]) == ("large_cache[0]", 1_048_576, 612.5)
+    assert "fallback" not in x and "bpf_stats" in x["how"]
+    # hit-ratio sweep rows (no cache size) never price it
+    assert all(not e["entry"].startswith("hit_ratio") for e in throughput_entries(new))
+
+
+def test_reader_refuses_files_without_a_measurement(tmp_path):
+    with pytest.raises(SimError, match="no switch-hit measurement"):
+        _cost(tmp_path, {"results": [{"chunk_bytes": 1024}]})
+    with pytest.raises(SimError, match="not a throughput result"):
+        _cost(tmp_path, [1, 2])
+    f = tmp_path / "empty.json"
+    f.write_text(json.dumps({"results": []}))
+    r = CliRunner().invoke(main, ["sim", "run", "--trace", str(TRACE_HEAD),
+                                  "--throughput-json", str(f)])
+    assert r.exit_code == 2 and "no switch-hit measurement" in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_sweep_grid_and_skew_cases(tmp_path):
+    grid = [int(n) for n in SWEEP_NODES.split(",")]
+    assert {8, 12, 16, 24, 32, 48, 64} <= set(grid)
+    assert max(b / a for a, b in zip(grid, grid[1:]) if 8 <= a and b <= 64) <= 1.5
+    assert parse_cases("0.5:0.99, 0:1") == [(0.5, 0.99), (0.0, 1.0)] and parse_cases("") == []
+    for bad in ("0.5", "2:1", "0.5:-1", "a:b"):
+        with pytest.raises(SimError, match="skew case"):
+            parse_cases(bad)
+    out = run_sweep(TRACE_HEAD, [4], [64.0], [0.5, (0.5, 0.99)], 20, log=lambda m: None)
+    assert [(p["sharing"], p["skew"]) for p in out["points"]] == [(0.5, 0.0), (0.5, 0.99)]
+    assert [(c["sharing"], c["skew"]) for c in out["break_even"]] == [(0.5, 0.0), (0.5, 0.99)]
+    assert out["xdp"]["entry"] and out["xdp"]["file"]
+
+
+def test_skew_makes_a_few_trees_hot():
+    rng = np.random.default_rng(0)
+    assert tree_popularity(100, 0.0, rng) is None
+    p = tree_popularity(1000, 0.99, rng)
+    assert p.sum() == pytest.approx(1.0)
+    assert np.sort(p)[::-1][:10].sum() > 0.3          # Zipf(0.99): the top 1 % draw ~39 %
+    trace = load_trace(TRACE_HEAD)
+    flat = point(trace, SimConfig(nodes=4), 600, 0.5)
+    hot = point(trace, SimConfig(nodes=4, skew=0.99), 600, 0.5)
+    assert hot["distinct_blocks"] < 0.9 * flat["distinct_blocks"]   # half the copies shared
+    assert hot["point"]["skew"] == 0.99
+
+
+def test_sampling_leaves_what_does_not_depend_on_it_exact():
+    # the pool-off figures and TTFT do not depend on the switch's sample: a sampled run gives
+    # the exact run's (until #25 they came from the sampled requests alone)
+    trace = load_trace(TRACE_HEAD)
+    exact = point(trace, SimConfig(nodes=16, switch_gib=256), 3000, 0.5)
+    sampled = point(trace, SimConfig(nodes=16, switch_gib=256, switch_budget=2000), 3000, 0.5)
+    assert exact["point"]["sample_rate"] == 1.0 and sampled["point"]["sample_rate"] < 0.5
+    for k in ("gpu_s_total", "prefill_gpu_s_saved", "gpu_s_waiting_for_kv", "ttft_s"):
+        assert sampled["pool_off"][k] == exact["pool_off"][k]
+    # the switch's own hits are estimated from the sample, the rest exact
+    e, s = exact["pool_on"], sampled["pool_on"]
+    assert s["gpu_s_total"] == pytest.approx(e["gpu_s_total"], rel=0.05)
+    assert s["ttft_s"]["p50"] == pytest.approx(e["ttft_s"]["p50"], rel=0.05)
+
+
+# ---- the serve-level model ----------------------------------------------------------------------
+POOLS = ["10.0.0.1", "10.0.0.2"]
+CAL = Calibration(link_bytes_per_s=1e6, rtt_s=0.002, chunk=1000, block_bytes=3000)
+
+
+def _req(at, keys, tokens=None, **kw):
+    return {"at": at, "keys": keys, "tokens": tokens or 512 * len(keys), **kw}
+
+
+def test_serve_model_timing_of_one_fetch_and_its_prefill():
+    k = "aa" * 16
+    r = simulate_serve([[_req(0.0, [k], 1024)]], [k], "bridge", POOLS, 1, CAL, 10_000)
+    (o,) = r["requests"]
+    wire = 3 * (1000 + 90)
+    assert o["fetch"] == pytest.approx(wire / 1e6 + 0.002, abs=1e-3)
+    assert o["prefill"] == pytest.approx(512 / 10_000) and o["cached"] == 1
+    assert o["ttft"] == pytest.approx(o["fetch"] + o["prefill"], abs=1e-9)
+    assert sorted(r["pool_egress_bytes"]) == [0, wire]
+    assert r["tier_share"]["pool"] == 1.0
+
+
+def test_serve_model_shares_links_holds_concurrent_misses_and_writes_through():
+    hot = ["%032x" % i for i in range(4)]
+    both = [[_req(0.0, hot)], [_req(0.0, hot)]]
+    bridge = simulate_serve(both, hot, "bridge", POOLS[:1], 1, CAL, 10_000)
+    switch = simulate_serve(both, hot, "switch", POOLS[:1], 1, CAL, 10_000)
+    # over the bridge both nodes' fetches cross the pool's link (twice the bytes, twice the
+    # time); through the switch the second node's are replicas of the first's
+    assert sum(bridge["pool_egress_bytes"]) == 2 * sum(switch["pool_egress_bytes"])
+    assert switch["tier_share"]["switch_replica"] == 0.5
+    wire = 3 * (1000 + 90)
+    assert max(o["fetch"] for o in bridge["requests"]) == pytest.approx(8 * wire / 1e6 + 0.002,
+                                                                         abs=1e-3)
+    assert max(o["fetch"] for o in switch["requests"]) == pytest.approx(4 * wire / 1e6 + 0.002,
+                                                                         abs=1e-3)
+    # a later request finds the blocks in the switch (learned under the fill budget)
+    later = [[_req(0.0, hot), _req(3.0, hot)]]
+    r = simulate_serve(later, hot, "switch", POOLS, 1, CAL, 10_000)
+    assert r["tier_share"]["switch"] == 0.5
+    # nothing preloaded: the first computes and writes through, the next (later) fetches it
+    new = [[_req(0.0, hot, 4 * 512 + 100), _req(5.0, hot, 4 * 512 + 100)]]
+    r = simulate_serve(new, [], "bridge", POOLS, 1, CAL, 10_000)
+    first, second = r["requests"]
+    assert (first["cached"], second["cached"]) == (0, 4)
+    assert summarise(r["requests"])["requests"] == 2
