@@ -17,11 +17,12 @@ from .bench.compress import command as compress_command
 from .demos.inference import BLOCK_TOKENS, MODEL_CHOICES as DEMO_MODELS
 from .demos.vllm import MODELS_DIR as DEMO_MODEL_DIR
 from .lab.lab import STORES
+from .sim.cli import sim as sim_group
 from .sim.config import MODELS as SIM_MODELS
 from .lab.topology import TestbedError, Topology, down, namespaces_of
-from .options import (capacity_value, cluster_options, cpu_list, fail_unless, float_list,
+from .options import (capacity_value, cpu_list, fail_unless, float_list,
                       int_list, json_opt, link_options, link_spec, numbers, percent_list,
-                      policy_list, sim_errors, trace_opt)
+                      policy_list, trace_opt)
 
 
 # ---- topologies and demos ----------------------------------------------------------------------
@@ -420,81 +421,5 @@ def replay(trace_path, capacity, limit, speedup, interval, policy, fill_headroom
                fill_headroom=fill_headroom, policy=policy)
 
 
-# ---- the cluster model -------------------------------------------------------------------------
-@main.group()
-def sim():
-    """Cluster-scale model: tiers, switch pool on/off, break-even, testbed validation."""
-
-
-@sim.command("run")
-@trace_opt
-@click.option("--requests", type=click.IntRange(0),
-              help="Resample to this many requests (default 200 per node, at most 200,000, as "
-                   "the sweep; 0: the trace's own requests).")
-@click.option("--nodes", type=click.IntRange(1, 1 << 20), default=4, show_default=True)
-@click.option("--switch-gib", type=click.FloatRange(0), default=64.0, show_default=True)
-@click.option("--sharing", type=click.FloatRange(0, 1), default=0.0, show_default=True,
-              help="Share of resampled prefix trees that keep their ids (shared content).")
-@cluster_options
-@json_opt()
-def sim_run(trace_path, requests, sharing, json_path, **kw):
-    """Simulate one cluster configuration, switch pool on and off (one point of the sweep)."""
-    from .lab import write_json
-    from .sim.config import SimConfig
-    from .sim.model import point
-    from .sim.trace import load_trace
-    out = sim_errors(lambda: point(load_trace(trace_path), SimConfig(**kw), requests, sharing,
-                                    log=lambda m: click.echo(m, err=True)))
-    write_json(json_path, out)
-    for mode in ("pool_off", "pool_on"):
-        r = out[mode]
-        click.echo(f"{mode}: hits {json.dumps(r['hit_ratio'])} ttft p50/p99 "
-                   f"{r['ttft_s']['p50']}/{r['ttft_s']['p99']}s prefill GPU-s saved "
-                   f"{r['prefill_gpu_s_saved']} pool egress {r['bytes']['pool_to_switch']}")
-    click.echo(f"point: {json.dumps(out['point'])}")
-    click.echo(f"{out['requests']} requests over {kw['nodes']} nodes in {out['wall_seconds']}s")
-
-
-@sim.command("sweep")
-@trace_opt
-@click.option("--nodes", "nodes", default="4,16,64,256,1024", show_default=True,
-              callback=int_list)
-@click.option("--switch-gib", "switch_gib", default="16,64,256", show_default=True,
-              callback=float_list())
-@click.option("--sharing", "sharing", default="0,0.5,0.9", show_default=True,
-              callback=float_list(1.0))
-@click.option("--requests-per-node", type=click.IntRange(1), default=200, show_default=True)
-@click.option("--max-requests", type=click.IntRange(1), default=200_000, show_default=True)
-@cluster_options
-@json_opt("bench/results/sim-sweep.json")
-@click.option("--plot", "plot_path", default="bench/results/sim-breakeven.png",
-              show_default=True)
-def sim_sweep(trace_path, nodes, switch_gib, sharing, requests_per_node, max_requests,
-              json_path, plot_path, **kw):
-    """Sweep nodes x switch memory x sharing; find and draw the break-even."""
-    from .sim.sweep import run_sweep
-    out = sim_errors(lambda: run_sweep(
-        trace_path, nodes, switch_gib, sharing, requests_per_node, max_requests, json_path,
-        plot_path, log=lambda m: click.echo(m, err=True), **kw))
-    click.echo(json.dumps(out["break_even"], indent=2))
-    click.echo(f"wrote {json_path} and {plot_path}")
-
-
-@sim.command("validate")
-@trace_opt
-@click.option("--limit", type=click.IntRange(4), default=2000, show_default=True,
-              help="First N requests of the trace.")
-@click.option("--capacity", type=click.FloatRange(0, min_open=True), default=0.05,
-              show_default=True, help="Switch cache: fraction of distinct blocks (<1) or count.")
-@click.option("--speedup", type=click.FloatRange(0, min_open=True), default=20.0,
-              show_default=True)
-@click.option("--routing", type=click.Choice(["random", "affinity"]), default="random",
-              show_default=True)
-@json_opt("bench/results/sim-validate.json")
-def sim_validate(trace_path, limit, capacity, speedup, routing, json_path):
-    """Replay a trace slice on a 4-node testbed and compare with the model."""
-    from .sim.validate import run_validate
-    out = run_validate(trace_path, limit, capacity, speedup, routing, json_path,
-                       log=lambda m: click.echo(m, err=True))
-    click.echo(json.dumps(out["comparison"], indent=2))
-    fail_unless(out["within_targets"])
+# ---- the cluster model (testbed.sim.cli) -------------------------------------------------------
+main.add_command(sim_group)
