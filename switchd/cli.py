@@ -17,7 +17,7 @@ import click
 
 from kvproto.cli import one_line_errors, parse_size
 
-from . import netns
+from xdp import netns
 from .cache import Cache, parse_key
 from .policy import DEFAULT_POLICY, POLICIES
 from .dataplane import (DEFAULT_PIN_DIR, MODES, DataPlane, Deployment, SwitchError,

@@ -18,7 +18,7 @@ from hostagent import auth
 from hostagent.fetch import FetchEngine
 from kvproto import PORT, Flag, Message, Op
 from kvproto.frames import ipv4_frame
-from switchd import netns
+from xdp import netns
 from testbed.lab import Lab
 from testbed.lab.topology import python_argv
 

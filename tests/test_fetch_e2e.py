@@ -14,7 +14,7 @@ from conftest import leaves_no_namespaces
 from hostagent.client import BlockNotFound, KVClient
 from hostagent.fetch import FetchEngine, open_client
 from hostagent.fetch.attach import program_on
-from switchd import netns
+from xdp import netns
 from switchd.dataplane import attach_xdp, load_xdp
 from testbed.lab import Lab, attach_loss
 from testbed.lab.topology import plain_bridge_ports, python_argv

@@ -11,7 +11,7 @@ from scapy.packet import Raw
 from conftest import leaves_no_namespaces
 from kvproto import PORT, Flag, Message, Op, Status
 from kvproto.frames import XDP
-from switchd import netns
+from xdp import netns
 from switchd.cache import Cache
 from switchd.dataplane import ROLE_POOL, DataPlane, Deployment
 from xdp.libbpf import xdp_test_run

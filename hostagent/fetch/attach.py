@@ -18,7 +18,9 @@ import socket
 
 from xdp import libbpf
 
-from .netpath import Netns, NoXdp
+from xdp.netns import Netns
+
+from .netpath import NoXdp
 from .program import PROG_NAME, loss_ppm_of, owner_of
 
 STAND_INS = ("xdp_pass", "xdp_lossy")       # programs the engine may stand in for

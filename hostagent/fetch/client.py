@@ -25,7 +25,7 @@ import numpy as np
 
 from hostagent import auth as auth_mod
 from hostagent.client import KVClient, TransferStats
-from switchd import netns as netns_mod
+from xdp import netns as netns_mod
 
 from .block import Block
 from .crcfold import CRC_IMPL

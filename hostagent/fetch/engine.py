@@ -32,13 +32,14 @@ from hostagent import auth as auth_mod
 from hostagent.client import TransferTimeout, parse_addr, pool_for
 from kvproto import PORT, Flag
 from kvproto.frames import PAYLOAD_OFF
+from xdp.netns import Netns
 
 from . import authcheck, transfers
 from .attach import Attachment
 from .block import Block, SlotAllocator
 from .crcfold import CRC_IMPL, Folder
 from .ids import RequestIds
-from .netpath import Netns, NoXdp, link, next_hop, route_header
+from .netpath import NoXdp, link, next_hop, route_header
 from .program import GEN_MASK, XFERS, FetchProgram
 from .sendring import EngineStats, SendRing
 from .transfers import Route, Transfer

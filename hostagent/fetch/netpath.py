@@ -1,66 +1,22 @@
-"""Where the engine's frames go and how they are addressed: entering the node's network namespace
-cheaply and repeatedly (per thread), the interface's own MAC and IPv4 address, the route and the
-next hop's MAC to each pool node (the engine writes whole Ethernet frames, so it needs what the
-kernel's stack would have looked up), and the 42-byte Ethernet + IPv4 + UDP header of a GET to
-each pool node, built by kvproto.frames (UDP checksum 0: the room of a GET sent from a recycled
-live-frames page holds stale bytes, see docs/protocol.md)."""
+"""Where the engine's frames go and how they are addressed: the interface's own MAC and IPv4
+address, the route and the next hop's MAC to each pool node (the engine writes whole Ethernet
+frames, so it needs what the kernel's stack would have looked up), and the 42-byte Ethernet +
+IPv4 + UDP header of a GET to each pool node, built by kvproto.frames (UDP checksum 0: the room
+of a GET sent from a recycled live-frames page holds stale bytes, see docs/protocol.md).
+Entering the node's namespace is xdp.netns's."""
 from __future__ import annotations
 
-import ctypes
 import json
-import os
 import socket
 import subprocess
-import threading
 import time
 
 from kvproto import HEADER_LEN
 from kvproto.frames import HDR_OFF, ipv4_frame
 
-CLONE_NEWNET = 0x40000000
-_libc = ctypes.CDLL(None, use_errno=True)
-
 
 class NoXdp(RuntimeError):
     """The XDP fetch engine cannot run here; the message says why (the asyncio client can)."""
-
-
-class Netns:
-    """Repeated cheap entry into a named network namespace (its fd is kept open). Namespaces
-    belong to threads, so the nesting depth is per thread; ``None``: stay where we are."""
-
-    def __init__(self, name: str | None):
-        self.name = name
-        self.fd = os.open(f"/run/netns/{name}", os.O_RDONLY) if name else -1
-        self._local = threading.local()
-
-    def __enter__(self) -> Netns:
-        if self.fd >= 0:
-            st = self._local
-            if getattr(st, "depth", 0) == 0:
-                st.home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-                if _libc.setns(self.fd, CLONE_NEWNET):
-                    os.close(st.home)
-                    raise OSError(ctypes.get_errno(), f"entering namespace {self.name}")
-                st.depth = 0
-            st.depth += 1
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.fd >= 0:
-            st = self._local
-            st.depth -= 1
-            if st.depth == 0:
-                try:
-                    if _libc.setns(st.home, CLONE_NEWNET):
-                        raise OSError(ctypes.get_errno(), f"returning from {self.name}")
-                finally:
-                    os.close(st.home)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 def _ip_json(*args: str) -> list:

@@ -31,7 +31,7 @@ import xdp
 from kvproto import HEADER_LEN, OFFSET, PORT, Flag, Message, Op, ProtocolError
 from kvproto.frames import HDR_OFF
 from kvproto.scapy_layer import KV
-from switchd import netns
+from xdp import netns
 from switchd.dataplane import attach_xdp, detach_port, load_xdp
 from xdp import libbpf
 

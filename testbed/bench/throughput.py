@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from switchd import netns
+from xdp import netns
 from switchd.cache import Cache
 from switchd.dataplane import (DataPlane, attached_program, detach_port, pinned_deployment,
                                program_run_time, run_time_stats)

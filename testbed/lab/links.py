@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from switchd import netns
+from xdp import netns
 from switchd.dataplane import attach_xdp
 
 BRIDGE = "br0"

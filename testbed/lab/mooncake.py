@@ -12,7 +12,7 @@ import socket
 import subprocess
 import time
 
-from switchd import netns
+from xdp import netns
 
 from .topology import TestbedError, Topology
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from switchd import netns
+from xdp import netns
 from switchd.dataplane import attach_xdp, import_bcc, load_xdp, mode_flags
 
 from .links import LinkSpec, build_link
