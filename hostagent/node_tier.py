@@ -36,10 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .staging import ValueHeap, check_eviction
+
 __all__ = ["Fetched", "Lease", "NodeTier", "fetch", "fetch_sync", "nbytes_of", "save",
            "view_of"]
 
-EVICT_ORDERS = ("lru", "value")
 log = logging.getLogger("hostagent.node_tier")
 
 
@@ -77,20 +78,24 @@ class NodeTier:
             raise ValueError("a node tier's capacity must be positive")
         self.capacity = int(capacity_bytes)
         self.on_evict = on_evict
-        self.set_eviction(evict, value_fn)
         self._entries: OrderedDict[tuple[int, bytes], _Entry] = OrderedDict()
         self._lock = threading.Lock()
+        self.set_eviction(evict, value_fn)
         self.used = 0
         self.counters = {"hits": 0, "misses": 0, "inserts": 0, "rejected": 0, "evictions": 0,
                          "evicted_bytes": 0, "hit_bytes": 0}
 
     def set_eviction(self, evict: str, value_fn=None) -> None:
         """Switch the eviction order: ``lru``, or ``value`` with ``value_fn(ns, key, nbytes)``."""
-        if evict not in EVICT_ORDERS:
-            raise ValueError(f"eviction order {evict!r} is not one of {', '.join(EVICT_ORDERS)}")
-        if evict == "value" and value_fn is None:
-            raise ValueError("evict='value' needs a value_fn(ns, key, nbytes)")
-        self.evict, self.value_fn = evict, value_fn
+        check_eviction(evict, value_fn)
+        with self._lock:
+            self.evict, self.value_fn, self._values = evict, value_fn, None
+            if evict == "value":
+                self._values = ValueHeap(value_fn)
+                self._values.rebuild(self._held())
+
+    def _held(self):
+        return [(n, e, e.nbytes) for n, e in self._entries.items()]
 
     # ---- lookups -------------------------------------------------------------------------
     def get(self, ns: int, key: bytes, touch: bool = True):
@@ -147,6 +152,8 @@ class NodeTier:
                 self.counters["rejected"] += 1
                 return None
             entry = self._entries[(ns, key)] = _Entry(block, nbytes, release, 1 if pin else 0)
+            if self._values is not None:
+                self._values.push((ns, key), entry, nbytes)
             self.used += nbytes
             self.counters["inserts"] += 1
         self._evicted(victims)
@@ -158,20 +165,22 @@ class NodeTier:
         free = self.capacity - self.used
         if nbytes <= free:
             return []
-        order = [(n, e) for n, e in self._entries.items() if not e.pins]
-        if self.evict == "value":
-            vf = self.value_fn
-            ranked = sorted(range(len(order)),
-                            key=lambda i: (vf(order[i][0][0], order[i][0][1], order[i][1].nbytes),
-                                           i))
-            order = [order[i] for i in ranked]
+        if self.evict == "lru":
+            order = ((n, e) for n, e in self._entries.items() if not e.pins)
+        else:
+            entries = self._entries
+            order = ((n, entries[n]) for n in self._values.victims(
+                entries, lambda e: e.pins, lambda e: e.nbytes, self._held))
         chosen, gain = [], 0
         for name, e in order:
-            if free + gain >= nbytes:
-                break
             chosen.append((name, e))
             gain += e.nbytes
+            if free + gain >= nbytes:
+                break
         if free + gain < nbytes:
+            for name, e in chosen:            # they stay: back in the value order
+                if self._values is not None:
+                    self._values.push(name, e, e.nbytes)
             return None
         for name, e in chosen:
             del self._entries[name]
