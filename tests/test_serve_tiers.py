@@ -56,7 +56,8 @@ def test_sim_replay_disk_keeps_what_dram_evicts_and_selective_writes_less():
 
 
 @pytest.mark.e2e
-def test_tiny_tiers_run_every_mode_byte_exact(tmp_path):
+@pytest.mark.timeout(600)     # 12 runs (6 modes, each with its unbounded reference) on a box
+def test_tiny_tiers_run_every_mode_byte_exact(tmp_path):    # shared with other work
     prefix = f"t{os.getpid() % 100000}"
     with leaves_no_namespaces(prefix):
         out = run_tiers(nodes=2, pools=1, link_gbit=0.025, scale=0.1,

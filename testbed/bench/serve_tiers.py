@@ -115,7 +115,7 @@ def plan(wl: Workload, nodes: int, pools: int, block_bytes: int, fill: float,
 
 def simulate(wl: Workload, cap: dict, nodes: int, pool_addrs, cfg: PolicyConfig,
              block_bytes: int, unbounded: bool, fetch_s: float,
-             prefill_tok_s: float | None = None) -> dict:
+             prefill_tok_s: float | None = None, ns: int = NS) -> dict:
     """`testbed sim`'s exact tier replay of the same requests at the same capacities."""
     from hostagent.client import pool_for
     from kvproto.wire import PORT
@@ -127,7 +127,7 @@ def simulate(wl: Workload, cap: dict, nodes: int, pool_addrs, cfg: PolicyConfig,
     sim = TierSim(cfg, nodes, len(pools), b, cap["node_blocks"] * b,
                   None if unbounded else cap["pool_blocks"] * b,
                   0 if unbounded else cap["disk_blocks"] * b,
-                  lambda k: idx[pool_for(pools, NS, k)], nchunks=nchunks,
+                  lambda k: idx[pool_for(pools, ns, k)], nchunks=nchunks,
                   switch_entries=cap["switch_blocks"] * nchunks, fetch_window=fetch_s,
                   prefill_tok_s=prefill_tok_s)
     reqs = sorted((q["at"], n, [bytes.fromhex(k) for k in q["keys"]], q["tokens"])
@@ -139,11 +139,13 @@ def simulate(wl: Workload, cap: dict, nodes: int, pool_addrs, cfg: PolicyConfig,
 
 class TiersLab(Lab):
     """A testbed whose pool nodes run the tier policy's pool side over bounded DRAM and a disk
-    tier (testbed.bench.serve_tiers_pool)."""
+    tier (testbed.bench.serve_tiers_pool); ``reconfigure`` restarts them and the switch."""
 
-    def __init__(self, *a, disk_bytes: int = 0, policy: dict | None = None, **kw):
+    def __init__(self, *a, disk_bytes: int = 0, policy: dict | None = None, tag: str = "0",
+                 **kw):
         super().__init__(*a, **kw)
         self.disk_bytes, self.policy = disk_bytes, policy or {"demote": "none"}
+        self.tag = tag
 
     def pool_argv(self, index: int) -> list[str]:
         argv = super().pool_argv(index)
@@ -151,10 +153,21 @@ class TiersLab(Lab):
         argv = [*argv[:at - 1], "testbed.bench.serve_tiers_pool", json.dumps(self.policy),
                 *argv[at + 1:]]
         if self.disk_bytes and self.policy["demote"] != "none":
-            where = os.path.join(self.tmp.name, f"disk-{index}")
+            where = os.path.join(self.tmp.name, f"disk-{self.tag}-{index}")
             os.makedirs(where, exist_ok=True)
             argv += ["--disk-dir", where, "--disk-bytes", str(self.disk_bytes)]
         return argv
+
+    def reconfigure(self, policy: dict, tag: str, pool_capacity: str, disk_bytes: int) -> None:
+        """New pool servers (this policy, DRAM, a fresh disk directory) and an empty switch."""
+        self.policy, self.tag = policy, tag
+        self.pool_capacity, self.disk_bytes = pool_capacity, disk_bytes
+        for i in range(len(self.pools)):
+            self.stop_pool(i)
+            self.start_pool(i)
+        self.stop_switch()
+        self.switchd("reset")
+        self.start_switch()
 
 
 def policy_dict(cfg: PolicyConfig) -> dict:
@@ -175,14 +188,14 @@ def _pool_disk_hits(lab: Lab) -> int:
 
 
 def run_mode(lab: Lab, wl: Workload, cfg: PolicyConfig, block_bytes: int, node_bytes: int,
-             preset, log, label: str) -> dict:
+             preset, log, label: str, ns: int = NS) -> dict:
     disk0 = _pool_disk_hits(lab)
     nodes = lab.topo.host_nodes
     start_at = time.time() + 3.0 + 0.4 * len(nodes)
     t0 = time.monotonic()
     pol = policy_dict(cfg)
     tasks = [lab.start_task(n.name, "testbed.bench.serve_tiers_node:serve", lab.pool_addrs,
-                            CHUNK, NS, block_bytes, wl.requests[i], start_at,
+                            CHUNK, ns, block_bytes, wl.requests[i], start_at,
                             preset.prefill_tokens_per_s, pol, node_bytes)
              for i, n in enumerate(nodes)]
     res = [t.result(timeout=1800) for t in tasks]
@@ -223,38 +236,45 @@ def run_tiers(nodes: int = 4, pools: int = 1, link_gbit: float = 0.025,
     wl = fill_workload(nodes, seconds=40.0 * scale)
     costs = scaled_costs(link_gbit)
     fetch_s = block_bytes * 8 / (link_gbit * 1e9)
-    pool_addrs = [f"10.0.0.{101 + i}" for i in range(pools)]
-    # each mode bounded, then with an unbounded pool (its reference)
+    # each mode bounded, then with an unbounded pool (its reference); one testbed, the pool
+    # nodes and the switch restarted afresh for each, each in a namespace of its own
     runs = [(d, w, u) for d in demotes for w in write_downs for u in (False, True)]
-    rows, refs, cap = [], {}, None
-    for demote, wd, unbounded in runs:
+    cfgs = []
+    for demote, wd, _ in runs:
         try:
-            cfg = PolicyConfig(demote=demote, write_down=wd, sharers=nodes,
-                               prefill_tokens_per_s=preset.prefill_tokens_per_s, costs=costs)
+            cfgs.append(PolicyConfig(demote=demote, write_down=wd, sharers=nodes, costs=costs,
+                                     prefill_tokens_per_s=preset.prefill_tokens_per_s))
         except PolicyError as exc:
             raise TestbedError(str(exc)) from None
-        cap = cap or plan(wl, nodes, pools, block_bytes, fill, node_blocks, switch_blocks)
-        sb = cap["staged_block_bytes"]
-        with TiersLab(prefix, hosts=nodes, pools=pools, chunk_size=CHUNK, switch=True,
-                      pool_capacity=str((1 << 30) if unbounded else cap["pool_blocks"] * sb),
-                      cache_entries=cap["switch_blocks"] * -(-block_bytes // CHUNK),
-                      link_gbit=link_gbit, pool_link_gbit=link_gbit,
-                      disk_bytes=0 if unbounded else cap["disk_blocks"] *
-                      cap["disk_block_bytes"],
-                      policy=policy_dict(cfg)) as lab:
-            pool_addrs = lab.pool_addrs
+    cap = plan(wl, nodes, pools, block_bytes, fill, node_blocks, switch_blocks)
+
+    def setting(i: int) -> dict:
+        unbounded = runs[i][2]
+        return {"policy": policy_dict(cfgs[i]), "tag": str(i),
+                "pool_capacity": str((1 << 30) if unbounded else
+                                     cap["pool_blocks"] * cap["staged_block_bytes"]),
+                "disk_bytes": 0 if unbounded else cap["disk_blocks"] * cap["disk_block_bytes"]}
+
+    rows, refs = [], {}
+    with TiersLab(prefix, hosts=nodes, pools=pools, chunk_size=CHUNK, switch=True,
+                  cache_entries=cap["switch_blocks"] * -(-block_bytes // CHUNK),
+                  link_gbit=link_gbit, pool_link_gbit=link_gbit, **setting(0)) as lab:
+        for i, (demote, wd, unbounded) in enumerate(runs):
+            if i:
+                lab.reconfigure(**setting(i))
+            ns, cfg = NS + i, cfgs[i]
             label = f"{'unbounded' if unbounded else demote}/{wd}"
             row = run_mode(lab, wl, cfg, block_bytes, cap["node_blocks"] * block_bytes,
-                           preset, log, label)
-        sim = simulate(wl, cap, nodes, pool_addrs, cfg, block_bytes, unbounded, fetch_s,
-                       preset.prefill_tokens_per_s)
-        row = {"demote": demote, "write_down": wd, **row, "sim_tier_hits": sim["tier_hits"],
-               "sim_hit_ratio": sim["hit_ratio"],
-               "sim_pool_write_bytes": sim["pool_write_bytes"]}
-        if unbounded:
-            refs[(demote, wd)] = row
-        else:
-            rows.append(row)
+                           preset, log, label, ns)
+            sim = simulate(wl, cap, nodes, lab.pool_addrs, cfg, block_bytes, unbounded,
+                           fetch_s, preset.prefill_tokens_per_s, ns)
+            row = {"demote": demote, "write_down": wd, **row,
+                   "sim_tier_hits": sim["tier_hits"], "sim_hit_ratio": sim["hit_ratio"],
+                   "sim_pool_write_bytes": sim["pool_write_bytes"]}
+            if unbounded:
+                refs[(demote, wd)] = row
+            else:
+                rows.append(row)
     for r in rows:
         r["hit_ratio_unbounded"] = refs[(r["demote"], r["write_down"])]["hit_ratio"]
     config = {"nodes": nodes, "pools": pools, "link_gbit": link_gbit, "block_bytes": block_bytes,
