@@ -1,8 +1,9 @@
 """A pool node's GETs answered from XDP (xdp/kvserve.c) on its interface.
 
-``ServeProgram`` compiles and loads kvserve.c for an arena of a given size (BCC, a few seconds)
-and maps its memory: the arena (the program's segment array, one contiguous mmap), the chunk
-slots (a numpy structured array over the mmapped slot map) and the block index. ``XdpArena``
+``ServeProgram`` (an ``xdp.program.Program``) compiles and loads kvserve.c for an arena of a
+given size (BCC, a few seconds) and maps its memory: the arena (the program's segment array, one
+contiguous mmap), the chunk slots (a numpy structured array over the mmapped slot map) and the
+block index. ``XdpArena``
 is a ``staging.Arena`` whose buffer *is* that arena, so stores read blocks into the memory XDP
 serves from (no copy), and whose ``publish``/``retract`` hooks keep the slots and the index in
 the order kvserve.c relies on: a published block's slots are written with their generation
@@ -32,60 +33,30 @@ import numpy as np
 
 import xdp
 from kvproto import PORT
+from xdp import NoXdp
+from xdp.attach import attach_mode, attach_xdp, detach_port
+from xdp.loader import load_xdp
+from xdp.program import Program
+
 from .staging import DEFAULT_PAGE, Arena, Runs, StagedBlock
 
 log = logging.getLogger("hostagent.xdpserve")
 
-SOURCE = "kvserve.c"
-C = xdp.constants(SOURCE)
-SEG_SHIFT = C["KV_SERVE_SEG_SHIFT"]
-SEG = 1 << SEG_SHIFT
-MAX_PAYLOAD = C["KV_MAX_PAYLOAD"]
-STAT_NAMES = {v: n[len("KV_SERVE_STAT_"):].lower() for n, v in C.items()
-              if n.startswith("KV_SERVE_STAT_") and n != "KV_SERVE_STAT_MAX"}
-SLOT_DTYPE = np.dtype([("gen", "<u4"), ("ns", "<u4"), ("key", "u1", 16), ("chunk", "<u4"),
-                       ("nchunks", "<u4"), ("len", "<u4"), ("crc", "<u4"), ("off", "<u8"),
-                       ("last_ns", "<u8")])
-assert SLOT_DTYPE.itemsize == C["KV_SERVE_SLOT_SIZE"], "struct kv_serve_slot and SLOT_DTYPE"
-ENV_SWITCH = "HOSTAGENT_XDP_SERVE"   # 0: never serve from XDP (to measure the difference)
-MIN_CHUNK = 1024          # slots are sized for the arena full of chunks this small (or larger)
 
 
-class NoXdp(RuntimeError):
-    """XDP cannot serve here (the reason is the message)."""
-
-
-DENSE_SHARE = 4          # a quarter more slots, for blocks of small chunks ...
-DENSE_PER_NS = 4         # ... a quarter of them per namespace by default
-
-
-def mapped_slots(capacity: int) -> int:
-    """Slots that map the arena, one per MIN_CHUNK bytes (the rest are the dense ones)."""
-    return max(1024, capacity // MIN_CHUNK)
-
-
-def sizes(capacity: int) -> tuple[int, int, int]:
-    """(segments, slots, index entries) of a program for an arena of ``capacity`` bytes: a slot
-    per MIN_CHUNK bytes of arena (where a block's run is, its slots are), a quarter more for
-    blocks of smaller chunks, an index entry per page (a block takes one at least), up to 1M."""
-    segs = max(1, -(-capacity // SEG))
-    mapped = mapped_slots(capacity)
-    return segs, mapped + mapped // DENSE_SHARE, min(max(1024, capacity // DEFAULT_PAGE), 1 << 20)
-
-
-class ServeProgram:
+class ServeProgram(Program, source="kvserve.c", stats="KV_SERVE_STAT_"):
     """kvserve.c loaded (not attached) for an arena of at least ``capacity`` bytes."""
 
+    SLOT_DTYPE = np.dtype([("gen", "<u4"), ("ns", "<u4"), ("key", "u1", 16), ("chunk", "<u4"),
+                           ("nchunks", "<u4"), ("len", "<u4"), ("crc", "<u4"), ("off", "<u8"),
+                           ("last_ns", "<u8")])
+
     def __init__(self, capacity: int):
-        from switchd.dataplane import SwitchError, load_xdp
         self.segs, self.nslots, self.nblocks = sizes(capacity)
         self.mapped_slots = mapped_slots(capacity)
         flags = [f"-DKV_SERVE_SEGS={self.segs}", f"-DKV_SERVE_SLOTS={self.nslots}",
                  f"-DKV_SERVE_BLOCKS={self.nblocks}"]
-        try:
-            self.bpf, fns = load_xdp(xdp.source(SOURCE), ("kv_serve", "kv_serve_pass"), flags)
-        except SwitchError as exc:
-            raise NoXdp(str(exc)) from None
+        self.bpf, fns = load_xdp(xdp.source(self.SOURCE), ("kv_serve", "kv_serve_pass"), flags)
         self.fn, self.pass_fn = fns["kv_serve"], fns["kv_serve_pass"]
         self.fd = self.fn.fd
         tables = {n: self.bpf.get_table(n.encode())
@@ -98,6 +69,9 @@ class ServeProgram:
         self._slots_mm = mmap.mmap(tables["kvs_slots"].get_fd(),
                                    self.nslots * SLOT_DTYPE.itemsize, mmap.MAP_SHARED, rw)
         self.slots = np.frombuffer(self._slots_mm, SLOT_DTYPE)
+
+    def stats_fd(self) -> int:
+        return self._stats.get_fd()
 
     def index_key(self, ns: int, key: bytes):
         return self.index.Key(ns, (ctypes.c_ubyte * 16)(*key))
@@ -116,11 +90,6 @@ class ServeProgram:
             raw = int.from_bytes(socket.inet_aton(a), "little")   # as __be32 reads in memory
             self.addrs[self.addrs.Key(raw)] = self.addrs.Leaf(1)
 
-    def counters(self) -> dict[str, int]:
-        """The data plane's per-CPU counters, summed, by name."""
-        return {name: int(self._stats.sum(self._stats.Key(i)).value)
-                for i, name in sorted(STAT_NAMES.items())}
-
     def close(self) -> None:
         self.slots = None
         for m in (self._slots_mm, self.arena):
@@ -129,6 +98,32 @@ class ServeProgram:
             except BufferError:
                 pass                       # views still alive: the GC unmaps
         self.bpf.cleanup()
+
+C = ServeProgram.C
+SEG_SHIFT = C["KV_SERVE_SEG_SHIFT"]
+SEG = 1 << SEG_SHIFT
+MAX_PAYLOAD = C["KV_MAX_PAYLOAD"]
+SLOT_DTYPE = ServeProgram.struct_dtype(ServeProgram.SLOT_DTYPE, "KV_SERVE_SLOT_SIZE")
+ENV_SWITCH = "HOSTAGENT_XDP_SERVE"   # 0: never serve from XDP (to measure the difference)
+MIN_CHUNK = 1024          # slots are sized for the arena full of chunks this small (or larger)
+
+
+DENSE_SHARE = 4          # a quarter more slots, for blocks of small chunks ...
+DENSE_PER_NS = 4         # ... a quarter of them per namespace by default
+
+
+def mapped_slots(capacity: int) -> int:
+    """Slots that map the arena, one per MIN_CHUNK bytes (the rest are the dense ones)."""
+    return max(1024, capacity // MIN_CHUNK)
+
+
+def sizes(capacity: int) -> tuple[int, int, int]:
+    """(segments, slots, index entries) of a program for an arena of ``capacity`` bytes: a slot
+    per MIN_CHUNK bytes of arena (where a block's run is, its slots are), a quarter more for
+    blocks of smaller chunks, an index entry per page (a block takes one at least), up to 1M."""
+    segs = max(1, -(-capacity // SEG))
+    mapped = mapped_slots(capacity)
+    return segs, mapped + mapped // DENSE_SHARE, min(max(1024, capacity // DEFAULT_PAGE), 1 << 20)
 
 
 class XdpArena(Arena):
@@ -287,13 +282,6 @@ def interface_for(host: str) -> tuple[str, list[str]]:
     return found[0]
 
 
-def _xdp_mode(ifname: str) -> str | None:
-    """'native' or 'generic': how a program is attached to ``ifname`` (None: none is)."""
-    links = _ip_json("-d", "link", "show", "dev", ifname)
-    mode = (links[0].get("xdp") or {}).get("mode") if links else None
-    return {1: "native", 2: "generic", None: None}.get(mode, "other")
-
-
 class XdpServer:
     """kvserve attached to ``ifname``, serving the staging arena it makes for a store.
 
@@ -303,12 +291,11 @@ class XdpServer:
     carries none). A node's native program (the testbed's XDP_PASS) makes way meanwhile."""
 
     def __init__(self, capacity: int, ifname: str, addrs: list[str]):
-        from switchd.dataplane import attach_xdp, detach_port
         self.ifname, self.addrs = ifname, addrs
         self.prog = ServeProgram(capacity)
         try:
             self.prog.set_addrs(addrs)
-            self.had_native = _xdp_mode(ifname) == "native"
+            self.had_native = attach_mode(ifname) == "native"
             if self.had_native:
                 detach_port(ifname, "native")
             attach_xdp(ifname, self.prog.fn, "generic")  # replaces a stale server's program
@@ -325,7 +312,6 @@ class XdpServer:
         """Take the program off; a native one was there: a map-less passing one goes back."""
         if not self.attached:
             return
-        from switchd.dataplane import attach_xdp, detach_port
         self.attached = False
         try:
             detach_port(self.ifname, "generic")

@@ -16,12 +16,14 @@ from pathlib import Path
 import click
 
 from kvproto.cli import one_line_errors, parse_size
+from xdp import NoXdp, netns
+from xdp.attach import MODES, detach_port
+from xdp.loader import preflight
 
-from xdp import netns
 from .cache import Cache, parse_key
 from .policy import DEFAULT_POLICY, POLICIES
-from .dataplane import (DEFAULT_PIN_DIR, MODES, DataPlane, Deployment, SwitchError,
-                        detach_port, ifindex, pinned_deployment, preflight)
+from .dataplane import (DEFAULT_PIN_DIR, DataPlane, Deployment, SwitchError, ifindex,
+                        pinned_deployment)
 
 
 class Context:
@@ -44,7 +46,7 @@ class Context:
 pass_ctx = click.make_pass_decorator(Context)
 
 
-@click.group(cls=one_line_errors("switchd", SwitchError))
+@click.group(cls=one_line_errors("switchd", SwitchError, NoXdp))
 @click.option("--netns", "netns_name", metavar="NAME", help="Network namespace of the ports.")
 @click.option("--pin-dir", default=DEFAULT_PIN_DIR, show_default=True,
               help="bpffs directory holding the switch's maps.")

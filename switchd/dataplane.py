@@ -1,41 +1,35 @@
-"""The switch's data plane as userspace sees it: compiles xdp/kvswitch.c with BCC for one
-deployment (chunk size, cache entries, pin directory), attaches it to switch ports, and opens the
-BPF maps whose layouts BCC reads from xdp/kvswitch.h. This module and the maps are the only
-meeting point of data plane and control plane. It is also the one place that imports BCC and
-loads and attaches XDP programs, for the testbed's auxiliary programs too (``load_xdp``,
-``attach_xdp``)."""
+"""The switch's data plane as userspace sees it: xdp/kvswitch.c compiled for one deployment (chunk
+size, cache entries, pin directory), attached to switch ports, and the BPF maps whose layouts BCC
+reads from xdp/kvswitch.h. This module and the maps are the only meeting point of data plane and
+control plane; loading, attaching and the libbpf calls are the xdp package's (``DataPlane`` is an
+``xdp.program.Program``)."""
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import json
 import logging
 import os
 import socket
-import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
 import xdp
-from xdp import libbpf
+from xdp import NoXdp, libbpf, pin
+from xdp.attach import attach_xdp, attached_program, detach_port
+from xdp.loader import import_bcc, load_xdp
+from xdp.program import Program, prefixed, program_map_ids
 
 log = logging.getLogger("switchd")
 CONSTANTS = xdp.constants("kvswitch.h")   # the wire format's and the switch's own
 DEFAULT_PIN_DIR = "/sys/fs/bpf/kvswitch"
-MODES = ("native", "generic")             # XDP attach modes: driver (veth, NICs) or SKB
 ROLE_HOST, ROLE_POOL = CONSTANTS["KV_ROLE_HOST"], CONSTANTS["KV_ROLE_POOL"]   # port roles
 PF = {n[len("KV_PF_"):]: v for n, v in CONSTANTS.items() if n.startswith("KV_PF_")}
 CACHE_VAL_HEADER = CONSTANTS["KV_CACHE_VAL_HEADER"]  # bytes of kv_cache_val before data[]
 # This kernel refuses native XDP on a veth whose MTU exceeds 3506 bytes (no multi-buffer), so the
 # largest chunk a deployment can use is 3506 - 76 rounded down to a multiple of 8.
 MAX_CHUNK = 3424
-STAT_NAMES = {v: n[len("KV_STAT_"):].lower() for n, v in CONSTANTS.items()
-              if n.startswith("KV_STAT_") and n != "KV_STAT_MAX"}
 MAP_NAMES = ("kv_cache", "kv_admit", "kv_ports", "kv_stats", "kv_settings", "kv_pending",
              "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats", "kv_port_ns", "kv_ns_low",
              "kv_src_macs", "kv_src_ips")
-SETTINGS = {n[len("KV_SET_"):].lower(): v for n, v in CONSTANTS.items()
-            if n.startswith("KV_SET_") and n != "KV_SET_MAX"}
+SETTINGS = {name: v for v, name in prefixed(CONSTANTS, "KV_SET_").items()}
 
 
 class SwitchError(Exception):
@@ -58,7 +52,7 @@ class Deployment:
         flags = xdp.cflags(f"-DKV_CHUNK_MAX={self.chunk_size}",
                            f"-DKV_CACHE_ENTRIES={self.cache_entries}")
         if self.pin_dir:
-            flags.append(f'-DKV_PIN_DIR="{self.pin_dir}"')
+            flags.append(pin.cflag(self.pin_dir))
         return flags
 
 
@@ -73,71 +67,16 @@ def crc32_table() -> list[int]:
     return table
 
 
-def import_bcc():
-    """The bcc module, or a SwitchError that says how to get it."""
-    try:
-        import bcc
-    except ImportError:
-        raise SwitchError("BCC is not importable: install Debian's python3-bpfcc and run from "
-                          "/usr/bin/python3 or a venv made with --system-site-packages "
-                          "('make setup' does both)") from None
-    return bcc
-
-
-def mode_flags(mode: str = "native") -> int:
-    """BCC's XDP attach flags for an attach mode (one of MODES)."""
-    flags = import_bcc().XDPFlags
-    return {"native": flags.DRV_MODE, "generic": flags.SKB_MODE}[mode]
-
-
-def load_xdp(source: str | Path, functions: tuple[str, ...], cflags: list[str] | None = None,
-             devmap_egress: tuple[str, ...] = ()):
-    """Compile a C file with BCC and load XDP programs from it (``devmap_egress``: programs run
-    on devmap redirects). Returns the BPF object and the programs by name."""
-    bcc = import_bcc()
-    try:
-        bpf = bcc.BPF(src_file=str(source).encode(), cflags=xdp.cflags(*(cflags or [])))
-    except Exception as exc:
-        raise SwitchError(f"compiling {Path(source).name} failed: {exc}") from None
-    fns = {name: bpf.load_func(name.encode(), bcc.BPF.XDP) for name in functions}
-    fns.update({name: bpf.load_func(name.encode(), bcc.BPF.XDP, None,
-                                    bcc.BPFAttachType.XDP_DEVMAP) for name in devmap_egress})
-    return bpf, fns
-
-
-def attach_xdp(ifname: str, fn, mode: str = "native") -> None:
-    """Attach a loaded program to an interface of this namespace (replacing what is there)."""
-    import_bcc().BPF.attach_xdp(ifname.encode(), fn, mode_flags(mode))
-
-
-def _bpffs_mounts() -> list[str]:
-    with open("/proc/self/mounts") as f:
-        return [line.split()[1] for line in f if line.split()[2] == "bpf"]
-
-
-def preflight(pin_dir: str | None) -> None:
-    """Fail early, with one clear line, on what would otherwise be a BCC traceback."""
-    if os.geteuid() != 0:
-        raise SwitchError("must run as root: loading XDP programs and pinning maps need "
-                          "CAP_BPF and CAP_NET_ADMIN")
-    build = Path("/lib/modules") / os.uname().release / "build"
-    if not (build / "include").exists():
-        raise SwitchError(f"no kernel headers at {build}: install linux-headers-amd64 and link "
-                          "them there ('make setup' does it)")
-    if pin_dir and not any(pin_dir == m or pin_dir.startswith(m.rstrip("/") + "/")
-                           for m in _bpffs_mounts()):
-        raise SwitchError(f"{pin_dir} is not on a bpf filesystem: mount one with "
-                          "'mount -t bpf bpf /sys/fs/bpf'")
-    import_bcc()
-
-
 def pinned_deployment(pin_dir: str) -> Deployment:
     """The deployment the maps pinned in ``pin_dir`` were made for."""
     path = os.path.join(pin_dir, "kv_cache")
     if not os.path.exists(path):
         raise SwitchError(f"no switch maps pinned in {pin_dir}: is 'switchd run' started "
                           "(with the same --pin-dir / --netns)?")
-    info = libbpf.pinned_map_info(path)
+    try:
+        info = libbpf.pinned_map_info(path)
+    except OSError as exc:
+        raise SwitchError(str(exc)) from None
     return Deployment(info.value_size - CACHE_VAL_HEADER, info.max_entries, pin_dir)
 
 
@@ -148,52 +87,6 @@ def ifindex(name: str) -> int:
         raise SwitchError(f"no interface named {name!r} in this network namespace") from None
 
 
-def attached_program(ifname: str) -> tuple[str | None, int | None]:
-    """Name and id of the XDP program attached to ``ifname`` (in this namespace), if any."""
-    r = subprocess.run(["ip", "-j", "-d", "link", "show", "dev", ifname], capture_output=True,
-                       text=True)
-    if r.returncode:
-        return None, None
-    prog = (json.loads(r.stdout or "[{}]")[0].get("xdp") or {}).get("prog") or {}
-    if "id" not in prog:
-        return None, None
-    return prog.get("name") or f"id {prog['id']}", int(prog["id"])
-
-
-@contextlib.contextmanager
-def run_time_stats():
-    """The kernel's per-program run-time accounting (kernel.bpf_stats_enabled) on for the
-    block; it costs two clock reads per program run, so it is off otherwise."""
-    path = Path("/proc/sys/kernel/bpf_stats_enabled")
-    before = path.read_text().strip()
-    path.write_text("1")
-    try:
-        yield
-    finally:
-        path.write_text(before)
-
-
-def program_run_time(prog_id: int) -> tuple[int, int]:
-    """(nanoseconds run, runs) of a loaded program since it was loaded, while stats were on."""
-    r = subprocess.run(["bpftool", "-j", "prog", "show", "id", str(prog_id)],
-                       capture_output=True, text=True)
-    info = json.loads(r.stdout) if r.returncode == 0 else {}
-    return int(info.get("run_time_ns", 0)), int(info.get("run_cnt", 0))
-
-
-def program_map_ids(prog_id: int) -> set[int]:
-    """Kernel ids of the maps a loaded program uses (bpftool)."""
-    r = subprocess.run(["bpftool", "-j", "prog", "show", "id", str(prog_id)],
-                       capture_output=True, text=True)
-    return set(json.loads(r.stdout).get("map_ids", [])) if r.returncode == 0 else set()
-
-
-def detach_port(ifname: str, mode: str = "native") -> None:
-    """Remove whatever XDP program is attached to ``ifname`` in that mode."""
-    ifindex(ifname)
-    import_bcc().BPF.remove_xdp(ifname.encode(), mode_flags(mode))
-
-
 def _name(index: int) -> str:
     try:
         return socket.if_indextoname(index)
@@ -201,11 +94,17 @@ def _name(index: int) -> str:
         return f"ifindex {index}"
 
 
-class DataPlane:
+class DataPlane(Program, source="kvswitch.c", header="kvswitch.h", stats="KV_STAT_"):
     """The compiled programs and their maps. ``programs=False`` opens just the maps (pinned ones
     when the deployment has a pin directory), for tools that only read or edit them."""
 
     def __init__(self, deployment: Deployment, programs: bool = True):
+        try:
+            self._open(deployment, programs)
+        except NoXdp as exc:
+            raise SwitchError(str(exc)) from None
+
+    def _open(self, deployment: Deployment, programs: bool) -> None:
         bcc = import_bcc()
         self.bcc, self.deployment = bcc, deployment
         if deployment.pin_dir:
@@ -260,6 +159,7 @@ class DataPlane:
         self.attached[ifname] = mode
 
     def detach(self, ifname: str) -> None:
+        ifindex(ifname)
         detach_port(ifname, self.attached.pop(ifname, "native"))
 
     def detach_all(self) -> None:
@@ -343,7 +243,8 @@ class DataPlane:
                          socket.inet_ntoa(int(v.ip).to_bytes(4, "little")))
         return out
 
-    def counters(self) -> dict[str, int]:
-        """Per-CPU counters summed, by name."""
-        return {name: int(self.stats.sum(self.stats.Key(idx)).value)
-                for idx, name in sorted(STAT_NAMES.items())}
+    def stats_fd(self) -> int:
+        return self.stats.get_fd()
+
+
+STAT_NAMES = DataPlane.STAT_NAMES

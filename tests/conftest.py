@@ -14,9 +14,10 @@ def _missing_for_kernel_tiers() -> str | None:
     if os.geteuid() != 0:
         return "the bpf and e2e tiers must run as root (sudo make test)"
     try:
-        from switchd.dataplane import SwitchError, preflight
+        from xdp import NoXdp
+        from xdp.loader import preflight
         preflight(None)
-    except SwitchError as exc:
+    except NoXdp as exc:
         return f"{exc}"
     if not shutil.which("ip"):
         return "iproute2 is missing: apt-get install iproute2 (or run 'make setup')"

@@ -18,9 +18,9 @@ from hostagent import auth
 from hostagent.fetch import FetchEngine
 from kvproto import PORT, Flag, Message, Op
 from kvproto.frames import ipv4_frame
-from xdp import netns
 from testbed.lab import Lab
 from testbed.lab.topology import python_argv
+from xdp import netns
 
 pytestmark = pytest.mark.e2e
 

@@ -13,11 +13,11 @@ import pytest
 from conftest import leaves_no_namespaces
 from hostagent.client import BlockNotFound, KVClient
 from hostagent.fetch import FetchEngine, open_client
-from hostagent.fetch.attach import program_on
-from xdp import netns
-from switchd.dataplane import attach_xdp, load_xdp
 from testbed.lab import Lab, attach_loss
 from testbed.lab.topology import plain_bridge_ports, python_argv
+from xdp import netns
+from xdp.attach import attach_xdp, attached_program
+from xdp.loader import load_xdp
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +38,7 @@ def ns_of(lab, node):
 
 def on(lab, node):
     with netns.inside(ns_of(lab, node)):
-        return program_on("eth0")
+        return attached_program("eth0", "native")[0]
 
 
 def put(lab, size, seed, admit=True):

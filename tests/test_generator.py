@@ -11,15 +11,15 @@ from scapy.packet import Raw
 from conftest import leaves_no_namespaces
 from kvproto import PORT, Flag, Message, Op, Status
 from kvproto.frames import XDP
-from xdp import netns
 from switchd.cache import Cache
 from switchd.dataplane import ROLE_POOL, DataPlane, Deployment
-from xdp.libbpf import xdp_test_run
 from testbed.bench.throughput import fill_cache
 from testbed.bench.generator import (GEN_PORT, MC_PORT, Endpoint, Generator, Iperf3,
                                check_kv_reply, check_memcached_reply, check_reflected, endpoint,
                                kv_get, memcached_get, payload)
 from testbed.lab.topology import Topology
+from xdp import netns
+from xdp.libbpf import xdp_test_run
 
 H1 = Endpoint("x-h1", "eth0", 2, "02:00:00:00:00:01", "198.18.0.1")
 P1 = Endpoint("x-p1", "eth0", 2, "02:00:00:00:00:65", "198.18.0.101")

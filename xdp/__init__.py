@@ -1,15 +1,32 @@
-"""The data plane's C sources, installed with the Python packages as package data, and the one
-reader of the constants they define: every ``#define KV_<NAME> <integer>`` line of a C file and
-of the headers it includes from this directory. Nothing in Python keeps a copy of them.
+"""The XDP side of kvswitch: the data plane's C sources (installed with the Python packages as
+package data), the one reader of the constants they define (every ``#define KV_<NAME> <integer>``
+line of a C file and of the headers it includes from this directory; nothing in Python keeps a
+copy of them), and the package that owns every program's lifecycle, as xdp-tools' lib/util
+does for its tools. switchd, the fetch engine, the pool's XDP server and the testbed use it:
 
-    kvproto.h   the wire format (every endpoint)       kvswitch.h  the switch's map layouts
-    parse.h     bounds-checked frame parsing            kvmaps.h    the switch's map declarations
-    kvswitch.c  the switch's ingress and egress programs
+    libbpf      the one ctypes binding of libbpf (maps, bytecode loads, attach, test runs)
+    netns       entering a named network namespace, per thread
+    loader      BCC compilation, the preflight checks, the bytecode cache
+    attach      attach/detach/query, and Attachment: in place of a program, put back after
+    pin         pin directories on a bpf filesystem
+    program     Program, the base of every loaded program: constants, counters, struct sizes
+
+    kvproto.h   the wire format (every endpoint)       parse.h      bounds-checked frame parsing
+    verifier.h  helpers the verifier needs             kvswitch.c   the switch (kvswitch.h layouts,
+    kvfetch.c   the fetch engine (kvfetch.h, kvfetch_maps.h)         kvmaps.h maps, reply.h)
+    kvserve.c   a pool node's XDP GET server
+
+``NoXdp`` is the one "XDP cannot be used here" error; its message says why in one line.
 """
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+class NoXdp(RuntimeError):
+    """XDP cannot be used here (no BCC, not root, a compile, load or attach refused, the
+    interface taken); the message says why in one line."""
+
 
 SOURCE_DIR = Path(__file__).resolve().parent
 _DEFINE = re.compile(r"^#define\s+(KV_\w+)\s+(0x[0-9a-fA-F]+|\d+)\b", re.M)

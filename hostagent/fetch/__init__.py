@@ -3,9 +3,8 @@ per-chunk step and Python deciding per transfer and per step, never per chunk. d
 tells the whole story; each module owns one concern:
 
     program   xdp/kvfetch.c compiled (once, cached), loaded with maps of the engine's sizes,
-              its maps mmapped as numpy arrays
-    kernel    the libbpf calls behind that (map create, bytecode load, attach, test run)
-    attach    the program on the node's interface in place of what was there, put back after
+              its maps mmapped as numpy arrays; the programs it may take the place of on the
+              node's interface (loading, attaching, libbpf and namespaces: the xdp package)
     netpath   namespaces, addresses, next hops and the GET headers to each pool node
     engine    FetchEngine: lifecycle, the send ring and its test-run calls, the step loop
     transfers per-transfer state, round trips, windows, loss recovery
@@ -27,6 +26,7 @@ tells the whole story; each module owns one concern:
 from .block import Block
 from .client import AsyncFetchClient, open_client
 from .engine import EngineStats, FetchEngine, NoReply
-from .netpath import NoXdp
+from xdp import NoXdp
+
 
 __all__ = ["AsyncFetchClient", "Block", "EngineStats", "FetchEngine", "NoReply", "NoXdp", "open_client"]

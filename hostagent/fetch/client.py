@@ -25,12 +25,12 @@ import numpy as np
 
 from hostagent import auth as auth_mod
 from hostagent.client import KVClient, TransferStats
+from xdp import NoXdp
 from xdp import netns as netns_mod
 
 from .block import Block
 from .crcfold import CRC_IMPL
 from .engine import FetchEngine, NoReply
-from .netpath import NoXdp
 
 log = logging.getLogger("hostagent.fetch")
 

@@ -32,15 +32,15 @@ from hostagent import auth as auth_mod
 from hostagent.client import TransferTimeout, parse_addr, pool_for
 from kvproto import PORT, Flag
 from kvproto.frames import PAYLOAD_OFF
+from xdp import NoXdp
 from xdp.netns import Netns
 
 from . import authcheck, transfers
-from .attach import Attachment
 from .block import Block, SlotAllocator
 from .crcfold import CRC_IMPL, Folder
 from .ids import RequestIds
-from .netpath import NoXdp, link, next_hop, route_header
-from .program import GEN_MASK, XFERS, FetchProgram
+from .netpath import link, next_hop, route_header
+from .program import GEN_MASK, XFERS, FetchAttachment, FetchProgram
 from .sendring import EngineStats, SendRing
 from .transfers import Route, Transfer
 from .verify import crc_damaged, finish, status_error, verify
@@ -104,7 +104,7 @@ class FetchEngine:
             if port != PORT:
                 raise NoXdp(f"pool {host}:{port} is not on the KV port {PORT}")
         self._ns = Netns(self.netns_name)
-        self._att = Attachment(self.ifname, self._ns)
+        self._att = FetchAttachment(self.ifname, self._ns)
         self._sock = None
         try:
             self._att.inspect()

@@ -13,10 +13,7 @@ import time
 
 from kvproto import HEADER_LEN
 from kvproto.frames import HDR_OFF, ipv4_frame
-
-
-class NoXdp(RuntimeError):
-    """The XDP fetch engine cannot run here; the message says why (the asyncio client can)."""
+from xdp import NoXdp
 
 
 def _ip_json(*args: str) -> list:

@@ -31,9 +31,9 @@ import xdp
 from kvproto import HEADER_LEN, OFFSET, PORT, Flag, Message, Op, ProtocolError
 from kvproto.frames import HDR_OFF
 from kvproto.scapy_layer import KV
-from xdp import netns
-from switchd.dataplane import attach_xdp, detach_port, load_xdp
-from xdp import libbpf
+from xdp import libbpf, netns
+from xdp.attach import attach_xdp, detach_port
+from xdp.loader import load_xdp
 
 from ..lab import TestbedError, Topology, attach_pass_programs, ip
 

@@ -29,10 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from xdp import netns
 from switchd.cache import Cache
-from switchd.dataplane import (DataPlane, attached_program, detach_port, pinned_deployment,
-                               program_run_time, run_time_stats)
+from switchd.dataplane import DataPlane, pinned_deployment
+from xdp import netns
+from xdp.attach import attached_program, detach_port
+from xdp.program import program_run_time, run_time_stats
 
 from .generator import (MC_PORT, Endpoint, Generator, Iperf3, check_kv_reply,
                         check_memcached_reply, check_reflected, endpoint, kv_get, memcached_get,

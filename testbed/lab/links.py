@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xdp import netns
-from switchd.dataplane import attach_xdp
+from xdp.attach import attach_xdp
 
 BRIDGE = "br0"
 TO_SWITCH, TO_NODE = "sw", "node"      # the link namespace's two ends

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xdp import netns
-from switchd.dataplane import attach_xdp, import_bcc, load_xdp, mode_flags
+from xdp.attach import attach_xdp, detach_port
+from xdp.loader import load_xdp
 
 from .links import LinkSpec, build_link
 
@@ -200,7 +201,7 @@ def plain_bridge_ports(topo: Topology, on: bool) -> None:
             if on and prog is None:
                 attach_xdp(n.name, fns["xdp_pass"])
             elif not on and prog == "xdp_pass":
-                import_bcc().BPF.remove_xdp(n.name.encode(), mode_flags("native"))
+                detach_port(n.name)
 
 
 def _without_xdp_server(namespaces: list[str], ifname: str) -> list[str]:
