@@ -6,7 +6,8 @@ the node's memory, shared by every engine of the node, checked before the switch
 object back on a hit: no copy in, no copy out. It is bounded in bytes; when a ``put`` needs
 room the least recently used entry leaves first (``evict="lru"``), or the lowest-valued
 (``evict="value"``: ``value_fn(ns, key, nbytes)`` returns anything comparable, lowest leaves
-first, ties least recent first; ``hostagent.tier_policy`` supplies it). Every eviction is told
+first, ties the one put (or found risen) first — ``hostagent.staging.ValueHeap``;
+``hostagent.tier_policy`` supplies the function). Every eviction is told
 to ``on_evict(ns, key, obj, nbytes)`` first (where a demotion decision — write it down to the
 pool, or drop it — is made; the object is still valid during the call), then the object is
 released (``Block.release()``, or the ``release`` given to ``put``), which gives a fetch
