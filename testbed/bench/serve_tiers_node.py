@@ -48,66 +48,68 @@ def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests
     tier = NodeTier(node_bytes, "value" if value else "lru", value, evicted)
     out = {"ttft": [], "fetch": [], "blocks": 0, "hits": {"node": 0, "switch": 0, "pool": 0},
            "byte_exact": True, "fetch_errors": 0, "computed": 0, "node_tier": None}
-    with FetchEngine(pools, chunk_size) as eng:
-        time.sleep(max(0.0, start_at - time.time()))
-        t0[0] = time.monotonic()
-        for req in requests:
-            arrival = t0[0] + req["at"]
-            time.sleep(max(0.0, arrival - time.monotonic()))
-            start = time.monotonic()
-            now = clock()
-            keys = [bytes.fromhex(k) for k in req["keys"]]
-            for d, k in enumerate(keys):
-                pol.access(k, now, d, block_bytes)
-            src: list = [None] * len(keys)
-            held: dict[bytes, object] = {}
-            for i, k in enumerate(keys):
-                lease = tier.lease(ns, k)
-                if lease is not None:
-                    src[i], held[k] = "node", lease
-            need = [i for i, s in enumerate(src) if s is None]
-            got = eng.get_blocks([(ns, keys[i], None) for i in need], return_exceptions=True) \
-                if need else []
-            fetched = {}
-            for i, b in zip(need, got):
-                if isinstance(b, BaseException):
-                    out["fetch_errors"] += type(b).__name__ != "BlockNotFound"
-                    continue
-                s = b.stats
-                src[i] = "switch" if 2 * (s.from_switch + s.replicas) >= s.chunks else "pool"
-                fetched[i] = b
-            run = next((i for i, s in enumerate(src) if s is None), len(keys))
-            fetch_done = time.monotonic()
-            for i, k in enumerate(keys):          # what the request uses, checked
-                if i >= run:
-                    break
-                data = held[k].view if src[i] == "node" else view_of(fetched[i])
-                out["byte_exact"] &= data == payload(k, block_bytes)
-                out["hits"][src[i]] += 1
-            for lease in held.values():
-                lease.release()
-            for i, b in fetched.items():
-                if i < run:
-                    written.add(keys[i])                   # the pool has it
-                    if pol.promote(keys[i], now, None, block_bytes) and \
-                            tier.put(ns, keys[i], b):
+    try:
+        with FetchEngine(pools, chunk_size) as eng:
+            time.sleep(max(0.0, start_at - time.time()))
+            t0[0] = time.monotonic()
+            for req in requests:
+                arrival = t0[0] + req["at"]
+                time.sleep(max(0.0, arrival - time.monotonic()))
+                start = time.monotonic()
+                now = clock()
+                keys = [bytes.fromhex(k) for k in req["keys"]]
+                for d, k in enumerate(keys):
+                    pol.access(k, now, d, block_bytes)
+                src: list = [None] * len(keys)
+                held: dict[bytes, object] = {}
+                for i, k in enumerate(keys):
+                    lease = tier.lease(ns, k)
+                    if lease is not None:
+                        src[i], held[k] = "node", lease
+                need = [i for i, s in enumerate(src) if s is None]
+                got = eng.get_blocks([(ns, keys[i], None) for i in need], return_exceptions=True) \
+                    if need else []
+                fetched = {}
+                for i, b in zip(need, got):
+                    if isinstance(b, BaseException):
+                        out["fetch_errors"] += type(b).__name__ != "BlockNotFound"
                         continue
-                b.release()
-            compute = max(0, req["tokens"] - run * BLOCK_TOKENS) / prefill_tok_s
-            time.sleep(compute)
-            now = clock()
-            for k in keys[run:]:                           # the engine's saves
-                tier.put(ns, k, payload(k, block_bytes))
-            out["computed"] += len(keys) - run
-            for i, k in enumerate(keys):
-                if k not in written and (i >= run or src[i] == "node") and \
-                        pol.write_down(k, now, block_bytes) == "now":
-                    write(k)
-            out["ttft"].append(time.monotonic() - arrival)
-            out["fetch"].append(fetch_done - start)
-            out["blocks"] += len(keys)
-        tier.clear()
-    writer.close()
+                    s = b.stats
+                    src[i] = "switch" if 2 * (s.from_switch + s.replicas) >= s.chunks else "pool"
+                    fetched[i] = b
+                run = next((i for i, s in enumerate(src) if s is None), len(keys))
+                fetch_done = time.monotonic()
+                for i, k in enumerate(keys):          # what the request uses, checked
+                    if i >= run:
+                        break
+                    data = held[k].view if src[i] == "node" else view_of(fetched[i])
+                    out["byte_exact"] &= data == payload(k, block_bytes)
+                    out["hits"][src[i]] += 1
+                for lease in held.values():
+                    lease.release()
+                for i, b in fetched.items():
+                    if i < run:
+                        written.add(keys[i])                   # the pool has it
+                        if pol.promote(keys[i], now, None, block_bytes) and \
+                                tier.put(ns, keys[i], b):
+                            continue
+                    b.release()
+                compute = max(0, req["tokens"] - run * BLOCK_TOKENS) / prefill_tok_s
+                time.sleep(compute)
+                now = clock()
+                for k in keys[run:]:                           # the engine's saves
+                    tier.put(ns, k, payload(k, block_bytes))
+                out["computed"] += len(keys) - run
+                for i, k in enumerate(keys):
+                    if k not in written and (i >= run or src[i] == "node") and \
+                            pol.write_down(k, now, block_bytes) == "now":
+                        write(k)
+                out["ttft"].append(time.monotonic() - arrival)
+                out["fetch"].append(fetch_done - start)
+                out["blocks"] += len(keys)
+            tier.clear()
+    finally:                    # also when the engine fails: else its thread keeps us alive
+        writer.close()
     out["written"], out["write_errors"] = writer.written, writer.errors
     out["node_tier"] = tier.stats()
     return out
