@@ -14,6 +14,7 @@ from switchd.dataplane import MAX_CHUNK
 from switchd.policy import POLICIES
 
 from .bench.compress import command as compress_command
+from .bench.serve_tiers_cli import tiers_options
 from .demos.inference import BLOCK_TOKENS, MODEL_CHOICES as DEMO_MODELS
 from .demos.vllm import MODELS_DIR as DEMO_MODEL_DIR
 from .lab.lab import STORES
@@ -287,6 +288,7 @@ def incast(readers, block_mib, reps, chunk_size, store, link_gbit, pool_link_gbi
               help="Shrink (or grow) every workload.")
 @json_opt("bench/results/serve.json")
 @click.option("--plot", "plot_path", help="PNG path (default: the JSON path with .png).")
+@tiers_options
 def serve(nodes, pools, store, link_gbit, workloads, modes, model, trace_path, trace_requests,
           scale, json_path, plot_path):
     """Serving loops on N nodes over shaped links: TTFT, pool egress; bridge, switch, replicas."""
