@@ -63,9 +63,13 @@ def load_xdp(source: str | Path, functions: tuple[str, ...], cflags: list[str] |
         bpf = bcc.BPF(src_file=str(source).encode(), cflags=xdp_cflags(*(cflags or [])))
     except Exception as exc:
         raise NoXdp(f"compiling {Path(source).name} failed: {exc}") from None
-    fns = {name: bpf.load_func(name.encode(), bcc.BPF.XDP) for name in functions}
-    fns.update({name: bpf.load_func(name.encode(), bcc.BPF.XDP, None,
-                                    bcc.BPFAttachType.XDP_DEVMAP) for name in devmap_egress})
+    try:
+        fns = {name: bpf.load_func(name.encode(), bcc.BPF.XDP) for name in functions}
+        fns.update({name: bpf.load_func(name.encode(), bcc.BPF.XDP, None,
+                                        bcc.BPFAttachType.XDP_DEVMAP) for name in devmap_egress})
+    except Exception as exc:                    # the verifier's log went to stderr
+        bpf.cleanup()
+        raise NoXdp(f"loading {Path(source).name} failed: {exc}") from None
     return bpf, fns
 
 

@@ -9,19 +9,11 @@
 #define KV_REPLY_H
 
 #include "parse.h"
+#include "verifier.h"
 
 #ifndef KV_REPLY_MAX
 #error "define KV_REPLY_MAX (the largest reply payload) before including reply.h"
 #endif
-
-/* Helpers taking a size need it proven in [1, KV_REPLY_MAX] in the very register passed; a
- * 64-bit copy hidden from clang keeps it from range-checking a zero-extended twin instead. */
-static __always_inline __u64 kv_opaque_len(__u32 len)
-{
-    __u64 n = len;
-    asm volatile("" : "+r"(n));
-    return n;
-}
 
 static __always_inline void kv_swap_bytes(__u8 *a, __u8 *b, int n)
 {
