@@ -26,13 +26,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from kvproto import MAX_PAYLOAD, PORT, Flag, Message, Op, ProtocolError, Status
+from kvproto import DEFAULT_CHUNK, MAX_PAYLOAD, PORT, Flag, Message, Op, ProtocolError, Status
 from . import auth as auth_mod
 from .udp import grow_buffers
 
 # plain ints: IntFlag operations are slow on the receive path
 _REPLICA, _FROM_SWITCH = int(Flag.REPLICA), int(Flag.FROM_SWITCH)
-DEFAULT_CHUNK = 1024
 DEFAULT_WINDOW = 64
 RID_HOLD = 300.0          # seconds a retired request id is not drawn again
 

@@ -1,9 +1,9 @@
 """The KV block protocol, one package for every side (switch, endpoints, testbed): the message
 codec and its constants (wire), whole frames, offsets and XDP verdicts (frames), and a scapy layer
 (scapy_layer, imported on demand: scapy is slow to load)."""
-from .wire import (CONSTANTS, FIELDS, HEADER, HEADER_LEN, KEY_LEN, MAGIC, MAX_PAYLOAD, OFFSET,
-                   PORT, VERSION, Flag, Message, Op, ProtocolError, Status, checksum)
+from .wire import (CONSTANTS, DEFAULT_CHUNK, FIELDS, HEADER, HEADER_LEN, KEY_LEN, LAYOUT, MAGIC,
+                   MAX_PAYLOAD, OFFSET, PORT, VERSION, Flag, Message, Op, ProtocolError, Status, checksum)
 
-__all__ = ["CONSTANTS", "FIELDS", "HEADER", "HEADER_LEN", "KEY_LEN", "MAGIC", "MAX_PAYLOAD",
-           "OFFSET", "PORT", "VERSION", "Flag", "Message", "Op", "ProtocolError", "Status",
-           "checksum"]
+__all__ = ["CONSTANTS", "DEFAULT_CHUNK", "FIELDS", "HEADER", "HEADER_LEN", "KEY_LEN", "LAYOUT", "MAGIC",
+           "MAX_PAYLOAD", "OFFSET", "PORT", "VERSION", "Flag", "Message", "Op", "ProtocolError",
+           "Status", "checksum"]

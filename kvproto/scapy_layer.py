@@ -1,5 +1,6 @@
 """A scapy layer for the KV block protocol, bound to its UDP port, for crafting frames (tests,
-fuzzing, the traffic generator's templates) and for reading captures."""
+fuzzing, the traffic generator's templates) and for reading captures. Its fields are derived from
+the codec's ``LAYOUT`` (kvproto.wire), the one Python declaration of the header."""
 from __future__ import annotations
 
 from scapy.fields import (ByteEnumField, ByteField, FlagsField, IntField, ShortEnumField,
@@ -7,26 +8,26 @@ from scapy.fields import (ByteEnumField, ByteField, FlagsField, IntField, ShortE
 from scapy.layers.inet import UDP
 from scapy.packet import Packet, bind_layers
 
-from .wire import MAGIC, OFFSET, PORT, VERSION, Flag, Op, Status, checksum
+from .wire import (HEADER_LEN, KEY_LEN, LAYOUT, MAGIC, OFFSET, PORT, VERSION, Flag, Op, Status,
+                   checksum)
+
+_PLAIN = {"B": ByteField, "H": ShortField, "I": IntField}
+_SHOWN_AS = {                        # fields with a default, names or hex display
+    "magic": lambda: XShortField("magic", MAGIC),
+    "version": lambda: ByteField("version", VERSION),
+    "op": lambda: ByteEnumField("op", Op.GET, {o.value: o.name for o in Op}),
+    "flags": lambda: FlagsField("flags", 0, 16, [f.name for f in sorted(Flag, key=int)]),
+    "status": lambda: ShortEnumField("status", 0, {s.value: s.name for s in Status}),
+    "key": lambda: XStrFixedLenField("key", bytes(KEY_LEN), KEY_LEN),
+    "len": lambda: ShortField("len", None),      # None: the payload's length
+    "csum": lambda: XIntField("csum", None),     # None: CRC-32 of the payload (0 for a GET)
+}
 
 
 class KV(Packet):
     name = "KV"
-    fields_desc = [
-        XShortField("magic", MAGIC),
-        ByteField("version", VERSION),
-        ByteEnumField("op", Op.GET, {o.value: o.name for o in Op}),
-        FlagsField("flags", 0, 16, [f.name for f in sorted(Flag, key=int)]),
-        ShortEnumField("status", 0, {s.value: s.name for s in Status}),
-        IntField("ns", 0),
-        IntField("req_id", 0),
-        XStrFixedLenField("key", bytes(16), 16),
-        IntField("chunk", 0),
-        IntField("nchunks", 0),
-        ShortField("len", None),      # None: the payload's length
-        ShortField("reserved", 0),
-        XIntField("csum", None),      # None: CRC-32 of the payload (0 for a GET)
-    ]
+    fields_desc = [_SHOWN_AS[n]() if n in _SHOWN_AS else _PLAIN[code](n, 0)
+                   for n, code in LAYOUT]
 
     def post_build(self, pkt: bytes, pay: bytes) -> bytes:
         if self.len is None:
@@ -39,5 +40,7 @@ class KV(Packet):
         return pkt + pay
 
 
+if len(KV()) != HEADER_LEN:
+    raise ImportError("the scapy layer and struct kvhdr disagree on the header size")
 bind_layers(UDP, KV, dport=PORT)
 bind_layers(UDP, KV, sport=PORT)

@@ -1,7 +1,7 @@
 """The KV block protocol v1 codec: one message per UDP datagram, a 48-byte header then payload.
 
 The constants (port, magic, ops, flags, status codes) are read from ``xdp/kvproto.h``, the one
-definition shared with the data plane; the header's field order below is checked against that
+definition shared with the data plane; the header's field order (``LAYOUT``) is checked against that
 header's ``struct kvhdr`` through BCC by the test suite. docs/protocol.md documents the format.
 """
 from __future__ import annotations
@@ -20,6 +20,9 @@ VERSION = CONSTANTS["KV_VERSION"]
 HEADER_LEN = CONSTANTS["KV_HDR_LEN"]
 MAX_PAYLOAD = CONSTANTS["KV_MAX_PAYLOAD"]
 KEY_LEN = 16
+# the chunk size every command and library uses unless told (a switch caches chunks of its own
+# --chunk-size only, so hits need the same size on both sides)
+DEFAULT_CHUNK = 1024
 
 
 def _enum_from(prefix: str, base: type) -> type:
@@ -31,18 +34,22 @@ Op: type[IntEnum] = _enum_from("KV_OP_", IntEnum)
 Flag: type[IntFlag] = _enum_from("KV_F_", IntFlag)
 Status: type[IntEnum] = _enum_from("KV_ST_", IntEnum)
 
-# struct kvhdr, in order: magic version op flags status ns req_id key chunk nchunks len reserved csum
-HEADER = struct.Struct("!HBBHHII16sIIHHI")
-FIELDS = ("magic", "version", "op", "flags", "status", "ns", "req_id", "key", "chunk",
-          "nchunks", "len", "reserved", "csum")
-assert HEADER.size == HEADER_LEN, "struct kvhdr and the codec disagree on the header size"
+# struct kvhdr (xdp/kvproto.h), the one Python declaration of the header: (field, struct code)
+# in order. The codec's Struct, the field offsets and the scapy layer are derived from it.
+LAYOUT = (("magic", "H"), ("version", "B"), ("op", "B"), ("flags", "H"), ("status", "H"),
+          ("ns", "I"), ("req_id", "I"), ("key", f"{KEY_LEN}s"), ("chunk", "I"),
+          ("nchunks", "I"), ("len", "H"), ("reserved", "H"), ("csum", "I"))
+HEADER = struct.Struct("!" + "".join(code for _, code in LAYOUT))
+FIELDS = tuple(name for name, _ in LAYOUT)
+if HEADER.size != HEADER_LEN:
+    raise ImportError("struct kvhdr and the codec disagree on the header size")
 
 
 def _offsets() -> dict[str, int]:
     out, at = {}, 0
-    for name, code in zip(FIELDS, HEADER.format.lstrip("!").replace("16s", "s")):
+    for name, code in LAYOUT:
         out[name] = at
-        at += 16 if code == "s" else struct.calcsize("!" + code)
+        at += struct.calcsize("!" + code)
     return out
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+from kvproto import DEFAULT_CHUNK
 from kvproto.cli import one_line_errors, parse_size
 from xdp import NoXdp, netns
 from xdp.attach import MODES, detach_port
@@ -104,7 +105,7 @@ def _with_config(ctx: click.Context, path: str | None) -> dict:
                    "before any frame is seen (its MAC asked for by ARP on that port); "
                    "--port-security needs it.")
 @click.option("--config", type=click.Path(dir_okay=False), help="TOML file with the same keys.")
-@click.option("--chunk-size", type=int, default=1024, show_default=True,
+@click.option("--chunk-size", type=int, default=DEFAULT_CHUNK, show_default=True,
               help="Chunk payload bytes.")
 @click.option("--cache-entries", type=int, default=65536, show_default=True,
               help="Chunks the cache holds.")

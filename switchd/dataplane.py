@@ -12,8 +12,9 @@ import socket
 from dataclasses import dataclass
 
 import xdp
+from kvproto import DEFAULT_CHUNK
 from xdp import NoXdp, libbpf, pin
-from xdp.attach import attach_xdp, attached_program, detach_port
+from xdp.attach import VETH_MAX_MTU, attach_xdp, attached_program, detach_port
 from xdp.loader import import_bcc, load_xdp
 from xdp.program import Program, prefixed, program_map_ids
 
@@ -23,9 +24,9 @@ DEFAULT_PIN_DIR = "/sys/fs/bpf/kvswitch"
 ROLE_HOST, ROLE_POOL = CONSTANTS["KV_ROLE_HOST"], CONSTANTS["KV_ROLE_POOL"]   # port roles
 PF = {n[len("KV_PF_"):]: v for n, v in CONSTANTS.items() if n.startswith("KV_PF_")}
 CACHE_VAL_HEADER = CONSTANTS["KV_CACHE_VAL_HEADER"]  # bytes of kv_cache_val before data[]
-# This kernel refuses native XDP on a veth whose MTU exceeds 3506 bytes (no multi-buffer), so the
-# largest chunk a deployment can use is 3506 - 76 rounded down to a multiple of 8.
-MAX_CHUNK = 3424
+# The largest chunk a deployment can use: a frame's IPv4 + UDP + KV header and the chunk within
+# the largest MTU native XDP takes on a veth, rounded down to a multiple of 8 (3424)
+MAX_CHUNK = (VETH_MAX_MTU - CONSTANTS["KV_PAYLOAD_OFF"] + CONSTANTS["KV_ETH_LEN"]) // 8 * 8
 MAP_NAMES = ("kv_cache", "kv_admit", "kv_ports", "kv_stats", "kv_settings", "kv_pending",
              "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats", "kv_port_ns", "kv_ns_low",
              "kv_src_macs", "kv_src_ips")
@@ -38,7 +39,7 @@ class SwitchError(Exception):
 
 @dataclass(frozen=True)
 class Deployment:
-    chunk_size: int = 1024
+    chunk_size: int = DEFAULT_CHUNK
     cache_entries: int = 65536
     pin_dir: str | None = DEFAULT_PIN_DIR
 

@@ -14,10 +14,7 @@ from switchd.dataplane import ROLE_POOL, CONSTANTS, DataPlane, Deployment
 from testbed.lab.topology import scratch_ports
 from xdp_fixtures import KEY, get_frame, reply_frame
 
-try:
-    from xdp.libbpf import xdp_test_run
-except ImportError:                 # before the BPF lifecycle package (issue 27) lands
-    from switchd.libbpf import xdp_test_run
+from xdp.libbpf import xdp_test_run
 from kvproto.frames import XDP
 
 pytestmark = pytest.mark.bpf

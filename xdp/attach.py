@@ -15,6 +15,8 @@ from . import NoXdp, libbpf
 from .netns import Netns
 
 MODES = ("native", "generic")             # XDP attach modes: driver (veth, NICs) or SKB
+# This kernel refuses native XDP on a veth whose MTU exceeds this (no multi-buffer programs here)
+VETH_MAX_MTU = 3506
 
 
 def _fd(prog) -> int:

@@ -25,6 +25,7 @@ import numpy as np
 
 from hostagent import auth as auth_mod
 from hostagent.client import KVClient, TransferStats
+from kvproto import DEFAULT_CHUNK
 from xdp import NoXdp
 from xdp import netns as netns_mod
 
@@ -146,7 +147,7 @@ def _inside(netns: str | None):
 
 
 @contextlib.asynccontextmanager
-async def open_client(pools: Sequence[str | tuple[str, int]], chunk_size: int = 1024,
+async def open_client(pools: Sequence[str | tuple[str, int]], chunk_size: int = DEFAULT_CHUNK,
                       window: int = 64, deadline: float = 30.0, *, netns: str | None = None,
                       ifname: str = "eth0", arena_bytes: int = 64 << 20, auth=auth_mod.DEFAULT,
                       **engine_kw) -> AsyncIterator[AsyncFetchClient | KVClient]:
