@@ -1,9 +1,12 @@
 """Command-line conventions every kvswitch CLI (switchd, hostagent, testbed) shares: sizes such as
-64KiB or 1GiB, and errors a user can fix printed as one line with a non-zero exit."""
+64KiB or 1GiB, a TOML config file under the command line's options, and errors a user can fix
+printed as one line with a non-zero exit."""
 from __future__ import annotations
 
 import re
 import sys
+import tomllib
+from pathlib import Path
 
 import click
 
@@ -58,3 +61,42 @@ def one_line_errors(prog: str, *errors: type[Exception]) -> type[click.Group]:
             sys.exit(0)
 
     return Group
+
+
+def load_config(path: str) -> dict:
+    """A TOML config file; ClickException (one line) if it cannot be read."""
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise click.ClickException(f"cannot read config {path}: {exc}") from None
+
+
+def with_config(ctx: click.Context, path: str | None, renamed: dict[str, str] | None = None,
+                tables: tuple[str, ...] = ()) -> dict:
+    """The command's values: the command line's, else the config file's (converted and checked
+    by the options' own types), else the defaults. ``renamed``: config key -> parameter name;
+    ``tables``: keys whose TOML table becomes the option's NAME=VALUE items (lists joined with
+    commas). ``values["_from_config"]``: the parameters the file set."""
+    values = dict(ctx.params)
+    if not path:
+        return values
+    params = {p.name: p for p in ctx.command.params if p.name != "config"}
+    for key, raw in load_config(path).items():
+        name = (renamed or {}).get(key, key)
+        if name not in params:
+            raise click.ClickException(f"config {path}: unknown key {key!r}")
+        if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            continue
+        if key in tables:
+            if not isinstance(raw, dict):
+                raise click.ClickException(f"config {path}: {key} must be a table")
+            raw = [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
+                   for k, v in raw.items()]
+        elif params[name].multiple and not isinstance(raw, list):
+            raise click.ClickException(f"config {path}: {key} must be a list")
+        try:
+            values[name] = params[name].type_cast_value(ctx, raw)
+        except click.BadParameter as exc:
+            raise click.ClickException(f"config {path}: {key}: {exc.message}") from None
+        values.setdefault("_from_config", set()).add(name)
+    return values

@@ -10,13 +10,11 @@ import ipaddress
 import json
 import socket
 import time
-import tomllib
-from pathlib import Path
 
 import click
 
 from kvproto import DEFAULT_CHUNK
-from kvproto.cli import one_line_errors, parse_size
+from kvproto.cli import one_line_errors, parse_size, with_config
 from xdp import NoXdp, netns
 from xdp.attach import MODES, detach_port
 from xdp.loader import preflight
@@ -57,44 +55,9 @@ def main(ctx, netns_name, pin_dir):
     ctx.obj = Context(netns_name, pin_dir.rstrip("/"))
 
 
-def _load_config(path: str | None) -> dict:
-    if not path:
-        return {}
-    try:
-        return tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SwitchError(f"cannot read config {path}: {exc}") from None
-
-
-# config-file keys that are not spelled like their option, and how a table becomes option values
-CONFIG_KEYS = {"quotas": "quotas", "port_namespaces": "port_ns", "port_bindings": "port_bind",
-               "pending_timeout_ms": "pending_timeout_ms"}
-TABLE_KEYS = {"quotas", "port_namespaces", "port_bindings"}
-
-
-def _with_config(ctx: click.Context, path: str | None) -> dict:
-    """The command's values: the command line's, else the config file's (converted and checked
-    by the very types the options have), else the options' defaults."""
-    cfg, values = _load_config(path), dict(ctx.params)
-    params = {p.name: p for p in ctx.command.params if p.name != "config"}
-    for key, raw in cfg.items():
-        name = CONFIG_KEYS.get(key, key)
-        if name not in params:
-            raise SwitchError(f"config {path}: unknown key {key!r}")
-        if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
-            continue
-        if key in TABLE_KEYS:
-            if not isinstance(raw, dict):
-                raise SwitchError(f"config {path}: {key} must be a table")
-            raw = [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
-                   for k, v in raw.items()]
-        elif params[name].multiple and not isinstance(raw, list):
-            raise SwitchError(f"config {path}: {key} must be a list")
-        try:
-            values[name] = params[name].type_cast_value(ctx, raw)
-        except click.BadParameter as exc:
-            raise SwitchError(f"config {path}: {key}: {exc.message}") from None
-    return values
+# config-file keys that are not spelled like their option, and tables that become option values
+CONFIG_KEYS = {"port_namespaces": "port_ns", "port_bindings": "port_bind"}
+TABLE_KEYS = ("quotas", "port_namespaces", "port_bindings")
 
 
 @main.command()
@@ -142,7 +105,7 @@ def _with_config(ctx: click.Context, path: str | None) -> dict:
 def run(obj: Context, config, **_):
     """Load the data plane, attach it to the ports, and run until SIGINT/SIGTERM."""
     from .daemon import Daemon, Settings
-    v = _with_config(click.get_current_context(), config)
+    v = with_config(click.get_current_context(), config, CONFIG_KEYS, TABLE_KEYS)
     pool_ports, pool_addrs = _parse_pool_ports(v["pool_ports"])
     ports = list(v["ports"])
     ports += [p for p in pool_ports if p not in ports]
