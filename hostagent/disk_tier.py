@@ -8,7 +8,9 @@ and every chunk are checked against them, and the file must be exactly the objec
 file a block, ``<ns hex>-<key hex>.kvb``, written to a temporary name and renamed (a reader
 never sees half a file; a crash leaves at most a ``.tmp`` file, removed at the next start).
 No fsync by default: a block torn by a power cut fails its CRCs and is dropped like any
-corrupt file.
+corrupt file. The write itself runs in a worker thread, from a copy (``max_pending`` bytes of
+copies at most, then the caller writes): the pool's event loop pays a memory copy, not the
+disk.
 
 The index (which blocks, their sizes, least recently used first) lives in memory and is
 rebuilt from the directory at start (file names, sizes, modification times, each header and
@@ -29,6 +31,7 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .blockfmt import HEAD_LEN, HEAD, BlockFormatError, Layout, bad_chunks, read_crcs, read_layout
@@ -36,6 +39,7 @@ from .blockfmt import HEAD_LEN, HEAD, BlockFormatError, Layout, bad_chunks, read
 log = logging.getLogger("hostagent.disk")
 
 SUFFIX = ".kvb"
+DEFAULT_PENDING = 256 << 20       # bytes of evicted blocks copied and waiting for the writer
 _NAME = re.compile(r"^([0-9a-f]{8})-([0-9a-f]{32})\.kvb$")
 
 
@@ -50,11 +54,16 @@ def file_name(ns: int, key: bytes) -> str:
 class DiskTier:
     """Blocks on local disk under ``directory``, ``capacity_bytes`` of them at most."""
 
-    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = False):
+    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = False,
+                 max_pending: int = DEFAULT_PENDING):
         if capacity_bytes <= 0:
             raise ValueError("a disk tier's capacity must be positive")
         self.dir = Path(directory)
-        self.capacity, self.fsync = int(capacity_bytes), fsync
+        self.capacity, self.fsync, self.max_pending = int(capacity_bytes), fsync, max_pending
+        self.pending: dict[tuple[int, bytes], bytes] = {}     # copies being written
+        self.pending_bytes = 0
+        self._cancelled: list = []            # pending copies removed before they landed
+        self._writer: ThreadPoolExecutor | None = None
         self.index: OrderedDict[tuple[int, bytes], int] = OrderedDict()   # name -> bytes
         self.used = 0
         self.counters = {"disk_writes": 0, "disk_write_bytes": 0, "disk_reads": 0,
@@ -110,32 +119,80 @@ class DiskTier:
 
     # ---- what the store calls ----------------------------------------------------------
     def __contains__(self, name: tuple[int, bytes]) -> bool:
-        return name in self.index
+        return name in self.index or name in self.pending
 
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self.index) + len(self.pending)
 
     def size(self, ns: int, key: bytes, touch: bool = True) -> int | None:
-        """Bytes of a block's object on disk (None: not here); ``touch``: now most recent
-        (so the evictions its staging-back causes do not drop it first)."""
+        """Bytes of a block's object on disk or on its way there (None: neither); ``touch``:
+        now most recent (so the evictions its staging-back causes do not drop it first)."""
         with self._lock:
+            data = self.pending.get((ns, key))
+            if data is not None:
+                return len(data)
             size = self.index.get((ns, key))
             if size is not None and touch:
                 self.index.move_to_end((ns, key))
         return size
 
-    def write(self, ns: int, key: bytes, obj) -> bool:
+    def write(self, ns: int, key: bytes, obj, wait: bool = False) -> bool:
         """Keep a block (``obj``: its whole stored object, header first) on disk; True if it is
-        (or already was) there. Never raises: a failure is logged once and counted."""
+        (or already was) there, or on its way. Unless ``wait``, the bytes are copied and written
+        by a worker thread while fewer than ``max_pending`` bytes wait (the caller's buffer is
+        free at once; a GET meanwhile is answered from the copy). Never raises: a failure is
+        logged once and counted."""
         name, view = (ns, key), memoryview(obj)
         size = len(view)
         with self._lock:
             if name in self.index:            # blocks are immutable: the copy there is it
                 self.index.move_to_end(name)
                 return True
+            if name in self.pending:
+                return True
             if size > self.capacity:
                 self.counters["disk_skipped"] += 1
                 return False
+            later = not wait and self.pending_bytes + size <= self.max_pending
+        if not later:
+            return self._write_file(name, view)
+        data = bytes(view)
+        with self._lock:
+            self.pending[name] = data
+            self.pending_bytes += size
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="disk-writer")
+        self._writer.submit(self._write_pending, name, data)
+        return True
+
+    def drain(self) -> None:
+        """Wait until every pending write has landed (or failed)."""
+        if self._writer is not None:
+            self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
+    def _write_pending(self, name, data: bytes) -> None:
+        try:
+            self._write_file(name, data)
+        finally:
+            with self._lock:
+                if self.pending.get(name) is data:
+                    del self.pending[name]
+                    self.pending_bytes -= len(data)
+                elif any(c is data for c in self._cancelled):    # removed meanwhile
+                    self._cancelled = [c for c in self._cancelled if c is not data]
+                    if name in self.index and name not in self.pending:
+                        self.used -= self.index.pop(name)
+                        _unlink(self.dir / file_name(*name))
+
+    def _write_file(self, name, view) -> bool:
+        ns, key = name
+        size = len(view)
+        with self._lock:
             while self.used + size > self.capacity and self.index:
                 self._drop_oldest()
         final = self.dir / file_name(ns, key)
@@ -157,8 +214,8 @@ class DiskTier:
             self._failed(exc, "write")
             return False
         with self._lock:
+            self.used += size - self.index.pop(name, 0)
             self.index[name] = size
-            self.used += size
             self.counters["disk_writes"] += 1
             self.counters["disk_write_bytes"] += size
         if self.failing is not None:
@@ -172,11 +229,16 @@ class DiskTier:
         its layout and chunk CRCs. Raises KeyError (not here) or DiskCorrupt (dropped). Safe
         to call from a worker thread."""
         with self._lock:
-            size = self.index.get((ns, key))
+            data = self.pending.get((ns, key))
+            size = len(data) if data is not None else self.index.get((ns, key))
         if size is None:
             raise KeyError((ns, key))
         path = self.dir / file_name(ns, key)
         view = memoryview(buf)[:size]
+        if data is not None:                  # still on its way: from the copy
+            view[:] = data
+            layout = read_layout(view, size, ns, key)
+            return layout, read_crcs(view, layout)
         try:
             with open(path, "rb", buffering=0) as f:
                 got = f.readinto(view)
@@ -207,14 +269,20 @@ class DiskTier:
         return layout, crcs
 
     def remove(self, ns: int, key: bytes) -> bool:
+        with self._lock:
+            data = self.pending.pop((ns, key), None)
+            if data is not None:
+                self.pending_bytes -= len(data)
+                self._cancelled.append(data)
         if not self._forget(ns, key):
-            return False
+            return data is not None
         _unlink(self.dir / file_name(ns, key))
         return True
 
     def stats(self) -> dict:
         return {"disk_blocks": len(self.index), "disk_bytes": self.used,
                 "disk_capacity": self.capacity, "disk_ok": int(self.failing is None),
+                "disk_pending": len(self.pending), "disk_pending_bytes": self.pending_bytes,
                 **self.counters}
 
     # ---- internals -----------------------------------------------------------------------

@@ -88,6 +88,7 @@ class PoolStore:
             self._disk_pool.shutdown(wait=True)
         if self.disk is not None:
             self._flush()
+            self.disk.close()
         self.staging.arena.close()
 
     def _flush(self) -> None:
@@ -96,7 +97,8 @@ class PoolStore:
         t0, n = time.monotonic(), 0
         for block in list(self.staging.blocks.values()):
             name = (block.layout.ns, block.layout.key)
-            if name not in self.disk and self.disk.write(*name, block.run.view[:block.nbytes]):
+            if name not in self.disk and self.disk.write(*name, block.run.view[:block.nbytes],
+                                                         wait=True):
                 n += 1
         if n:
             log.info("disk tier: %d blocks only in DRAM written at shutdown in %.2f s", n,
