@@ -76,7 +76,7 @@ class SimConfig:
     rate_per_node: float | None = None  # requests/s per node; default from load
     preload: bool = False             # pool nodes hold every block from the start
     write_through: bool = True        # computed blocks are put to the pool nodes
-    switch_budget: int = 1_000_000    # switch-bound accesses simulated exactly; more: sampled
+    switch_budget: int = 500_000      # switch-bound fetches simulated exactly; more: sampled
     clock_scale: float = 1.0          # policy clock = trace time / clock_scale (testbed speedup)
     xdp_ns_per_frame: float | None = None   # data-plane CPU per frame; None: from throughput_json
     throughput_json: str = THROUGHPUT_JSON  # `testbed bench throughput` result (relative: to cwd

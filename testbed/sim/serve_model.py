@@ -15,10 +15,13 @@ blocks computed are then written through by a background writer, one at a time. 
 crosses the links it uses (pool node egress and the node's downlink for a reply from the pool,
 the downlink alone for a switch hit; the node's uplink and the pool's ingress for a write), and
 the transfers on a link share its rate equally (fluid processor sharing, stepped every ``dt``:
-a link's FIFO interleaving the chunks of the windows in flight). Two constants, measured on the
-testbed before the run and not fitted to its results (``Calibration``): the links' rate and the
-fetch engine's round trip. Bytes on a link are the frames' (chunk + PAYLOAD_OFF per chunk; one
-header-only frame per NOT_FOUND and per acknowledged chunk)."""
+a link's FIFO interleaving the chunks of the windows in flight). Three constants, measured on
+the testbed before the run and not fitted to its results (``Calibration``): the links' rate,
+the fetch engine's round trip and the box's wake-up latency (a sleeping node wakes that late
+for an arrival and at the end of a modelled prefill). The switch's cache is the testbed's
+(entries / chunks per block) and switchd has run since before the workload (its fill budget is
+there from the first fetch). Bytes on a link are the frames' (chunk + PAYLOAD_OFF per chunk;
+one header-only frame per NOT_FOUND and per acknowledged chunk)."""
 from __future__ import annotations
 
 import math
@@ -43,6 +46,7 @@ class Calibration:
     rtt_s: float                  # the fetch engine's round trip (a NOT_FOUND lookup)
     chunk: int                    # payload bytes per frame
     block_bytes: int
+    wake_s: float = 0.0           # a sleeping node's wake-up latency (arrival, end of prefill)
     source: dict = field(default_factory=dict)
 
     @property
@@ -175,7 +179,8 @@ def simulate_serve(requests: list[list[dict]], preload, mode: str, pools: list[s
             if i in busy or nxt[i] >= len(q) or free_at[i] > t:
                 continue
             r, keys = q[nxt[i]]
-            if r["at"] <= t:
+            # a node asleep until the arrival wakes late; one still busy goes straight on
+            if r["at"] + (cal.wake_s if free_at[i] < r["at"] else 0.0) <= t:
                 nxt[i] += 1
                 start(i, r, keys)
         # writers: one block at a time per node (to every pool node in the replicas mode)
@@ -209,7 +214,7 @@ def simulate_serve(requests: list[list[dict]], preload, mode: str, pools: list[s
                 done = max([f["start"], *(x.done for x in f["xs"])]) + cal.rtt_s
                 r, keys = f["r"], f["keys"]
                 compute = max(0, r["tokens"] - f["cached"] * BLOCK_TOKENS) / prefill_tok_s
-                end = done + compute
+                end = done + compute + (cal.wake_s if compute > 0 else 0.0)
                 out.append({"node": i, "at": r["at"], "queue": f["start"] - r["at"],
                             "fetch": done - f["start"], "prefill": compute,
                             "ttft": end - r["at"], "warmup": bool(r.get("warmup")),

@@ -3,11 +3,13 @@ point. For each mode (switch, bridge; replicas on request) one testbed of bench 
 configuration (testbed.bench.serve: N inference nodes, P pool nodes, every link queueing at one
 rate, chunk and block sizes scaled with the links, switchd's default policy) runs bench serve's
 workloads one after another with bench serve's own code (make_workloads, _run_workload); before
-them, the testbed's two timing constants are measured on idle links (``calibrate``): the fetch
-engine's round trip and the links' rate as one node's fetch of 1 and of 8 blocks from the pool
-takes them. The model (testbed.sim.serve_model) then replays the same request lists with those
-constants and switchd's default policy at the same cache size, interval and fill headroom.
-Compared per (workload, mode): TTFT p50 and p99 (warm-up requests apart), the share of fetched
+them, the testbed's timing constants are measured with every node probing at once
+(``calibrate``): the fetch engine's round trip (one node's fetch of one block from the pool on
+idle links) and the box's wake-up latency; the link rate is the configured one, which the links
+hold (the probe's is kept as a check). The model (testbed.sim.serve_model) then replays the
+same request lists with those constants and switchd's default policy at the same cache size,
+interval and fill headroom. Compared per (workload, mode): TTFT p50 and p99 (warm-up
+requests apart), the share of fetched
 blocks per tier (switch: hits and held replicas; pool) and of looked-up blocks found in a remote
 tier (the rest is recomputed), and each pool node's egress bytes. Targets: TTFT p50 within 10 %,
 tier shares within 2 pp. Result: bench/results/sim-validate-serve.json."""
@@ -28,11 +30,15 @@ INTERVAL = 1.0                                   # switchd's default policy step
 
 
 # ---- in a node (a testbed.lab task) -------------------------------------------------------------
-def probe(pools: list[str], chunk: int, ns: int, block_bytes: int, reps: int, n: int) -> dict:
-    """Times, on idle links, of: a lookup of a block no pool holds (NOT_FOUND), a fetch of one
-    block and a fetch of ``n`` blocks at once (each probe on blocks not fetched before)."""
+def probe(pools: list[str], chunk: int, ns: int, block_bytes: int, reps: int, n: int,
+          links: bool, tag: str, start_at: float) -> dict:
+    """Run in every node at once (the box as busy with engines as in a run). Times of: a lookup
+    of a block no pool holds (NOT_FOUND), a sleep's overshoot (when a node wakes for an arrival
+    or at the end of a modelled prefill) and, with ``links`` (one node, so that the links are
+    idle), a fetch of one block and a fetch of ``n`` blocks at once, each on blocks not fetched
+    before."""
     from hostagent.fetch.engine import FetchEngine
-    out = {"not_found": [], "one": [], "many": []}
+    out = {"not_found": [], "wake": [], "one": [], "many": []}
     with FetchEngine(pools, chunk) as eng:
         def timed(keys):
             t0 = time.monotonic()
@@ -42,11 +48,18 @@ def probe(pools: list[str], chunk: int, ns: int, block_bytes: int, reps: int, n:
                 if not isinstance(b, BaseException):
                     b.release()
             return dt
+        time.sleep(max(0.0, start_at - time.time()))
         for r in range(reps):
-            out["not_found"].append(timed([block_key("probe-missing", r)]))
-            out["one"].append(timed([block_key("probe", r)]))
-            out["many"].append(timed([block_key("probe", 1000 + r * n + i) for i in range(n)]))
-            time.sleep(0.2)
+            for i in range(4):
+                out["not_found"].append(timed([block_key(f"probe-missing-{tag}", 4 * r + i)]))
+                t0 = time.monotonic()
+                time.sleep(0.01)
+                out["wake"].append(time.monotonic() - t0 - 0.01)
+            if links:
+                out["one"].append(timed([block_key("probe", r)]))
+                out["many"].append(timed([block_key("probe", 1000 + r * n + i)
+                                          for i in range(n)]))
+            time.sleep(0.1)
     return out
 
 
@@ -56,33 +69,43 @@ def probe_keys(reps: int, n: int) -> list[str]:
 
 
 def calibrate(lab: Lab, block_bytes: int, chunk: int, link_gbit: float) -> Calibration:
-    """The links' rate and the fetch engine's round trip, measured on this testbed's idle links:
-    t(n blocks) - t(1 block) is n - 1 blocks' frames through the node's link; t(1 block) less
-    one block's frames at that rate is the round trip."""
+    """The fetch engine's round trip and the box's wake-up latency, measured on this testbed
+    with every node's engine open and probing at once (t(1 block) less one block's frames at
+    the link's rate is the round trip; a 10 ms sleep's overshoot is the wake-up latency), and
+    the links' rate: the configured one, which the links hold (tests/test_links.py); the rate
+    the probe's t(n blocks) - t(1 block) implies is kept beside it."""
     bench_serve._preload(lab, PROBE_NS, probe_keys(PROBE_REPS, PROBE_SET), False, block_bytes)
-    m = lab.task("h1", f"{__name__}:probe", lab.pool_addrs, chunk, PROBE_NS, block_bytes,
-                 PROBE_REPS, PROBE_SET)
+    start_at = time.time() + 2.0 + 0.3 * len(lab.topo.host_nodes)
+    tasks = [lab.start_task(h.name, f"{__name__}:probe", lab.pool_addrs, chunk, PROBE_NS,
+                            block_bytes, PROBE_REPS, PROBE_SET, i == 0, h.name, start_at)
+             for i, h in enumerate(lab.topo.host_nodes)]
+    res = [t.result(timeout=600) for t in tasks]
+    m = {k: [x for r in res for x in r[k]] for k in res[0]}
     med = {k: statistics.median(v) for k, v in m.items()}
     chunks = -(-block_bytes // chunk)
     wire = chunks * (chunk + FRAME_OVERHEAD)
-    configured = link_gbit * 1e9 / 8
-    rate = ((PROBE_SET - 1) * wire / (med["many"] - med["one"])
-            if med["many"] > med["one"] else configured)
+    rate = link_gbit * 1e9 / 8
+    probed = ((PROBE_SET - 1) * wire / (med["many"] - med["one"])
+              if med["many"] > med["one"] else None)
     rtt = max(0.0, med["one"] - wire / rate)
-    return Calibration(rate, rtt, chunk, block_bytes, source={
+    return Calibration(rate, rtt, chunk, block_bytes, wake_s=max(0.0, med["wake"]), source={
         "measured_s": {k: [round(x, 5) for x in v] for k, v in m.items()},
         "medians_s": {k: round(v, 5) for k, v in med.items()},
-        "link_rate_vs_configured": round(rate / configured, 3),
-        "how": f"rate = {PROBE_SET - 1} blocks' frames / (t({PROBE_SET} blocks) - t(1 block)); "
-               f"rtt = t(1 block) - one block's frames / rate; medians of {PROBE_REPS} "
-               f"probes on idle links from h1"})
+        "probed_rate_vs_configured": round(probed / rate, 3) if probed else None,
+        "how": f"link rate: the configured one (the link test holds frames to it, XDP-answered "
+               f"and stack alike; the probe's {PROBE_SET - 1} blocks' frames / (t({PROBE_SET} "
+               f"blocks) - t(1 block)) is kept as a check: a busy CPU stretches it); "
+               f"rtt = t(1 block) - one block's frames / rate, from h1 ({PROBE_REPS} probes, "
+               f"median) while every node probes; wake = a 10 ms sleep's overshoot (median "
+               f"over every node)"})
 
 
 # ---- comparison ---------------------------------------------------------------------------------
 def _measured_tiers(row: dict) -> dict:
     hit, rep = row["switch_hit_ratio"], row.get("replica_ratio", 0.0)
+    fetched = 1.0 if row["chunks_fetched"] else 0.0        # shares of the fetched chunks
     return {"switch": round(hit + rep, 4), "switch_hit": hit, "switch_replica": rep,
-            "pool": round(1 - hit - rep, 4), "cached_blocks": row["cached_block_ratio"],
+            "pool": round(fetched - hit - rep, 4), "cached_blocks": row["cached_block_ratio"],
             "recompute": round(1 - row["cached_block_ratio"], 4)}
 
 
@@ -133,9 +156,11 @@ def run_validate_serve(nodes: int = 8, pools: int = 2, link_gbit: float = 0.025,
                  pool_link_gbit=link_gbit) as lab:
             cal = calibrate(lab, block_bytes, chunk, link_gbit)
             cals[mode] = {"link_bytes_per_s": round(cal.link_bytes_per_s, 1),
-                          "rtt_s": round(cal.rtt_s, 5), **cal.source}
-            log(f"{mode}: calibrated link {cal.link_bytes_per_s * 8 / 1e6:.2f} Mbit/s "
-                f"(configured {link_gbit * 1e3:g}), round trip {cal.rtt_s * 1e3:.1f} ms")
+                          "rtt_s": round(cal.rtt_s, 5), "wake_s": round(cal.wake_s, 5),
+                          **cal.source}
+            log(f"{mode}: link {cal.link_bytes_per_s * 8 / 1e6:.2f} Mbit/s (probed x "
+                f"{cal.source['probed_rate_vs_configured']}), round trip "
+                f"{cal.rtt_s * 1e3:.1f} ms, wake-up {cal.wake_s * 1e3:.1f} ms")
             wls = bench_serve.make_workloads(workloads, nodes, lab.pool_addrs, preset,
                                              trace_path, trace_requests, scale)
             cache_blocks = lab.cache_entries // cal.chunks
