@@ -13,7 +13,6 @@ aside for benchmark networks: hosts .1-.99, pool nodes .101-.199, the master .20
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import socket
@@ -25,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xdp import netns
-from xdp.attach import attach_xdp, detach_port
+from xdp.attach import attach_mode, attach_xdp, attached_program, detach_port
 from xdp.loader import load_xdp
 
 from .links import LinkSpec, build_link
@@ -195,9 +194,7 @@ def plain_bridge_ports(topo: Topology, on: bool) -> None:
     fns = load_xdp(HERE / "pass.c", ("xdp_pass",))[1] if on else None
     with netns.inside(topo.switch_ns):
         for n in topo.nodes:
-            links = json.loads(ip("-j", "-d", "link", "show", "dev", n.name,
-                                  ns=topo.switch_ns).stdout or "[]")
-            prog = ((links[0].get("xdp") or {}).get("prog") or {}).get("name") if links else None
+            prog = attached_program(n.name)[0]
             if on and prog is None:
                 attach_xdp(n.name, fns["xdp_pass"])
             elif not on and prog == "xdp_pass":
@@ -209,9 +206,9 @@ def _without_xdp_server(namespaces: list[str], ifname: str) -> list[str]:
     server (hostagent.xdpserve) runs in that mode, and a native program cannot join it."""
     keep = []
     for ns in namespaces:
-        links = json.loads(ip("-j", "-d", "link", "show", "dev", ifname, ns=ns).stdout or "[]")
-        if not (links and (links[0].get("xdp") or {}).get("mode") == 2):
-            keep.append(ns)
+        with netns.inside(ns):
+            if attach_mode(ifname) != "generic":
+                keep.append(ns)
     return keep
 
 
