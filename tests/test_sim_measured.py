@@ -161,3 +161,24 @@ def test_serve_model_shares_links_holds_concurrent_misses_and_writes_through():
     first, second = r["requests"]
     assert (first["cached"], second["cached"]) == (0, 4)
     assert summarise(r["requests"])["requests"] == 2
+
+
+@pytest.mark.e2e
+def test_validate_serve_on_a_tiny_testbed(tmp_path):
+    # bench serve's zipf workload, shrunk, on 2 nodes and 1 pool node through the switch: the
+    # model at the same point gets the tiers and the pool's egress (timing is the box's)
+    from testbed.sim.validate_serve import run_validate_serve
+    out = run_validate_serve(nodes=2, pools=1, workloads=("zipf",), modes=("switch",),
+                             scale=0.2, json_path=str(tmp_path / "v.json"),
+                             prefix=f"svt{__import__('os').getpid() % 10000}", log=lambda m: None)
+    assert out["completed"]
+    (c,) = out["comparison"]
+    assert (c["workload"], c["mode"]) == ("zipf", "switch")
+    assert c["tiers"]["switch"]["measured"] > 0.3           # the switch served part of it
+    for k in ("switch", "pool", "recompute"):
+        assert abs(c["tiers"][k]["difference_pp"]) <= 5
+    (e,) = c["pool_egress_bytes"]
+    assert abs(e["error"]) <= 0.2
+    cal = out["calibration"]["switch"]
+    assert 0 < cal["rtt_s"] < 0.2 and cal["medians_s"]["one"] > 0
+    assert json.loads((tmp_path / "v.json").read_text())["comparison"]
