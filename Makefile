@@ -96,9 +96,14 @@ bench-sim:
 	  --json bench/results/sim-run-1024.json
 	$(VENV)/bin/testbed sim run --trace $(TRACE) --nodes 1024 --requests 1000000 --sharing 0.5 \
 	  --json bench/results/sim-run-1024-sharing0.5.json
-	$(VENV)/bin/testbed sim sweep --trace $(TRACE) --json bench/results/sim-sweep.json \
+	$(VENV)/bin/testbed sim run --trace $(TRACE) --nodes 1024 --requests 200000 --sharing 0.5 \
+	  --json bench/results/sim-run-1024-200k-sharing0.5.json
+	$(VENV)/bin/testbed sim sweep --trace $(TRACE) --nodes 4,8,12,16,24,32,48,64,256 \
+	  --switch-gib 64,256 --switch-budget 250000 --json bench/results/sim-sweep.json \
 	  --plot bench/results/sim-breakeven.png
 	$(VENV)/bin/testbed sim validate --trace $(TRACE) --json bench/results/sim-validate.json
+	$(VENV)/bin/testbed sim validate --serve --trace $(TRACE) \
+	  --json bench/results/sim-validate-serve.json
 
 clean:
 	-$(VENV)/bin/testbed down --all 2>/dev/null
