@@ -139,9 +139,9 @@ def test_count_replies_counts_drops_and_samples_only_ours(gen):
         (bytes(Ether(type=0x0806) / Raw(bytes(28))), XDP.PASS, None),
     ]
     for frame, verdict, counter in cases:
-        before = gen.counts()
+        before = gen.counters()
         assert xdp_test_run(gen.count_fn.fd, frame)[0] == verdict, counter
-        moved = {k for k, v in gen.counts().items() if v != before[k]} - {"bytes"}
+        moved = {k for k, v in gen.counters().items() if v != before[k]} - {"bytes"}
         assert moved == ({counter} if counter else set()), (counter, moved)
     assert gen.sample() == cases[0][0]   # the first counted reply, whole
     gen.clear_sample()

@@ -34,6 +34,7 @@ from kvproto.scapy_layer import KV
 from xdp import libbpf, netns
 from xdp.attach import attach_xdp, detach_port
 from xdp.loader import load_xdp
+from xdp.program import Program
 
 from ..lab import TestbedError, Topology, attach_pass_programs, ip
 
@@ -45,8 +46,6 @@ MC_PORT = C["KV_GEN_MC_PORT"]
 UDP_OFF = HDR_OFF                    # UDP payload: Ethernet + IPv4 (no options) + UDP
 SWEEPS = {"sequential": C["KV_GEN_SWEEP_SEQ"], "uniform": C["KV_GEN_SWEEP_UNIFORM"],
           "zipf": C["KV_GEN_SWEEP_ZIPF"]}
-COUNTERS = {n[len("KV_CNT_"):].lower(): v for n, v in C.items()
-            if n.startswith("KV_CNT_") and n != "KV_CNT_MAX"}
 REPLIES = ("kv_pool", "kv_switch", "reflected", "mc_reply")  # what counts as an answered request
 
 
@@ -133,9 +132,9 @@ class Run:
                 "counts": self.counts}
 
 
-class Generator:
+class Generator(Program, source=str(SOURCE), stats="KV_CNT_"):
     """The compiled programs and their maps; one per process is enough (the programs are not
-    tied to a namespace until attached)."""
+    tied to a namespace until attached). ``counters()``: count_replies' counters by name."""
 
     def __init__(self):
         self.bpf, fns = load_xdp(SOURCE, ("gen_frame", "count_replies", "reflect"))
@@ -203,9 +202,8 @@ class Generator:
                     detach_port(port)
 
     # ---- counters ------------------------------------------------------------------------
-    def counts(self) -> dict[str, int]:
-        return {name: int(self.rx_count.sum(self.rx_count.Key(i)).value)
-                for name, i in COUNTERS.items()}
+    def stats_fd(self) -> int:
+        return self.rx_count.get_fd()
 
     def sent(self) -> int:
         return sum(int(v.seq) for v in self.state[self.state.Key(0)])
@@ -271,10 +269,10 @@ class Generator:
             try:
                 stop.wait(warmup)
                 self.clear_sample()
-                marks = [(self.counts(), self.sent(), time.monotonic())]
+                marks = [(self.counters(), self.sent(), time.monotonic())]
                 for _ in range(windows):
                     stop.wait(seconds / windows)
-                    marks.append((self.counts(), self.sent(), time.monotonic()))
+                    marks.append((self.counters(), self.sent(), time.monotonic()))
             finally:
                 stop.set()
                 for t in threads:
