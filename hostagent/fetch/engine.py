@@ -32,8 +32,7 @@ from hostagent import auth as auth_mod
 from hostagent.client import TransferTimeout, parse_addr, pool_for
 from kvproto import PORT, Flag
 from kvproto.frames import PAYLOAD_OFF
-from xdp import NoXdp
-from xdp.netns import Netns
+from xdp import Netns, NoXdp
 
 from . import authcheck, transfers
 from .block import Block, SlotAllocator
