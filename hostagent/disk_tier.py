@@ -189,8 +189,9 @@ class DiskTier:
                         self.used -= self.index.pop(name)
                         _unlink(self.dir / file_name(*name))
 
-    def _write_file(self, name, view) -> bool:
+    def _write_file(self, name, obj) -> bool:
         ns, key = name
+        view = memoryview(obj)
         size = len(view)
         with self._lock:
             while self.used + size > self.capacity and self.index:
