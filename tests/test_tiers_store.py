@@ -443,6 +443,10 @@ def test_serve_disk_options_refuse_bad_values(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert r.returncode != 0 and len(lines) == 1, r.stderr
         assert lines[0].startswith("hostagent: error:") and message in lines[0], lines[0]
+    (tmp_path / "pool.toml").write_text('disk_bytes = "1MiB"\n')     # the config file too
+    r = subprocess.run(python_argv("hostagent", "serve", "--config", str(tmp_path / "pool.toml")),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--disk-bytes needs --disk-dir" in r.stderr
 
 
 # ---- e2e: hostagent serve --disk-dir, XDP serving, the fetch engine through a node tier ---------
