@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = policy_config(json.loads(argv.pop(0)))
     os.environ["HOSTAGENT_XDP_SERVE"] = "0"
-    from hostagent import cli, server
+    from hostagent import cli
     from hostagent.tier_policy import PoolSide
     side = PoolSide(cfg)
     make_store = cli._make_store
@@ -50,17 +50,10 @@ def main(argv: list[str] | None = None) -> None:
             return done
 
         store.put_chunk = put
+        store.on_get = side.get      # every chunk-0 GET the process sees, fast path included
         return store
 
     cli._make_store = make
-    handle = server.PoolServer.handle
-
-    def counted(self, msg, addr):
-        if msg.op == server._GET and msg.chunk == 0:
-            side.get(msg.ns, msg.key)
-        return handle(self, msg, addr)
-
-    server.PoolServer.handle = counted
     cli.main(["serve", *argv])
 
 
