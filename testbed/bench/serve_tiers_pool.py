@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
 
         def demote_fn(ns: int, key: bytes, nbytes: int) -> bool:
             d = store.disk
-            return side.demote_fn(ns, key, nbytes, d.capacity - d.used if d else 0)
+            free = d.capacity - d.used if d is not None else 0     # (an empty tier is falsy)
+            return side.demote_fn(ns, key, nbytes, free)
 
         by_value = cfg.demote == "value"
         store.set_policy("value" if by_value else "lru", side.value_fn if by_value else None,
