@@ -4,6 +4,7 @@ the rate, the link namespaces go with the testbed, and bad rates get one clear l
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 
 import pytest
@@ -40,13 +41,17 @@ def test_a_4mib_fetch_takes_block_over_rate_from_the_pool_and_from_the_switch():
         fill, hit = lab.task("h1", "testbed.lab.links:timed_fetches", *args, 2)
         assert hit["sha256"] == digest and hit["from_switch"] == hit["chunks"]
         least = BLOCK * 8 / (GBIT * 1e9)
-        for r in (*pool, fill, hit):                 # pool node's XDP, switch's XDP
+        fetches = (*pool, fill, hit)                 # pool node's XDP, switch's XDP
+        for r in fetches:
             # no frame passes the link faster than its rate, whoever sent it (XDP_TX included)
             assert r["seconds"] >= 0.9 * least, (r, least)
-            # the goal is block/rate within 10 %: met under load, but on a quiet machine the
-            # engine overruns the link's queue (30-40 retransmissions) and a switch-hit fetch
-            # took 1.5-2.7x (issue 25 stays open on it); this bounds the regression
-            assert r["seconds"] <= 3 * least and r["retransmits"] <= 0.05 * r["chunks"], (r, least)
+            # the engine paces to what the link delivers: no queue overrun (on a quiet machine
+            # it overran the link's queue: 30-40 retransmissions, switch hits 1.5-2.7x); one
+            # fetch on a loaded box may take longer
+            assert r["seconds"] <= 1.25 * least and r["retransmits"] <= 0.01 * r["chunks"], \
+                (r, least)
+        # block/rate within 10 % (the frames' headers alone make it 1.027x)
+        assert statistics.median(r["seconds"] for r in fetches) <= 1.10 * least, (fetches, least)
         # stack traffic, both directions through the same link
         server = lab.topo.popen("p1", ["iperf3", "-s", "-1"], stdout=subprocess.DEVNULL)
         try:

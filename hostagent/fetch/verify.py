@@ -96,7 +96,7 @@ def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, 
         if pool_path.any():
             t.max_recv_seq = max(t.max_recv_seq, int(seqs[pool_path].max()))
         sent = ring.sent_time(seqs, t.sent_t[clean])
-        t.rtt.sample(now - float(sent.mean()), rto_floor, reo_floor)
+        t.rtt.sample(now - float(sent.mean()), rto_floor, reo_floor, now - float(sent.max()))
     t.switched = not t.no_cache and bool(
         np.count_nonzero(src & _FROM_SWITCH) * 10 >= 9 * ok.size)
     t.route.acked(ok.size, max_window)

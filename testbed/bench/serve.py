@@ -29,6 +29,8 @@ from .serve_workloads import (WORKLOADS, Workload, burst_workload, payload, trac
                               zipf_workload)
 
 MODES = ("bridge", "switch", "replicas")
+SW_KEYS = ("get_hit", "get_miss", "coalesced", "replicated", "replicas", "expired", "unheld",
+           "reasked", "nack_closed", "fill", "spec_fill")
 MAX_NODES = 24                 # inference nodes this 2-core box can run a serving loop for
 NS_BASE = 40
 CHUNK = 3072
@@ -96,6 +98,7 @@ def _run_workload(lab: Lab, wl: Workload, mode: str, ns: int, preset, block_byte
         _preload(lab, ns, wl.preload, mode == "replicas", block_bytes)
     pools = lab.topo.pool_nodes
     before = [lab.link_bytes(p.name, "tx") for p in pools]
+    sw0 = lab.stats() if mode == "switch" else {}   # the switch's rounds: where its time goes
     nodes = lab.topo.host_nodes
     start_at = time.time() + 3.0 + 0.4 * len(nodes)      # every node's engine is open by then
     t0 = time.monotonic()
@@ -136,6 +139,8 @@ def _run_workload(lab: Lab, wl: Workload, mode: str, ns: int, preset, block_byte
         "hottest_pool_egress_x_mean": round(max(egress) / (sum(egress) / len(egress)), 3)
         if sum(egress) else None,
         "seconds": round(time.monotonic() - t0, 1),
+        "switch_counters": {k: v - sw0.get(k, 0) for k, v in lab.stats().items() if k in SW_KEYS}
+        if sw0 else None,
     }
     log(f"{wl.name:5} {mode:8} ttft p50 {row['ttft_p50_s']:.3f}s p99 {row['ttft_p99_s']:.3f}s "
         f"fetch p50 {row['fetch_p50_s']:.3f}s hit {row['switch_hit_ratio']:.3f} "
