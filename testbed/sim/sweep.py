@@ -119,12 +119,15 @@ def plot(out: dict, path) -> None:
     for ax, cores, (s, k) in zip(axes[0], axes[1], cases):
         for mem in out["switch_gib"]:
             pts = [p for p in out["points"] if _case(p) == (s, k) and p["switch_gib"] == mem]
+            if not pts:
+                continue
             ratio = [max(p["benefit_usd_per_hour"], 0) / p["cost_usd_per_hour"] for p in pts]
             x = [p["nodes"] for p in pts]
-            ax.plot(x, [max(r, 1e-3) for r in ratio], marker="o", label=f"{mem:g} GiB switch")
-            color = ax.lines[-1].get_color()
-            be = next(c["break_even_nodes"] for c in out["break_even"]
-                      if _case(c) == (s, k) and c["switch_gib"] == mem)
+            color = f"C{list(out['switch_gib']).index(mem)}"
+            ax.plot(x, [max(r, 1e-3) for r in ratio], marker="o", color=color,
+                    label=f"{mem:g} GiB switch")
+            be = next((c["break_even_nodes"] for c in out["break_even"]
+                       if _case(c) == (s, k) and c["switch_gib"] == mem), None)
             if be:
                 ax.axvline(be, ls=":", lw=1, color=color)
             cores.plot(x, [p["xdp_cores_p99"] for p in pts], marker="o", color=color)
@@ -138,7 +141,8 @@ def plot(out: dict, path) -> None:
         cores.set_xlabel("inference nodes")
     axes[0][0].set_ylabel("switch pool benefit / cost  (pays above 1)")
     axes[1][0].set_ylabel("XDP cores: busiest 1% of seconds\n(dashed: mean, charged)")
-    axes[0][-1].legend(fontsize=8)
+    for ax in axes[0]:
+        ax.legend(fontsize=8)
     x = out.get("xdp", {})
     fig.suptitle(f"When the in-network KV pool pays for itself ({out['routing']} routing, "
                  f"{out['pools']} pool nodes; dotted: break-even; XDP "
