@@ -20,10 +20,9 @@ GPU HBM -> node DRAM (both per node) -> switch pool -> pool-node DRAM -> recompu
   admitted or the speculative-fill budget lasts, concurrent misses of a block are held and answered
   by one upstream fetch (coalescing), and each step feeds the interval's hits and misses to the
   policy, offers missed and speculatively filled blocks, and applies its evictions. It sees only
-  what the node tiers missed. At large scale it runs on a spatial sample of prefix trees (SHARDS:
-  rate R, capacity scaled by R) when the switch-bound stream exceeds ``switch_budget`` accesses;
-  what the switch serves is then estimated from the sample (x 1/R) and what the pool nodes serve
-  is the exact pool-off figure minus that estimate (``pool_on.switch.sample_rate`` says so).
+  what the node tiers missed. Past ``switch_budget`` switch-bound fetches it runs on windows of
+  the run at full size (testbed.sim.sample); what the switch serves is then estimated from the
+  windows (x 1/R), everything else stays exact (``pool_on.switch.sample_rate`` says so).
 
 Costs and timing: see docs/sim.md. ``point`` computes one point for ``sim run`` and ``sim sweep``
 alike; result keys: see ``run`` and ``summary``.
