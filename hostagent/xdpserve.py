@@ -105,6 +105,7 @@ SEG = 1 << SEG_SHIFT
 MAX_PAYLOAD = C["KV_MAX_PAYLOAD"]
 SLOT_DTYPE = ServeProgram.struct_dtype(ServeProgram.SLOT_DTYPE, "KV_SERVE_SLOT_SIZE")
 ENV_SWITCH = "HOSTAGENT_XDP_SERVE"   # 0: never serve from XDP (to measure the difference)
+ENV_MODE = "HOSTAGENT_XDP_MODE"      # generic (default) or native: see XdpServer
 MIN_CHUNK = 1024          # slots are sized for the arena full of chunks this small (or larger)
 
 
@@ -285,20 +286,28 @@ def interface_for(host: str) -> tuple[str, list[str]]:
 class XdpServer:
     """kvserve attached to ``ifname``, serving the staging arena it makes for a store.
 
-    Attached in generic (SKB) mode: a reply it sends with XDP_TX then leaves like any frame the
-    stack sends, so it arrives whatever the far end runs (a veth end drops frames sent from
-    native XDP unless its peer carries an XDP program, and a switch port without switchd
-    carries none). A node's native program (the testbed's XDP_PASS) makes way meanwhile."""
+    Attached in generic (SKB) mode by default: a reply it sends with XDP_TX then leaves like any
+    frame the stack sends, so it arrives whatever the far end runs (a veth end drops frames sent
+    from native XDP unless its peer carries an XDP program, and a switch port without switchd
+    carries none). A node's native program (the testbed's XDP_PASS) makes way meanwhile.
+    ``mode="native"`` (``HOSTAGENT_XDP_MODE=native``) attaches it in place of that native
+    program, for a node whose peer always runs XDP (a switch port under switchd, a testbed's
+    plain-bridge port): its replies go out as XDP frames, not skbs (measured no faster than
+    generic while GETs reach it through a Linux bridge: docs/throughput.md); while the peer has
+    no program its replies are lost (askers retry)."""
 
-    def __init__(self, capacity: int, ifname: str, addrs: list[str]):
+    def __init__(self, capacity: int, ifname: str, addrs: list[str], mode: str | None = None):
         self.ifname, self.addrs = ifname, addrs
+        self.mode = mode or os.environ.get(ENV_MODE, "generic")
+        if self.mode not in ("generic", "native"):
+            raise NoXdp(f"{ENV_MODE} must be generic or native, not {self.mode!r}")
         self.prog = ServeProgram(capacity)
         try:
             self.prog.set_addrs(addrs)
             self.had_native = attach_mode(ifname) == "native"
-            if self.had_native:
+            if self.had_native and self.mode == "generic":
                 detach_port(ifname, "native")
-            attach_xdp(ifname, self.prog.fn, "generic")  # replaces a stale server's program
+            attach_xdp(ifname, self.prog.fn, self.mode)  # replaces a stale server's program
         except Exception as exc:
             self.prog.close()
             raise NoXdp(f"attaching to {ifname}: {exc}") from None
@@ -314,7 +323,7 @@ class XdpServer:
             return
         self.attached = False
         try:
-            detach_port(self.ifname, "generic")
+            detach_port(self.ifname, self.mode)
             if self.had_native:
                 attach_xdp(self.ifname, self.prog.pass_fn)
         except Exception as exc:                        # the interface went away

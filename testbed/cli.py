@@ -213,8 +213,9 @@ bench.add_command(compress_command())
               help="Chunk size of the hit-ratio sweep and the TCP measurement.")
 @click.option("--scaling", default="1000,10000,100000,1000000", show_default=True,
               help="Cache sizes (entries) of the lookup-cost series (empty: skip).")
-@click.option("--scaling-chunk", type=click.IntRange(8, MAX_CHUNK), default=64, show_default=True,
-              help="Chunk size of the cache-size series (small, so a million entries fit).")
+@click.option("--scaling-chunk", default="64,3072", show_default=True, callback=int_list,
+              help="Chunk sizes of the cache-size series (one series each; a million entries "
+                   "of 3 KiB take 3.3 GB).")
 @click.option("--tcp-runs", type=click.IntRange(0, 20), default=5, show_default=True,
               help="Rounds of iperf3 runs, one each detached, with a bare XDP_PASS program "
                    "and with the program attached (0: skip).")
