@@ -312,6 +312,7 @@ def port_bind(obj, ifname, spec):
     ctypes.memmove(cfg.mac, bytes.fromhex(mac.replace(":", "")), 6)
     cfg.ip = int.from_bytes(socket.inet_aton(addr), "little")
     cfg.flags |= PF["SECURED"] | PF["BOUND"]
+    dp.mark_clear(index, False)          # checked from now on: before the flag is written
     dp.ports[dp.ports.Key(index)] = cfg
     dp.set("port_checks", 1)
     for other in lost:

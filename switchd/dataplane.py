@@ -219,6 +219,9 @@ class DataPlane(Program, source="kvswitch.c", header="kvswitch.h", stats="KV_STA
             cfg.ns[i] = ns_list[i] if i < len(ns_list) else 0
         cfg.flags = ((PF["NS_LIMITED"] if namespaces else 0) |
                      (PF["SECURED"] if secured or source else 0) | bound)
+        checks = bool(cfg.flags & (PF["NS_LIMITED"] | PF["SECURED"]))
+        if checks:
+            self.mark_clear(index, False)    # before the checks exist: never skipped
         if source:
             for other in ports.claim(self, index, *source):
                 log.warning("%s lost its binding: %s is bound to %s %s", _name(other), ifname,
@@ -226,9 +229,18 @@ class DataPlane(Program, source="kvswitch.c", header="kvswitch.h", stats="KV_STA
         elif not bound:
             ports.release(self, index)
         self.ports[key] = cfg
+        if not checks:
+            self.mark_clear(index, True)     # after they are gone
         if bound and not source:
             ports.sync(self)
         self.set("port_checks", int(any(v.flags for v in self.ports.values())))
+
+    def mark_clear(self, index: int, clear: bool) -> None:
+        """Say whether port ``index`` has no checks (kv_port_clear; ports past its slots are
+        always looked up)."""
+        if index < CONSTANTS["KV_PORT_CLEAR_SLOTS"]:
+            table = self.bpf.get_table(b"kv_port_clear")
+            table[table.Key(index)] = table.Leaf(int(clear))
 
     def port_sources(self) -> dict[str, tuple[str, str]]:
         """The bound (MAC, IPv4) source of each secured port, by interface name."""

@@ -372,6 +372,27 @@ def test_a_secured_port_binds_to_its_first_source(dp, cache):
     assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.PASS
 
 
+def test_only_ports_without_checks_are_spared_the_port_lookup(dp, cache):
+    """kv_port_clear: switchd marks a port without checks (its frames skip the kv_ports lookup)
+    and clears the mark before the port gets checks, so a secured port's spoofed frame is
+    dropped though the port was marked a moment before; unsecured again, it is marked again."""
+    clear = dp.bpf.get_table(b"kv_port_clear")
+    _unsecure(dp, "host", "host2")
+    assert clear[clear.Key(PORTS["host"])].value == 1
+    _secure(dp, "host2", (OTHER_MAC, OTHER_IP))           # some port has checks: port_checks on
+    try:
+        assert dp.get("port_checks") == 1
+        assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.PASS    # host: no checks, marked
+        _secure(dp, "host", (HOST_MAC, HOST_IP))
+        assert clear[clear.Key(PORTS["host"])].value == 0
+        assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.DROP    # spoofed
+        assert run(dp, get_frame(src=HOST_IP))[0] == XDP.PASS
+    finally:
+        _unsecure(dp, "host", "host2")
+    assert clear[clear.Key(PORTS["host"])].value == 1
+    assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.PASS
+
+
 def _secure(dp, port, source=None):
     dp.set_port_role(socket.if_indextoname(PORTS[port]),
                      ROLE_POOL if port == "pool" else ROLE_HOST, secured=True, source=source)

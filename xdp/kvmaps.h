@@ -18,6 +18,8 @@ KV_MAP("hash", struct kv_cache_key, struct kv_cache_val, kv_cache, KV_CACHE_ENTR
 KV_MAP("hash", struct kv_block_key, struct kv_admit_val, kv_admit, KV_ADMIT_ENTRIES);
 /* port roles by ifindex; a port without an entry is an inference-node port */
 KV_MAP("hash", __u32, struct kv_port_cfg, kv_ports, KV_PORT_ENTRIES);
+/* ports known to have no checks, by ifindex (kvswitch.h, KV_PORT_CLEAR_SLOTS) */
+KV_MAP("array", __u32, __u32, kv_port_clear, KV_PORT_CLEAR_SLOTS);
 /* port security: which port owns a bound source (kvswitch.h, KV_SRC_ENTRIES) */
 KV_MAP("hash", __u64, __u32, kv_src_macs, KV_SRC_ENTRIES);
 KV_MAP("hash", __be32, __u32, kv_src_ips, KV_SRC_ENTRIES);

@@ -707,8 +707,9 @@ int kv_ingress(struct xdp_md *ctx)
 
     count(KV_STAT_PACKETS, 1);
     struct kv_port_cfg *port = 0;
-    if (setting(KV_SET_PORT_CHECKS)) {   /* no port has checks: spare the hit path a lookup */
-        __u32 ifindex = ctx->ingress_ifindex;
+    __u32 ifindex = ctx->ingress_ifindex;
+    __u32 *clear = kv_port_clear.lookup(&ifindex);   /* NULL past the array: look it up */
+    if (setting(KV_SET_PORT_CHECKS) && !(clear && *clear)) {  /* spare the hit path a lookup */
         port = kv_ports.lookup(&ifindex);
         if (port && (port->flags & KV_PF_SECURED) && !source_ok(ctx, port, data, data_end)) {
             count(KV_STAT_SPOOFED, 1);
