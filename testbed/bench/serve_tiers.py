@@ -318,8 +318,8 @@ def plot(out: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = out["results"] + out["reference"]
-    labels = [f"{'unbounded' if r in out['reference'] else r['demote']}\n{r['write_down']}"
-              for r in rows]
+    labels = [f"{r['demote']}\n{r['write_down']}" + ("\nunbnd." if r in out["reference"]
+                                                     else "") for r in rows]
     x = np.arange(len(rows))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     bottom = np.zeros(len(rows))
