@@ -90,3 +90,47 @@ def test_bad_tiers_options_are_one_clear_line(args, message):
                        capture_output=True, text=True)
     assert r.returncode != 0
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# (demote mode, blocks found after 30 puts into 10 blocks of DRAM and a disk of 100)
+POOL_CASES = [("none", 10), ("all", 30), ("value", 30)]
+
+
+@pytest.mark.parametrize("demote,found", POOL_CASES)
+def test_pool_side_on_a_store_demotes_into_an_empty_disk(tmp_path, demote, found):
+    """The benchmark's pool node: DRAM evictions go to disk (an empty disk tier has room)."""
+    import asyncio
+
+    from hostagent.disk_tier import DiskTier
+    from hostagent.store import MemoryStore
+    from hostagent.tier_policy import PoolSide
+    from kvproto import checksum
+    from testbed.bench.serve_tiers import object_bytes, staged_bytes
+    from testbed.bench.serve_tiers_pool import attach
+
+    bb, cs = block_bytes_for(0.025), 3072
+    cfg = PolicyConfig(demote=demote, costs=scaled_costs(0.025))
+
+    async def go():
+        disk = DiskTier(tmp_path, 100 * object_bytes(bb)) if demote != "none" else None
+        store = MemoryStore(10 * staged_bytes(bb), disk=disk)
+        attach(store, PoolSide(cfg), cfg)
+        blocks = {i.to_bytes(16, "big"): os.urandom(bb) for i in range(30)}
+        for key, data in blocks.items():
+            for c in range(bb // cs):
+                p = data[c * cs:(c + 1) * cs]
+                done = store.put_chunk(1, key, c, bb // cs, p, checksum(p))
+                if isinstance(done, asyncio.Future):
+                    await done
+        n = 0
+        for key, data in blocks.items():
+            try:
+                got = store.get(1, key)
+                got = await got if isinstance(got, asyncio.Future) else got
+            except Exception:   # noqa: BLE001 - NOT_FOUND
+                continue
+            n += b"".join(bytes(got.chunk(c)[0]) for c in range(got.nchunks)) == data
+        await store.close()
+        return n
+
+    assert asyncio.run(go()) == found

@@ -22,39 +22,51 @@ def policy_config(d: dict):
     return PolicyConfig(**kw)
 
 
+def attach(store, side, cfg) -> None:
+    """Plug the policy's pool side into ``store``: its eviction order and demotion gate, and
+    every stored PUT counted (a block's first use)."""
+    def demote_fn(ns: int, key: bytes, nbytes: int) -> bool:
+        d = store.disk
+        free = d.capacity - d.used if d is not None else 0     # (an empty tier is falsy)
+        return side.demote_fn(ns, key, nbytes, free)
+
+    by_value = cfg.demote == "value"
+    store.set_policy("value" if by_value else "lru", side.value_fn if by_value else None,
+                     demote_fn)
+    put_chunk = store.put_chunk
+
+    def put(ns, key, chunk, nchunks, payload, crc, source=""):
+        done = put_chunk(ns, key, chunk, nchunks, payload, crc, source)
+        if done is not False:
+            side.put(ns, key, nchunks * len(payload))
+        return done
+
+    store.put_chunk = put
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = policy_config(json.loads(argv.pop(0)))
     os.environ["HOSTAGENT_XDP_SERVE"] = "0"
-    from hostagent import cli
+    from hostagent import cli, server
     from hostagent.tier_policy import PoolSide
     side = PoolSide(cfg)
     make_store = cli._make_store
 
     def make(ctx, v):
         store = make_store(ctx, v)
-
-        def demote_fn(ns: int, key: bytes, nbytes: int) -> bool:
-            d = store.disk
-            free = d.capacity - d.used if d is not None else 0     # (an empty tier is falsy)
-            return side.demote_fn(ns, key, nbytes, free)
-
-        by_value = cfg.demote == "value"
-        store.set_policy("value" if by_value else "lru", side.value_fn if by_value else None,
-                         demote_fn)
-        put_chunk = store.put_chunk
-
-        def put(ns, key, chunk, nchunks, payload, crc, source=""):
-            done = put_chunk(ns, key, chunk, nchunks, payload, crc, source)
-            if done is not False:
-                side.put(ns, key, nchunks * len(payload))
-            return done
-
-        store.put_chunk = put
-        store.on_get = side.get      # every chunk-0 GET the process sees, fast path included
+        attach(store, side, cfg)
         return store
 
     cli._make_store = make
+    handle = server.PoolServer.handle
+
+    def counted(self, msg, addr):
+        if msg.op == server._GET and msg.chunk == 0:
+            side.get(msg.ns, msg.key)
+        return handle(self, msg, addr)
+
+    server.PoolServer.handle = counted
     cli.main(["serve", *argv])
 
 
