@@ -57,7 +57,8 @@ def cos_sin(model, positions: torch.Tensor, dtype: torch.dtype):
 
 @torch.inference_mode()
 def rerotate(model, keys: torch.Tensor, offset: int) -> torch.Tensor:
-    """Keys [1, H, T, D] computed at positions 0..T-1, moved to offset..offset+T-1."""
+    """Keys [1, H, T, D] computed at positions p..p+T-1, moved by ``offset`` (p+offset..;
+    negative offsets move back)."""
     if offset == 0:
         return keys
     cos, sin = cos_sin(model, torch.tensor([offset]), keys.dtype)
@@ -69,10 +70,17 @@ def move(model, kv: KV, offset: int) -> KV:
     return [(rerotate(model, k, offset), v) for k, v in kv]
 
 
-def deviation(fresh_k, fresh_v, old_k, old_v) -> torch.Tensor:
-    """Per token [T]: squared L2 distance of K and V summed over heads and dims."""
-    return (((fresh_k - old_k) ** 2).sum(dim=(0, 1, 3)) +
-            ((fresh_v - old_v) ** 2).sum(dim=(0, 1, 3)))
+def deviation(fresh_k, fresh_v, old_k, old_v, of: str = "kv") -> torch.Tensor:
+    """Per token [T]: squared L2 distance of K and/or V (``of``: "kv", "k", "v") summed over
+    heads and dims."""
+    if of not in ("kv", "k", "v"):
+        raise ValueError(f"deviation of {of!r}: one of kv, k, v")
+    out = torch.zeros(fresh_k.shape[2], dtype=torch.float32)
+    if "k" in of:
+        out = out + ((fresh_k - old_k).float() ** 2).sum(dim=(0, 1, 3))
+    if "v" in of:
+        out = out + ((fresh_v - old_v).float() ** 2).sum(dim=(0, 1, 3))
+    return out
 
 
 def select(dev: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
@@ -97,14 +105,19 @@ def cache_kv(cache: DynamicCache) -> KV:
 
 
 @torch.inference_mode()
-def passage_kv(model, tokens, position: int = 0) -> KV:
-    """A passage's KV computed alone (no context) at positions ``position``..: what is stored."""
-    ids = torch.tensor([list(tokens)])
+def passage_kv(model, tokens, position: int = 0, lead=()) -> KV:
+    """A passage's KV computed without the prompt's context: what is stored. With ``lead``
+    tokens (a fixed leading text, e.g. the system prompt) the passage is computed after them, at
+    positions ``position + len(lead)``.., and only the passage's KV is kept: the lead takes the
+    attention sink that the passage's first token becomes when computed alone."""
+    lead = list(lead)
+    ids = torch.tensor([lead + list(tokens)])
     pos = torch.arange(position, position + ids.shape[1])[None]
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
           logits_to_keep=1)
-    return [(k.clone(), v.clone()) for k, v in cache_kv(cache)]
+    n = len(lead)
+    return [(k[:, :, n:].clone(), v[:, :, n:].clone()) for k, v in cache_kv(cache)]
 
 
 @dataclass
@@ -134,44 +147,69 @@ def _attend(layer, h, q, k_all, v_all, q_pos, k_pos):
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
+def _shares(ratio: float, layers: int, widen: float) -> list[float]:
+    """Gradual filtering: the share kept at each of ``layers`` check layers, from
+    ``ratio * widen`` at the first down to ``ratio`` at the last (geometric)."""
+    if layers == 1:
+        return [ratio]
+    return [min(1.0, ratio * widen ** ((layers - 1 - i) / (layers - 1))) for i in range(layers)]
+
+
 @torch.inference_mode()
 def blend_prefill(model, tokens, reused: KV, candidates: torch.Tensor, ratio: float,
-                  check_layer: int = 1) -> Blended:
+                  check_layers=(1,), widen: float = 1.0, forced: torch.Tensor | None = None,
+                  of: str = "kv") -> Blended:
     """The fused prefill of ``tokens``, whose first R positions have ``reused`` KV (every
-    layer, already at their positions) and whose tail (R..) is computed fresh. Layers below
-    ``check_layer`` run over every token; at ``check_layer`` the fresh K and V of every token are
-    compared with the reused ones and ``ratio`` of the ``candidates`` (bool mask over the R
-    reused positions) with the largest deviation are selected; from there on only the selected
-    tokens and the tail run, their fresh KV replacing the reused KV in the fused cache."""
+    layer, already at their positions) and whose tail (R..) is computed fresh.
+
+    Layers below the first check layer run over every token. At each check layer the fresh K/V
+    (``of``: K and V, K or V) of the reused tokens still running are compared with the reused
+    ones and the ones with the largest deviation are kept: ``ratio * widen`` of the
+    ``candidates`` (bool mask over the R reused positions) at the first check layer, narrowing
+    geometrically to ``ratio`` at the last (CacheBlend's gradual filtering; one check layer:
+    ``ratio`` at once). ``forced`` positions (bool mask) are always kept and count within the
+    budget. From a check layer on only the kept tokens and the tail run; their fresh KV replaces
+    the reused KV in the fused cache of that layer and above."""
     inner = model.model
     ids = torch.tensor([list(tokens)])
     T, R = ids.shape[1], reused[0][0].shape[2]
     if not 0 <= R < T or candidates.shape != (R,):
         raise ValueError("reused KV must cover a proper prefix; candidates one flag per reused "
                          "position")
-    if not 1 <= check_layer < len(inner.layers):
-        raise ValueError("check_layer must be a layer after the first")
+    checks = sorted(set(int(c) for c in check_layers))
+    if not checks or not 1 <= checks[0] or checks[-1] >= len(inner.layers):
+        raise ValueError("check layers must be layers after the first")
+    forced = torch.zeros(R, dtype=torch.bool) if forced is None else forced.bool()
+    shares = dict(zip(checks, _shares(ratio, len(checks), widen)))
+    ncand = int(candidates.sum())
     h = inner.embed_tokens(ids)
     pos = torch.arange(T)
     cos, sin = cos_sin(model, pos, h.dtype)
     fused: KV = []
-    idx = pos                                        # the tokens still running
+    idx = pos                                        # the tokens still running (sorted)
     selected = torch.empty(0, dtype=torch.long)
     for li, layer in enumerate(inner.layers):
         x = layer.input_layernorm(h)
         q, k, v = _qkv(layer.self_attn, x, cos[:, :, idx], sin[:, :, idx])
-        if li < check_layer:                       # every token, fresh
+        if li < checks[0]:                         # every token, fresh
             fused.append((k, v))
             h = _attend(layer, h, q, k, v, idx, pos)
             continue
-        if li == check_layer:                      # every token's fresh K/V is at hand here
-            rk, rv = reused[li]
-            dev = deviation(k[:, :, :R], v[:, :, :R], rk, rv)
-            selected = select(dev, candidates, round(ratio * int(candidates.sum())))
-            keep = torch.cat((selected, torch.arange(R, T)))
-            q, k, v, h = q[:, :, keep], k[:, :, keep], v[:, :, keep], h[:, keep]
-            idx = keep
         rk, rv = reused[li]
+        if li in shares:                           # the running tokens' fresh K/V are at hand
+            nr = int((idx < R).sum())              # reused positions come first (sorted)
+            ridx = idx[:nr]
+            dev = torch.zeros(R)
+            dev[ridx] = deviation(k[:, :, :nr], v[:, :, :nr], rk[:, :, ridx], rv[:, :, ridx], of)
+            now = torch.zeros(R, dtype=torch.bool)
+            now[ridx] = True
+            budget = round(shares[li] * ncand) - int(forced.sum())
+            chosen = select(dev, now & candidates & ~forced, budget)
+            selected = torch.sort(torch.cat((chosen, torch.nonzero(forced)[:, 0]))).values
+            keep = torch.cat((selected, torch.arange(R, T)))
+            rows = torch.searchsorted(idx, keep)
+            q, k, v, h = q[:, :, rows], k[:, :, rows], v[:, :, rows], h[:, rows]
+            idx = keep
         K = torch.cat((rk, rk.new_empty(1, rk.shape[1], T - R, rk.shape[3])), dim=2)
         V = torch.cat((rv, rv.new_empty(1, rv.shape[1], T - R, rv.shape[3])), dim=2)
         K[:, :, idx], V[:, :, idx] = k, v
@@ -192,16 +230,22 @@ def reuse_prefill(model, tokens, reused: KV):
 
 
 @torch.inference_mode()
-def continuation_nll(model, logits: torch.Tensor, cache: DynamicCache, cont) -> float:
+def continuation_nll(model, logits: torch.Tensor, cache: DynamicCache, cont,
+                     with_agreement: bool = False):
     """Mean negative log-likelihood of the tokens ``cont`` following the prompt whose last
-    logits and cache are given; the cache is cropped back afterwards."""
+    logits and cache are given; the cache is cropped back afterwards. ``with_agreement``:
+    (nll, teacher-forced agreement: the share of positions whose argmax, given ``cont`` before
+    it, is ``cont``'s token)."""
     n = cache.get_seq_length()
-    lp = [torch.log_softmax(logits.float(), -1)[cont[0]]]
+    ls = torch.log_softmax(logits.float(), -1)[None]
     if len(cont) > 1:
         out = model(input_ids=torch.tensor([list(cont[:-1])]), past_key_values=cache,
                     use_cache=True)
-        ls = torch.log_softmax(out.logits[0].float(), -1)
-        lp += [ls[i, t] for i, t in enumerate(cont[1:])]
+        ls = torch.cat((ls, torch.log_softmax(out.logits[0].float(), -1)))
+    want = torch.tensor(list(cont))
+    nll = float(-ls[torch.arange(len(want)), want].mean())
     if cache.get_seq_length() > n:
         cache.crop(n - cache.get_seq_length())      # negative: drop that many
-    return float(-torch.stack(lp).mean())
+    if with_agreement:
+        return nll, float((ls.argmax(-1) == want).float().mean())
+    return nll

@@ -163,3 +163,109 @@ def test_continuation_nll_matches_a_full_forward_and_keeps_the_cache(tiny):
                                                        in blend.passage_kv(tiny, tokens)])
     got = blend.continuation_nll(tiny, logits, cache, cont)
     assert abs(got - want) < 1e-4 and cache.get_seq_length() == len(tokens)
+
+
+@pytest.mark.parametrize("of,want", [("kv", [0.0, 0.0, 4.0, 1.0]), ("k", [0.0, 0.0, 4.0, 0.0]),
+                                     ("v", [0.0, 0.0, 0.0, 1.0])])
+def test_deviation_of_keys_values_or_both(of, want):
+    k, v = torch.zeros(1, 2, 4, 3), torch.zeros(1, 2, 4, 3)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, 1, 2, 0], v2[0, 0, 3, 1] = 2.0, 1.0
+    assert blend.deviation(k2, v2, k, v, of).tolist() == want
+    with pytest.raises(ValueError):
+        blend.deviation(k2, v2, k, v, "q")
+
+
+@pytest.mark.parametrize("ratio,n,widen,want", [
+    (0.2, 1, 3.0, [0.2]), (0.1, 3, 4.0, [0.4, 0.2, 0.1]), (0.5, 2, 4.0, [1.0, 0.5])])
+def test_gradual_filtering_narrows_to_the_ratio(ratio, n, widen, want):
+    assert [round(s, 6) for s in blend._shares(ratio, n, widen)] == want
+
+
+def _blended_reuse(model, segs, lead=()):
+    parts, off = [], 0
+    for i, seg in enumerate(segs):
+        ld = lead if i else ()
+        parts.append(blend.move(model, blend.passage_kv(model, seg, 0, ld), off - len(ld)))
+        off += len(seg)
+    return [tuple(torch.cat([p[i][j] for p in parts], 2) for j in (0, 1))
+            for i in range(len(parts[0]))]
+
+
+def test_forced_tokens_and_gradual_filtering(tiny):
+    sys_, passages, q = _prompt()
+    tokens = sys_ + sum(passages, []) + q
+    R = len(tokens) - len(q)
+    reused = _blended_reuse(tiny, [sys_] + passages)
+    cand = torch.zeros(R, dtype=torch.bool)
+    cand[len(sys_):] = True
+    forced = torch.zeros(R, dtype=torch.bool)
+    forced[[12, 42]] = True                              # each passage's first token
+    b = blend.blend_prefill(tiny, tokens, reused, cand, 0.0, forced=forced)
+    assert b.selected.tolist() == [12, 42] and b.recomputed == 2 + len(q)
+    b = blend.blend_prefill(tiny, tokens, reused, cand, 0.2, forced=forced)
+    assert len(b.selected) == round(0.2 * 55) and {12, 42} <= set(b.selected.tolist())
+    first = blend.blend_prefill(tiny, tokens, reused, cand, 0.4, check_layers=(1,))
+    grad = blend.blend_prefill(tiny, tokens, reused, cand, 0.2, check_layers=(1, 2), widen=2.0)
+    assert len(grad.selected) == 11 and set(grad.selected.tolist()) <= set(first.selected.tolist())
+    with torch.inference_mode():
+        full = tiny(input_ids=torch.tensor([tokens])).logits[0, -1]
+    b = blend.blend_prefill(tiny, tokens, reused, cand, 1.0, check_layers=(1, 2), widen=2.0)
+    assert torch.allclose(b.logits, full, atol=1e-4)
+    with pytest.raises(ValueError):
+        blend.blend_prefill(tiny, tokens, reused, cand, 0.2, check_layers=(0,))
+
+
+def test_passage_after_the_lead_is_exact_right_after_it(tiny):
+    """A passage computed after the lead and placed right after the lead is the prompt's own KV;
+    placed elsewhere its layer-0 keys are those computed there."""
+    lead, p = _toks(10, 11), _toks(30, 12)
+    exact = blend.passage_kv(tiny, lead + p)
+    fused = _blended_reuse(tiny, [lead, p], lead)
+    for (k, v), (ek, ev) in zip(fused, exact):
+        assert torch.allclose(k, ek, atol=1e-4) and torch.allclose(v, ev, atol=1e-4)
+    moved = blend.move(tiny, blend.passage_kv(tiny, p, 0, lead), 57 - len(lead))
+    assert torch.allclose(moved[0][0], blend.passage_kv(tiny, p, 57)[0][0], atol=1e-4)
+
+
+def test_lead_passages_have_their_own_keys_and_fuse(tiny):
+    layout = BlockLayout.of(tiny.config, torch.float32, 16)
+    client = LocalClient()
+    conn = KVConnector(client, 3, layout, "tiny", tiny.config)
+    lead, p1, p2 = _toks(10, 13), _toks(40, 14), _toks(20, 15)
+    plain, led = PassageStore(conn, tiny), PassageStore(conn, tiny, lead)
+    assert plain.keys(p1) == led.keys(p1) and not set(led.keys(p1, True)) & set(plain.keys(p1))
+    got = asyncio.run(led.fused_kv([lead, p1, p2]))
+    assert (got.misses, got.hits) == (3, 0)
+    want = _blended_reuse(tiny, [lead, p1, p2], lead)
+    assert all(torch.allclose(a, b, atol=1e-5) for x, y in zip(got.kv, want) for a, b in zip(x, y))
+    assert asyncio.run(led.fused_kv([lead, p2])).hits == 2
+
+
+@pytest.mark.timeout(900)            # a few seconds on an idle core; the box is often shared
+def test_full_recompute_equals_prefill_on_the_real_model():
+    """SmolLM2: blending every passage token gives full prefill's greedy tokens (and logits);
+    with the passages computed after the system prompt as the lead, too."""
+    from hostagent.kvconnector import greedy
+    from testbed.bench.blend import SYSTEM
+    from testbed.demos.realmodel import ModelMissing, load, texts
+    try:
+        model, tok, _ = load()
+    except ModelMissing as exc:
+        pytest.fail(str(exc))
+    ids = tok(texts()["GPL-3"]).input_ids
+    sys_, segs = tok(SYSTEM).input_ids, [ids[300:340], ids[900:932]]
+    q = tok("\nQuestion: what is this about?<|im_end|>\n<|im_start|>assistant\n").input_ids
+    tokens = sys_ + sum(segs, []) + q
+    R = len(tokens) - len(q)
+    with torch.inference_mode():
+        cache = blend.DynamicCache(config=model.config)
+        out = model(input_ids=torch.tensor([tokens]), past_key_values=cache, use_cache=True)
+        want = greedy(model, out.logits[0, -1], cache, 8)
+    cand = torch.zeros(R, dtype=torch.bool)
+    cand[len(sys_):] = True
+    for lead in ((), sys_):
+        b = blend.blend_prefill(model, tokens, _blended_reuse(model, [sys_] + segs, lead), cand,
+                                1.0)
+        err = float((b.logits - out.logits[0, -1]).abs().max() / out.logits.abs().max())
+        assert err < 1e-4 and greedy(model, b.logits, b.cache, 8) == want

@@ -37,6 +37,10 @@ PASSAGE_BLOCK = 64          # passage blocks: 64 tokens, 2.9 MB of float32 KV (S
 PREFIX_BLOCK = 16           # prefix blocks, as vLLM's
 SYSTEM = ("<|im_start|>system\nYou are a helpful assistant. Read the documents the user gives "
           "you and answer the question after them.<|im_end|>\n<|im_start|>user\nDocuments:\n")
+# How blending picks what it recomputes (docs/cacheblend.md): passages computed after the system
+# prompt (lead), the first ``first`` tokens of each passage always recomputed, check layers
+# (gradual filtering from ``widen`` x the ratio), deviation of K and/or V.
+RECIPE = {"lead": True, "first": 0, "checks": [1], "widen": 1.0, "of": "kv"}
 QUESTIONS = ["Which rights does the license text above grant, in one sentence?",
              "Summarise the conditions stated in these documents.",
              "What must someone who redistributes the work do, according to the documents?",
@@ -91,19 +95,22 @@ async def _run(model, tok, mid, client, args: dict, log=print) -> dict:
     cfg, new = model.config, args["new_tokens"]
     system, passages, prompts = workload(tok, texts(), args["pool"], args["prompts"],
                                          tuple(args["per_prompt"]), tuple(args["passage_tokens"]))
+    recipe = args.get("recipe", RECIPE)
     store = PassageStore(KVConnector(client, NS, BlockLayout.of(cfg, torch.float32,
-                                                                PASSAGE_BLOCK), mid, cfg), model)
+                                                                PASSAGE_BLOCK), mid, cfg), model,
+                         system if recipe["lead"] else ())
     pconn = KVConnector(client, NS, BlockLayout.of(cfg, torch.float32, PREFIX_BLOCK), mid, cfg)
     t0 = time.perf_counter()
-    for seg in [system] + passages:                                 # cached once
-        await store.put(seg, blend.passage_kv(model, seg))
+    for i, seg in enumerate([system] + passages):                   # cached once
+        lead = i > 0 and bool(store.lead)
+        await store.put(seg, store.compute(seg, lead), lead)
     warm = time.perf_counter() - t0
     log(f"put {len(passages)} passages + the system prompt in {warm:.0f} s")
     full_tokens = [system + sum((passages[j] for j in idx), []) + q for idx, q in prompts]
     shared = _later_shared([pconn.keys(t[:-1]) for t in full_tokens])
     stored: set[bytes] = set()
-    modes = [("full", 0.0), ("prefix", 0.0), ("reuse", 0.0)] + [("blend", r)
-                                                                 for r in args["ratios"]]
+    modes = ([("full", 0.0)] + [("exact-bf16", 0.0)] * bool(args.get("calibrate")) +
+             [("prefix", 0.0), ("reuse", 0.0)] + [("blend", r) for r in args["ratios"]])
     rows = []
     prefill(model, full_tokens[0][:64], blend.DynamicCache(config=cfg), 4096)  # warm-up
     for i, ((idx, q), tokens) in enumerate(zip(prompts, full_tokens)):
@@ -111,6 +118,10 @@ async def _run(model, tok, mid, client, args: dict, log=print) -> dict:
         R, T = len(tokens) - len(q), len(tokens)
         cand = torch.zeros(R, dtype=torch.bool)
         cand[len(system):] = True                                   # passage tokens
+        forced, off = torch.zeros(R, dtype=torch.bool), len(system)
+        for j in idx:                               # each passage's first tokens
+            forced[off:off + recipe["first"]] = True
+            off += len(passages[j])
         ref = None
         for mode, ratio in modes:
             stats, reused = TransferStats(), 0
@@ -118,6 +129,10 @@ async def _run(model, tok, mid, client, args: dict, log=print) -> dict:
             if mode == "full":
                 cache = blend.DynamicCache(config=cfg)
                 logits = prefill(model, tokens, cache, 1 << 20)
+            elif mode == "exact-bf16":              # calibration of the metrics: full
+                logits, cache = blend.reuse_prefill(     # prefill's own KV rounded to bf16
+                    model, tokens, [(k.bfloat16().float(), v.bfloat16().float())
+                                    for k, v in exact])
             elif mode == "prefix":
                 loaded = await pconn.load(tokens)
                 stats, reused, cache = loaded.stats, loaded.tokens, loaded.cache
@@ -129,7 +144,9 @@ async def _run(model, tok, mid, client, args: dict, log=print) -> dict:
                     logits, cache = blend.reuse_prefill(model, tokens, got.kv)
                     reused = R
                 else:
-                    b = blend.blend_prefill(model, tokens, got.kv, cand, ratio)
+                    b = blend.blend_prefill(model, tokens, got.kv, cand, ratio,
+                                            recipe["checks"], recipe["widen"], forced,
+                                            recipe["of"])
                     logits, cache, reused = b.logits, b.cache, R - len(b.selected)
                 reused = reused if got.misses == 0 else 0      # (all passages were put first)
             ttft = time.perf_counter() - start
@@ -137,11 +154,13 @@ async def _run(model, tok, mid, client, args: dict, log=print) -> dict:
                 ref = greedy(model, logits, cache, new)
                 if cache.get_seq_length() > T:
                     cache.crop(T - cache.get_seq_length())
-            nll = blend.continuation_nll(model, logits, cache, ref)
+            nll, forced_agree = blend.continuation_nll(model, logits, cache, ref, True)
             out = ref if mode == "full" else greedy(model, logits, cache, new)
+            diverge = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), new)
             rows.append({"prompt": i, "mode": mode, "recompute": ratio, "tokens": T,
                          "ttft_s": ttft, "nll": nll,
                          "agreement": sum(a == b for a, b in zip(out, ref)) / new,
+                         "first_divergence": diverge, "forced_agreement": forced_agree,
                          "reused": reused, "bytes": stats.bytes,
                          "from_switch": stats.from_switch, "from_pool": stats.from_pool})
             if mode == "prefix":                    # what a prefix cache would hold next
@@ -151,6 +170,9 @@ async def _run(model, tok, mid, client, args: dict, log=print) -> dict:
                         await client.put_block(NS, key, cache_to_blocks(
                             cache, pconn.layout, j, j + 1)[0])
                         stored.add(key)
+            if mode == "full":
+                exact = [(k[:, :, :R].clone(), v[:, :, :R].clone())
+                         for k, v in blend.cache_kv(cache)]
             del cache
         last = [r for r in rows if r["prompt"] == i]
         if args.get("rows_path"):                   # a run cut short can still be summarised
@@ -173,6 +195,11 @@ def summarise(model_id: str, rows: list[dict]) -> dict:
         results.append({
             "mode": mode, "recompute": ratio,
             "token_agreement": round(statistics.fmean(r["agreement"] for r in rs), 4),
+            **({"first_divergence": round(statistics.fmean(r["first_divergence"] for r in rs),
+                                          2),
+                "teacher_forced_agreement": round(statistics.fmean(r["forced_agreement"]
+                                                                   for r in rs), 4)}
+               if "first_divergence" in rs[0] else {}),
             "ppl_delta_pct": round(100 * (math.exp(statistics.fmean(r["nll"] for r in rs)
                                                    - full_nll) - 1), 3),
             "ttft_s": round(statistics.fmean(r["ttft_s"] for r in rs), 4),
@@ -192,6 +219,7 @@ def _file_log(path):
 
 def node(pools: list[str], chunk_size: int, args: dict) -> dict:
     """Task inside the inference node: the whole run, passages through the testbed's pool."""
+    os.nice(args.get("nice", 0))            # the model's work yields; switchd and the pool don't
     from hostagent.fetch import open_client
     from testbed.demos.realmodel import load
     model, tok, mid = load()
@@ -214,14 +242,16 @@ def local(args: dict, log=print) -> dict:
     return {"model": mid, "fetch_path": "in-process", **out}
 
 
-def run_blend(prompts=50, pool=32, per_prompt=(4, 6), passage_tokens=(256, 320),
+def run_blend(prompts=50, pool=32, per_prompt=(4, 6), passage_tokens=(256, 288),
               ratios=(0.05, 0.10, 0.15, 0.20, 0.30), new_tokens=32, threads=1,
               store="testbed", chunk_size=3072, json_path=None, plot_path=None,
-              log=print) -> dict:
+              log=print, recipe=None, calibrate=False, nice=10) -> dict:
     from ..lab import Lab, write_json
+    recipe = {**RECIPE, **(recipe or {})}
     args = dict(prompts=prompts, pool=pool, per_prompt=list(per_prompt),
                 passage_tokens=list(passage_tokens), ratios=list(ratios),
-                new_tokens=new_tokens, threads=threads)
+                new_tokens=new_tokens, threads=threads, recipe=recipe, calibrate=calibrate,
+                nice=nice)
     start = time.time()
     if store == "local":
         out = local(args, log)
@@ -250,6 +280,9 @@ def run_blend(prompts=50, pool=32, per_prompt=(4, 6), passage_tokens=(256, 320),
     return result
 
 
+COLORS = {"full": "grey", "exact-bf16": "silver", "prefix": "tab:blue", "reuse": "tab:red"}
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -260,8 +293,8 @@ def plot(result: dict, path: str) -> None:
     for ax, key, title in zip(axes, ("token_agreement", "ppl_delta_pct", "ttft_s"),
                               ("greedy agreement with full prefill (32 tokens)",
                                "perplexity delta vs full prefill (%)", "TTFT (s), this CPU")):
-        ax.bar(labels, [r[key] for r in rs], color=["grey", "tab:blue", "tab:red"] +
-               ["tab:green"] * (len(rs) - 3))
+        ax.bar(labels, [r[key] for r in rs], color=[COLORS.get(r["mode"], "tab:green")
+                                                    for r in rs])
         ax.set_title(title, fontsize=9)
         ax.tick_params(axis="x", rotation=45, labelsize=8)
     fig.suptitle(f"CacheBlend on {result['model']}: passages' KV through the switch/pool")
