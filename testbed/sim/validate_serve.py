@@ -25,7 +25,7 @@ from .config import FRAME_OVERHEAD, MODELS
 from .serve_model import Calibration, simulate_serve, summarise
 
 TARGET_P50, TARGET_PP = 0.10, 2.0
-PROBE_NS, PROBE_REPS, PROBE_SET = 99, 5, 8
+PROBE_NS, PROBE_REPS, PROBE_SET = 99, 15, 8
 INTERVAL = 1.0                                   # switchd's default policy step
 
 
