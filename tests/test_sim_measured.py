@@ -182,3 +182,20 @@ def test_validate_serve_on_a_tiny_testbed(tmp_path):
     cal = out["calibration"]["switch"]
     assert 0 < cal["rtt_s"] < 0.2 and cal["medians_s"]["one"] > 0
     assert json.loads((tmp_path / "v.json").read_text())["comparison"]
+
+
+def test_reprice_follows_the_data_plane_cost():
+    from testbed.sim.sweep import reprice
+    pts = [{"nodes": n, "sharing": 0.5, "skew": 0.0, "switch_gib": 64.0, "xdp_cores": c,
+            "xdp_cores_p99": 2 * c, "benefit_usd_per_hour": b, "cost_usd_per_hour": 1.0 + c * 0.04,
+            "net_usd_per_hour": b - 1.0 - c * 0.04, "pays": b > 1.0 + c * 0.04}
+           for n, c, b in ((16, 10.0, 1.5), (32, 20.0, 3.0))]
+    out = {"xdp": {"ns_per_frame": 100.0}, "cases": [[0.5, 0.0]], "switch_gib": [64.0],
+           "sharing": [0.5], "points": pts}
+    new = reprice(out, {"ns_per_frame": 300.0}, 0.04)
+    a, b = new["points"]
+    assert (a["xdp_cores"], b["xdp_cores_p99"]) == (30.0, 120.0)
+    assert a["net_usd_per_hour"] == pytest.approx(1.5 - 1.0 - 1.2) and not a["pays"]
+    assert b["net_usd_per_hour"] == pytest.approx(3.0 - 1.0 - 2.4) and not b["pays"]
+    assert new["repriced_from"] == {"ns_per_frame": 100.0}
+    assert new["break_even"][0]["break_even_nodes"] is None

@@ -109,6 +109,26 @@ def run_sweep(trace_path, nodes, switch_gib, cases, requests_per_node=REQUESTS_P
     return out
 
 
+def reprice(out: dict, xdp: dict, core_hour_usd: float) -> dict:
+    """A sweep's result priced at another data-plane cost per frame (``xdp``, as
+    ``xdp_frame_cost`` gives it): the benefit does not depend on it, the cost's XDP cores scale
+    with it, so every point's cost, net and cores, and the break-even, follow exactly."""
+    f = xdp["ns_per_frame"] / out["xdp"]["ns_per_frame"]
+    points = []
+    for p in out["points"]:
+        cores, p99 = p["xdp_cores"] * f, p["xdp_cores_p99"] * f
+        cost = p["cost_usd_per_hour"] + (cores - p["xdp_cores"]) * core_hour_usd
+        net = p["benefit_usd_per_hour"] - cost
+        points.append({**p, "xdp_cores": round(cores, 3), "xdp_cores_p99": round(p99, 3),
+                       "cost_usd_per_hour": round(cost, 4), "net_usd_per_hour": round(net, 4),
+                       "pays": bool(net > 0)})
+    cases = [tuple(c) for c in out.get("cases", [[s, 0.0] for s in out["sharing"]])]
+    curves = [c for c in break_even_curves(points, cases, out["switch_gib"])
+              if any(_case(p) == _case(c) and p["switch_gib"] == c["switch_gib"] for p in points)]
+    return {**out, "xdp": xdp, "repriced_from": out["xdp"], "points": points,
+            "break_even": curves}
+
+
 def plot(out: dict, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
