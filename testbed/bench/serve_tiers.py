@@ -1,10 +1,11 @@
 """`testbed bench serve --tiers` (issue #29): the tiers measured live. Inference nodes with a
 node-DRAM tier, the switch, pool nodes with bounded DRAM and a disk tier, every link at one
 rate (as `bench serve`); capacities set so that the node tiers fill and the workload writes
-``fill`` x the pool's DRAM. One testbed per mode: demote none|all|value x write-down
-all|selective, plus an unbounded pool (one per write-down mode) as the reference. The tier
-policy (hostagent.tier_policy) decides on the inference nodes (testbed.bench.serve_tiers_node)
-and on the pool nodes (``hostagent serve --evict/--demote``); `testbed sim`'s exact tier replay
+``fill`` x the pool's DRAM. One testbed; for every mode (demote none|all|value x write-down
+all|selective) the pool servers and the switch restart afresh, and the mode runs with the
+pool bounded and with an unbounded pool (its reference). The tier policy
+(hostagent.tier_policy) decides on the inference nodes (testbed.bench.serve_tiers_node) and on
+the pool nodes (testbed.bench.serve_tiers_pool); `testbed sim`'s exact tier replay
 (testbed.sim.tiers.TierSim) runs the same requests through the same policy code at the same
 capacities, and its per-tier hit ratios are reported beside the live ones.
 
