@@ -10,11 +10,15 @@ full prefill; prefix-only reuse (today's KV connector: the longest prefix of 16-
 from the pool; after each prompt its blocks that a later prompt shares are put, as a prefix
 cache would hold them); full reuse (every passage's KV from the pool, moved to its offset, no
 recompute, the question prefilled over it); CacheBlend at several recompute ratios (of the
-passage tokens; the system prompt, at offset 0, is exact). Before the prompts run, every pool
-passage is prefilled alone and put (cached once); passages are fetched through the fetch engine
-(the asyncio client where it cannot run).
+passage tokens; the system prompt, at offset 0, is exact), picking tokens as ``RECIPE`` says.
+Before the prompts run, every pool passage is prefilled (alone, or behind the lead) and put
+(cached once); passages are fetched through the fetch engine (the asyncio client where it cannot
+run). ``calibrate`` adds a mode ``exact-bf16``: full prefill's own KV rounded to bf16, the
+question prefilled over it, which shows how far the metrics move for a tiny perturbation.
 
-Per mode: greedy agreement of ``new_tokens`` tokens with full prefill (share of equal positions),
+Per mode: greedy agreement of ``new_tokens`` tokens with full prefill (share of equal positions;
+also the first position where they part and the teacher-forced agreement along full prefill's
+tokens),
 the perplexity of full prefill's greedy continuation under the mode's cache relative to full
 prefill's (token-weighted over all prompts), mean TTFT, share of prompt tokens whose KV came from
 the pool and was not recomputed, payload bytes fetched per prompt. The JSON holds exactly
@@ -40,7 +44,7 @@ SYSTEM = ("<|im_start|>system\nYou are a helpful assistant. Read the documents t
 # How blending picks what it recomputes (docs/cacheblend.md): passages computed after the system
 # prompt (lead), the first ``first`` tokens of each passage always recomputed, check layers
 # (gradual filtering from ``widen`` x the ratio), deviation of K and/or V.
-RECIPE = {"lead": True, "first": 0, "checks": [1], "widen": 1.0, "of": "kv"}
+RECIPE = {"lead": False, "first": 0, "checks": [1], "widen": 1.0, "of": "kv"}
 QUESTIONS = ["Which rights does the license text above grant, in one sentence?",
              "Summarise the conditions stated in these documents.",
              "What must someone who redistributes the work do, according to the documents?",
