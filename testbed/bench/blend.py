@@ -246,7 +246,7 @@ def local(args: dict, log=print) -> dict:
     return {"model": mid, "fetch_path": "in-process", **out}
 
 
-def run_blend(prompts=50, pool=32, per_prompt=(4, 6), passage_tokens=(256, 288),
+def run_blend(prompts=50, pool=32, per_prompt=(4, 6), passage_tokens=(256, 320),
               ratios=(0.05, 0.10, 0.15, 0.20, 0.30), new_tokens=32, threads=1,
               store="testbed", chunk_size=3072, json_path=None, plot_path=None,
               log=print, recipe=None, calibrate=False, nice=10) -> dict:
