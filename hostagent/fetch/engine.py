@@ -127,8 +127,7 @@ class FetchEngine:
         self._wake, self._progress = threading.Event(), threading.Event()
         self._thread = None
         if self.threaded:
-            self._thread = threading.Thread(target=self._sender, name="kvfetch-sender",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._sender, name="kvfetch-sender", daemon=True)
             self._thread.start()
         self._opened = True
         log.info("XDP fetch engine on %s (%d-byte chunks, %d slots, CRC by %s)", self.ifname,
@@ -324,8 +323,7 @@ class FetchEngine:
 
     # ---- one round -------------------------------------------------------------------------
     def step(self) -> bool:
-        """Queue what is due, send, verify what arrived; wait briefly when nothing moved.
-        Returns whether anything was queued or verified."""
+        """Queue what is due, send, verify what arrived, wait a little; whether anything moved."""
         self.stats.steps += 1
         c0 = time.thread_time()
         if self._error is not None:
@@ -348,30 +346,12 @@ class FetchEngine:
                 self._progress.wait(0.005)
                 self._progress.clear()
             else:
-                time.sleep(self._idle_wait(active))
+                time.sleep(transfers.idle_wait(active, self.poll_interval))
             self.stats.idle_seconds += time.monotonic() - t0
-        elif got < transfers.IDLE_CHUNKS and (self.threaded or not self._ring.queued) and \
-                all(not t.done for t in active):
-            wait = self._idle_wait(active)      # a slow link's trickle: let replies gather
-            if wait > self.poll_interval:
-                time.sleep(wait)
-                self.stats.idle_seconds += wait
+        elif self.threaded or not self._ring.queued:      # a slow link trickles: let it gather
+            self.stats.idle_seconds += transfers.trickle(active, got, self.poll_interval)
         self.stats.step_cpu += time.thread_time() - c0
         return bool(n or got)
-
-    def _idle_wait(self, active: list[Transfer]) -> float:
-        """How long a step sleeps that moved nothing, or verified fewer than ``IDLE_CHUNKS``
-        replies with no transfer done (and, with one thread, nothing left to send), where
-        every active transfer is link-paced (transfers.link_paced): about the time
-        ``IDLE_CHUNKS`` replies take at the slowest active route's delivery rate, at most
-        ``IDLE_MAX``; elsewhere ``poll_interval``. A shaped link delivers a chunk every
-        0.25-1 ms, and a step per chunk (polling every 50 us) spent a core per reader, which 16
-        readers on two cores took from the links' forwarding."""
-        rates = [t.route.bw for t in active]
-        if not rates or min(rates) <= 0 or not all(transfers.link_paced(t) for t in active):
-            return self.poll_interval
-        wait = transfers.IDLE_CHUNKS / min(rates)
-        return min(transfers.IDLE_MAX, max(self.poll_interval, wait))
 
     def _send(self) -> bool:
         with self._ns:

@@ -156,6 +156,31 @@ def link_paced(t: "Transfer") -> bool:
     return t.rtt.srtt is not None and t.rtt.srtt > t.route.base_rtt + QUEUE_SIGNAL
 
 
+def idle_wait(active: list["Transfer"], poll_interval: float) -> float:
+    """How long an engine step sleeps that moved nothing, or (``trickle``) verified fewer than
+    ``IDLE_CHUNKS`` replies and finished no transfer, where every active transfer is
+    link-paced: about the time ``IDLE_CHUNKS`` replies take at the slowest active route's
+    delivery rate, at most ``IDLE_MAX``; elsewhere ``poll_interval``. A shaped link delivers a
+    chunk every 0.25-1 ms, and a step per chunk (polling every 50 us) spent a core per reader,
+    which 16 readers on two cores took from the links' forwarding."""
+    rates = [t.route.bw for t in active]
+    if not rates or min(rates) <= 0 or not all(link_paced(t) for t in active):
+        return poll_interval
+    return min(IDLE_MAX, max(poll_interval, IDLE_CHUNKS / min(rates)))
+
+
+def trickle(active: list["Transfer"], got: int, poll_interval: float) -> float:
+    """After a step that verified ``got`` replies: sleep while a slow link's replies gather
+    (see ``idle_wait``); the seconds slept."""
+    if got >= IDLE_CHUNKS or any(t.done for t in active):
+        return 0.0
+    wait = idle_wait(active, poll_interval)
+    if wait <= poll_interval:
+        return 0.0
+    time.sleep(wait)
+    return wait
+
+
 class Transfer:
     """One block being fetched into a slot range (``base``, transfer table entry ``idx`` with
     generation ``gen``)."""
