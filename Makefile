@@ -76,6 +76,8 @@ bench:
 	$(VENV)/bin/testbed bench throughput --json bench/results/throughput.json
 	$(VENV)/bin/testbed bench incast --link-gbit 0.05 --block-mib 3.99 --json bench/results/incast.json
 	$(VENV)/bin/testbed bench serve --trace $(TRACE) --json bench/results/serve.json
+	$(VENV)/bin/testbed bench serve --tiers --json bench/results/serve-tiers.json
+	$(VENV)/bin/testbed bench serve --tiers --fill 4 --write-down all --json bench/results/serve-tiers-fill4.json
 	$(VENV)/bin/testbed bench incast --store mooncake --json bench/results/incast-mooncake.json \
 	  --plot bench/results/incast-mooncake.png
 	$(VENV)/bin/testbed bench loss --json bench/results/loss.json
