@@ -49,7 +49,7 @@ model:
 	@$(PY) -m testbed.demos.realmodel
 
 test:
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 test-python:
 	$(PY) -m pytest -q -m "not bpf and not e2e" tests
