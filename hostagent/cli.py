@@ -18,12 +18,13 @@ from pathlib import Path
 
 import click
 
-from . import client as kvclient
-from .hashing import DEFAULT_BLOCK_TOKENS, block_hashes
+from .inference import client as kvclient
+from .common.transfer import BlockNotFound, Refused, TransferTimeout, parse_addr
+from .common.hashing import DEFAULT_BLOCK_TOKENS, block_hashes
 from kvproto import MAX_PAYLOAD, PORT
 from kvproto.cli import SizeType, one_line_errors
-from .server import serve as serve_forever
-from .store import MemoryStore, PutBudgets
+from .pool.server import serve as serve_forever
+from .pool.store import MemoryStore, PutBudgets
 
 def _key(text: str) -> bytes:
     try:
@@ -37,7 +38,7 @@ def _key(text: str) -> bytes:
 
 def _pools(ctx, param, values) -> list[tuple[str, int]]:
     try:
-        return [kvclient.parse_addr(v) for v in values]
+        return [parse_addr(v) for v in values]
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 
@@ -71,7 +72,7 @@ auth_opt = click.option("--auth-key-file", type=click.Path(dir_okay=False),
 
 
 def _keyring(path):
-    from . import auth
+    from .common import auth
     try:
         return auth.load_keyring(path) if path else None
     except auth.KeyFileError as exc:
@@ -97,7 +98,7 @@ def _finite(ctx, param, value):
 def _run(coro, pools=()):
     try:
         return asyncio.run(coro)
-    except (kvclient.BlockNotFound, kvclient.TransferTimeout, kvclient.Refused) as exc:
+    except (BlockNotFound, TransferTimeout, Refused) as exc:
         click.echo(f"hostagent: error: {exc.args[0] if exc.args else exc}", err=True)
         sys.exit(1)
     except OSError as exc:                 # no route, no interface, a refused socket call
@@ -106,8 +107,7 @@ def _run(coro, pools=()):
         sys.exit(1)
 
 
-@click.group(cls=one_line_errors("hostagent", kvclient.BlockNotFound, kvclient.TransferTimeout,
-                                  kvclient.Refused))
+@click.group(cls=one_line_errors("hostagent", BlockNotFound, TransferTimeout, Refused))
 @click.option("-v", "--verbose", is_flag=True)
 def main(verbose):
     """KV block protocol endpoints: pool node server and inference node client."""
@@ -169,7 +169,7 @@ def _make_store(ctx: click.Context, v: dict):
             if _given(ctx, v, name):
                 raise click.UsageError(f"--{name.replace('_', '-')} needs --store mooncake")
         return _allocated(MemoryStore, v["capacity"], **common)
-    from .mooncake_store import MooncakeMissing, MooncakeStore, load_mooncake, parse_master
+    from .pool.mooncake_store import MooncakeMissing, MooncakeStore, load_mooncake, parse_master
     if not v["mooncake_master"]:
         raise click.UsageError("--store mooncake needs --mooncake-master HOST[:PORT]")
     try:
@@ -200,7 +200,7 @@ def _disk_tier(ctx: click.Context, v: dict):
     where = Path(v["disk_dir"])
     if where.exists() and not where.is_dir():
         raise click.BadParameter(f"{where} is not a directory", param_hint="--disk-dir")
-    from .disk_tier import DiskTier
+    from .pool.disk_tier import DiskTier
     return DiskTier(where, v["disk_bytes"])     # an unwritable one: one log line, DRAM only
 
 
@@ -352,8 +352,8 @@ def get(pools, ns, key, out, no_cache, start_at, chunk_size, window, deadline, a
     """Fetch a whole block, byte-exact; prints where its chunks came from. Uses the XDP fetch
     engine where it can run (root, the node's interface free), else the asyncio client; a log
     line says which."""
-    from .auth import AuthError
-    from .fetch import open_client
+    from .common.auth import AuthError
+    from .inference.fetch import open_client
     key_bytes = _key(key)
     ring = _keyring(auth_key_file)
 

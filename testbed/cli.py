@@ -113,7 +113,7 @@ def demo(chunks, store):
 def demo_inference(sizes, chunk_size, concurrency, window, new_tokens, model, kv_codecs,
                    dtype, block_tokens, name, json_path):
     """Prefix KV of a transformer through the switch: TTFT vs recompute, per KV codec."""
-    from hostagent.codec import UnknownCodec, parse
+    from hostagent.inference.codec import UnknownCodec, parse
     from .demos.inference import run_inference_demo
     codecs = [c.strip() for c in kv_codecs.split(",") if c.strip()]
     try:
@@ -160,7 +160,7 @@ def demo_inference(sizes, chunk_size, concurrency, window, new_tokens, model, kv
 def demo_vllm(shared, question, new_tokens, ttft_reps, chunk_size, window, concurrency,
               block_tokens, model, kv_codec, baseline, negative, must_win, name, json_path):
     """Two vLLM engines share prefix KV through the switch (the kvswitch KV connector)."""
-    from hostagent.codec import UnknownCodec, parse
+    from hostagent.inference.codec import UnknownCodec, parse
     from .demos.vllm import run_vllm_demo
     try:
         parse(kv_codec)

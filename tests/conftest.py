@@ -36,7 +36,7 @@ def _kernel_tier_requirements(request):
     if request.node.get_closest_marker("e2e") and not _warm:
         # the fetch engine's first compile (seconds, per chunk size) happens here, once, not
         # inside `hostagent get`s a test starts together and times against each other
-        from hostagent.fetch.program import bytecode
+        from hostagent.inference.fetch.program import bytecode
         for chunk_size in (1024, 3072):
             bytecode(chunk_size)
         _warm.update((1024, 3072))

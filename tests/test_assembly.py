@@ -1,10 +1,10 @@
-"""PUT assembly on a pool node (hostagent.assembly): chunks in any order, once; budgets per
+"""PUT assembly on a pool node (hostagent.pool.assembly): chunks in any order, once; budgets per
 namespace, per source and node-wide, charged in real memory; the largest holder gives way when
 the node runs out; full-size chunks but the last; expiry on progress only."""
 import pytest
 
-from hostagent.assembly import (BLOCK_OVERHEAD, CHUNK_OVERHEAD, Assembler, PutBudgets,
-                                StoreError)
+from hostagent.pool.assembly import (BLOCK_OVERHEAD, CHUNK_OVERHEAD, Assembler, PutBudgets,
+                                     StoreError)
 from kvproto import Status, checksum
 
 KEY = bytes(range(16))

@@ -1,4 +1,4 @@
-"""Keyed block authentication (hostagent/auth.py), pure Python: a sealed block opens with the
+"""Keyed block authentication (hostagent/common/auth.py), pure Python: a sealed block opens with the
 key, namespace and block key it was sealed for and nothing else; any change to its data, length
 or header is rejected; the streaming check agrees with the one-shot one; key files and the
 process's keyring; request ids of the fetch engine and the asyncio client are random and not
@@ -9,10 +9,10 @@ import secrets
 
 import pytest
 
-from hostagent import auth
-from hostagent.auth import AuthError, KeyFileError
-from hostagent.client import KVClient
-from hostagent.fetch.ids import RequestIds
+from hostagent.common import auth
+from hostagent.common.auth import AuthError, KeyFileError
+from hostagent.inference.client import KVClient
+from hostagent.inference.fetch.ids import RequestIds
 
 K = bytes(range(32))
 NS, KEY = 7, bytes.fromhex("00112233445566778899aabbccddeeff")
@@ -190,8 +190,8 @@ def test_asyncio_client_request_ids_are_random_and_not_reused():
 
 # ---- the asyncio client over loopback (a real pool server, no kernel tier) --------------------
 def _with_pool(body):
-    from hostagent.server import PoolServer
-    from hostagent.store import BlockStore
+    from hostagent.pool.server import PoolServer
+    from hostagent.pool.store import BlockStore
 
     async def go():
         loop = asyncio.get_running_loop()

@@ -14,8 +14,8 @@ import socket
 import pytest
 
 from conftest import leaves_no_namespaces
-from hostagent import auth
-from hostagent.fetch import FetchEngine
+from hostagent.common import auth
+from hostagent.inference.fetch import FetchEngine
 from kvproto import PORT, Flag, Message, Op
 from kvproto.frames import ipv4_frame
 from testbed.lab import Lab

@@ -1,6 +1,6 @@
-"""CacheBlend (hostagent/blend.py, hostagent/blend_store.py): RoPE re-rotation, token selection,
-the fused prefill, passage keys, passages missing from every tier. Fast cases on a tiny
-random-weight Llama; the re-rotation also on the real model (SmolLM2-135M, which must be
+"""CacheBlend (hostagent/inference/blend.py, hostagent/inference/blend_store.py): RoPE re-rotation,
+token selection, the fused prefill, passage keys, passages missing from every tier. Fast cases on a
+tiny random-weight Llama; the re-rotation also on the real model (SmolLM2-135M, which must be
 installed: the failure says how)."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import asyncio
 import pytest
 import torch
 
-from hostagent import blend
-from hostagent.blend_store import LocalClient, PassageStore
-from hostagent.hashing import block_hashes, passage_keys
-from hostagent.kvconnector import BlockLayout, KVConnector
+from hostagent.inference import blend
+from hostagent.inference.blend_store import LocalClient, PassageStore
+from hostagent.common.hashing import block_hashes, passage_keys
+from hostagent.inference.hf_connector import BlockLayout, KVConnector
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +246,7 @@ def test_lead_passages_have_their_own_keys_and_fuse(tiny):
 def test_full_recompute_equals_prefill_on_the_real_model():
     """SmolLM2: blending every passage token gives full prefill's greedy tokens (and logits);
     with the passages computed after the system prompt as the lead, too."""
-    from hostagent.kvconnector import greedy
+    from hostagent.inference.hf_connector import greedy
     from testbed.bench.blend import SYSTEM
     from testbed.demos.realmodel import ModelMissing, load, texts
     try:

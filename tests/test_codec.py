@@ -1,4 +1,4 @@
-"""KV block codecs (hostagent.codec): round trips on random and real KV with bounded error
+"""KV block codecs (hostagent.inference.codec): round trips on random and real KV with bounded error
 (exact for none), the codec in the block key, a corrupt coded chunk caught by the chunk check,
 one clear line for unknown codec names, and the real model loading offline."""
 from __future__ import annotations
@@ -10,9 +10,10 @@ import zlib
 import pytest
 import torch
 
-from hostagent import blockfmt, codec
-from hostagent.kvconnector import (BlockLayout, blocks_to_cache, cache_to_blocks, codec_for,
-                                   prefill)
+from hostagent.pool import blockfmt
+from hostagent.inference import codec
+from hostagent.inference.hf_connector import (BlockLayout, blocks_to_cache, cache_to_blocks,
+                                              codec_for, prefill)
 
 SHAPE = dict(layers=3, kv_heads=2, block_tokens=32, head_dim=16)
 NAMES = ["none", "int8", "fp8", "int4"]
@@ -80,7 +81,7 @@ def test_ratios_and_sizes_are_fixed_by_the_layout():
 def test_codec_is_in_the_key():
     """Each codec (and group) gives other block keys: a reader with another codec asks for
     keys the writer never put, so it misses and never decodes another codec's bytes."""
-    from hostagent.kvconnector import KVConnector
+    from hostagent.inference.hf_connector import KVConnector
 
     class _C:
         chunk_size = 1024
@@ -104,9 +105,9 @@ def test_a_reader_of_another_codec_misses_in_a_pool():
 
     from transformers import DynamicCache
 
-    from hostagent.client import KVClient
-    from hostagent.kvconnector import KVConnector
-    from hostagent.server import serve
+    from hostagent.inference.client import KVClient
+    from hostagent.inference.hf_connector import KVConnector
+    from hostagent.pool.server import serve
     layout = _layout()
     kv = _random_kv(layout, blocks=3)
     cache = DynamicCache([(torch.cat(list(kv[:, i, 0]), 1)[None],
@@ -228,7 +229,7 @@ def test_round_trip_real_kv(smollm2):
     ids = tok(texts()["GPL-3"])["input_ids"][:128]
     cache = DynamicCache(config=model.config)
     prefill(model, ids, cache, 64)
-    from hostagent.kvconnector import cache_block_tensor
+    from hostagent.inference.hf_connector import cache_block_tensor
     kv = cache_block_tensor(cache, layout)
     for name in NAMES:
         c = codec_for(layout, name)

@@ -1,12 +1,12 @@
-"""Folding chunk CRCs into the CRC of their concatenation (hostagent.fetch.crcfold), which the
-fetch engine's verification rests on: pure Python, checked against zlib."""
+"""Folding chunk CRCs into the CRC of their concatenation (hostagent.inference.fetch.crcfold), which
+the fetch engine's verification rests on: pure Python, checked against zlib."""
 import random
 import zlib
 
 import numpy as np
 import pytest
 
-from hostagent.fetch.crcfold import CRC_IMPL, Folder, combine, crc32
+from hostagent.inference.fetch.crcfold import CRC_IMPL, Folder, combine, crc32
 
 
 def test_combine_is_zlibs_crc32_combine():

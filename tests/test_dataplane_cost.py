@@ -50,7 +50,7 @@ def test_a_native_pool_server_answers_through_the_switch_from_xdp(monkeypatch):
 
 
 def test_an_unknown_xdp_mode_is_refused_in_one_line(monkeypatch):
-    from hostagent.xdpserve import NoXdp, XdpServer
+    from hostagent.pool.xdpserve import NoXdp, XdpServer
     monkeypatch.setenv("HOSTAGENT_XDP_MODE", "turbo")
     with pytest.raises(NoXdp, match="HOSTAGENT_XDP_MODE must be generic or native"):
         XdpServer(1 << 20, "lo", ["127.0.0.1"])

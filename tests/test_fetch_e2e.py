@@ -11,8 +11,9 @@ import threading
 import pytest
 
 from conftest import leaves_no_namespaces
-from hostagent.client import BlockNotFound, KVClient
-from hostagent.fetch import FetchEngine, open_client
+from hostagent.common.transfer import BlockNotFound
+from hostagent.inference.client import KVClient
+from hostagent.inference.fetch import FetchEngine, open_client
 from testbed.lab import Lab, attach_loss
 from testbed.lab.topology import plain_bridge_ports, python_argv
 from xdp import netns

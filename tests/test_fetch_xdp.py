@@ -11,11 +11,11 @@ import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import ARP, Ether
 
-from hostagent.fetch.crcfold import Folder
-from hostagent.fetch.netpath import route_header
-from hostagent.fetch.program import C, GEN_MASK, FetchProgram
-from hostagent.fetch.transfers import Route, Transfer
-from hostagent.fetch.verify import verify
+from hostagent.inference.fetch.crcfold import Folder
+from hostagent.inference.fetch.netpath import route_header
+from hostagent.inference.fetch.program import C, GEN_MASK, FetchProgram
+from hostagent.inference.fetch.transfers import Route, Transfer
+from hostagent.inference.fetch.verify import verify
 from kvproto import PORT, Flag, Op, Status
 from kvproto.frames import PAYLOAD_OFF, XDP
 from kvproto.scapy_layer import KV

@@ -3,7 +3,7 @@ import hashlib
 
 import pytest
 
-from hostagent.hashing import ROOT, block_hashes
+from hostagent.common.hashing import ROOT, block_hashes
 
 
 def _by_hand(parent: bytes, tokens: list[int], extra: bytes = b"") -> bytes:

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from conftest import leaves_no_namespaces
-from hostagent.store import UNAVAILABLE
+from hostagent.pool.store import UNAVAILABLE
 from kvproto import Status
 from testbed.lab import Lab
 from testbed.lab.topology import TestbedError as LabError
@@ -27,7 +27,7 @@ CHUNK = 3072
 
 @pytest.fixture(scope="module")
 def lab():
-    from hostagent.mooncake_store import MooncakeMissing, load_mooncake, master_binary
+    from hostagent.pool.mooncake_store import MooncakeMissing, load_mooncake, master_binary
     try:
         load_mooncake()
         master_binary()

@@ -12,13 +12,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from hostagent import blockfmt
-from hostagent.blockfmt import BlockFormatError, Layout, object_key
-from hostagent.client import BlockNotFound, KVClient, Refused
-from hostagent.mooncake_store import MooncakeMissing, MooncakeStore, load_mooncake, parse_master
-from hostagent.server import serve
-from hostagent.staging import Arena, StagingFull, Staging
-from hostagent.store import UNAVAILABLE
+from hostagent.pool import blockfmt
+from hostagent.pool.blockfmt import BlockFormatError, ObjectLayout, object_key
+from hostagent.common.transfer import BlockNotFound, Refused
+from hostagent.inference.client import KVClient
+from hostagent.pool.mooncake_store import (MooncakeMissing, MooncakeStore, load_mooncake,
+                                           parse_master)
+from hostagent.pool.server import serve
+from hostagent.pool.staging import Arena, StagingFull, Staging
+from hostagent.pool.store import UNAVAILABLE
 from kvproto import Status, checksum
 from testbed.lab.topology import python_argv
 
@@ -46,7 +48,7 @@ def test_block_object_round_trips_with_aligned_payload(chunk, total):
     chunks = [data[i:i + chunk] for i in range(0, total, chunk)]
     obj = blockfmt.encode_block(3, KEY, chunks)
     layout = blockfmt.read_layout(obj, len(obj), 3, KEY)
-    assert layout == Layout(3, KEY, len(chunks), chunk, layout.payload_off, total)
+    assert layout == ObjectLayout(3, KEY, len(chunks), chunk, layout.payload_off, total)
     assert layout.payload_off % chunk == 0 and layout.payload_off >= 64 + 4 * len(chunks)
     assert obj[layout.payload_off:] == data and layout.size == len(obj)
     crcs = blockfmt.read_crcs(obj, layout)
@@ -87,7 +89,7 @@ def test_arena_allocates_first_fit_and_merges_free_runs():
 
 
 def _stage(staging, ns, nbytes, pins=0):
-    layout = Layout.for_payload(ns, KEY, nbytes, 1024)
+    layout = ObjectLayout.for_payload(ns, KEY, nbytes, 1024)
     run = staging.reserve(layout.size)
     blockfmt.write_block(run.view, layout, [bytes(1024)] * (nbytes // 1024),
                          [checksum(bytes(1024))] * (nbytes // 1024))

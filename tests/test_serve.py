@@ -30,7 +30,7 @@ def test_burst_puts_a_request_on_every_node_after_the_first_computes_the_prefix(
 
 
 def test_zipf_puts_the_hottest_objects_on_the_first_pool_node():
-    from hostagent.client import pool_for
+    from hostagent.common.transfer import pool_for
     pools = [("198.18.0.101", 1), ("198.18.0.102", 1)]
     wl = zipf_workload(2, pools, 5, objects=16, hot=4, seconds=2.0)
     first_blocks = wl.preload[:4 * 4]

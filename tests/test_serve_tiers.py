@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from conftest import leaves_no_namespaces
-from hostagent.tier_policy import PolicyConfig
+from hostagent.common.tier_policy import PolicyConfig
 from testbed.bench.serve import block_bytes_for
 from testbed.bench.serve_tiers import (fill_workload, plan, run_tiers, scaled_costs, simulate)
 from testbed.lab.topology import python_argv
@@ -101,9 +101,9 @@ def test_pool_side_on_a_store_demotes_into_an_empty_disk(tmp_path, demote, found
     """The benchmark's pool node: DRAM evictions go to disk (an empty disk tier has room)."""
     import asyncio
 
-    from hostagent.disk_tier import DiskTier
-    from hostagent.store import MemoryStore
-    from hostagent.tier_policy import PoolSide
+    from hostagent.pool.disk_tier import DiskTier
+    from hostagent.pool.store import MemoryStore
+    from hostagent.common.tier_policy import PoolSide
     from kvproto import checksum
     from testbed.bench.serve_tiers import object_bytes, staged_bytes
     from testbed.bench.serve_tiers_pool import attach

@@ -1,4 +1,4 @@
-"""A pool node's XDP GET path (xdp/kvserve.c, loaded by hostagent.xdpserve) on crafted frames
+"""A pool node's XDP GET path (xdp/kvserve.c, loaded by hostagent.pool.xdpserve) on crafted frames
 through BPF_PROG_TEST_RUN: a GET for a chunk of a block staged in the XDP arena becomes the exact
 GET_REPLY (the writer's CRC, not FROM_SWITCH); everything else passes untouched (another chunk,
 block or namespace, a stale generation, too little room, a bad UDP checksum, another address,
@@ -12,9 +12,9 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 
-from hostagent.blockfmt import Layout, write_block
-from hostagent.staging import Staging
-from hostagent.xdpserve import SEG, ServeProgram, XdpArena
+from hostagent.pool.blockfmt import ObjectLayout, write_block
+from hostagent.pool.staging import Staging
+from hostagent.pool.xdpserve import SEG, ServeProgram, XdpArena
 from kvproto import PORT, Op, checksum
 from kvproto.frames import XDP
 from kvproto.scapy_layer import KV
@@ -51,7 +51,7 @@ def staging(prog):
 def stage(staging, data: bytes, ns=NS, key=KEY, cs=CS, crcs=None, source=None):
     chunks = [data[i:i + cs] for i in range(0, len(data), cs)]
     crcs = crcs or [zlib.crc32(c) for c in chunks]
-    layout = Layout.for_payload(ns, key, len(data), cs)
+    layout = ObjectLayout.for_payload(ns, key, len(data), cs)
     run = staging.reserve(layout.size)
     write_block(run.view, layout, chunks, crcs)          # straight into the program's memory
     from array import array

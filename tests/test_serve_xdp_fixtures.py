@@ -18,9 +18,9 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 
-from hostagent.blockfmt import Layout, write_block
-from hostagent.staging import Staging
-from hostagent.xdpserve import SEG, ServeProgram, XdpArena
+from hostagent.pool.blockfmt import ObjectLayout, write_block
+from hostagent.pool.staging import Staging
+from hostagent.pool.xdpserve import SEG, ServeProgram, XdpArena
 from kvproto import PORT, Op, checksum
 from kvproto.frames import ETH_LEN, IPV4_LEN, XDP, ip_checksum
 from kvproto.scapy_layer import KV
@@ -99,7 +99,7 @@ def prog():
     staging = Staging(XdpArena(p, 2 * SEG))
     chunks = [_chunk(i) for i in range(CHUNKS)]
     crcs = [zlib.crc32(c) for c in chunks]
-    layout = Layout.for_payload(NS, KEY, len(DATA), CS)
+    layout = ObjectLayout.for_payload(NS, KEY, len(DATA), CS)
     run = staging.reserve(layout.size)
     write_block(run.view, layout, chunks, crcs)
     staging.commit(run, layout, array("I", crcs))

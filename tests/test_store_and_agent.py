@@ -5,10 +5,11 @@ import os
 
 import pytest
 
-from hostagent.client import BlockNotFound, KVClient, pool_for, parse_addr
+from hostagent.common.transfer import BlockNotFound, pool_for, parse_addr
+from hostagent.inference.client import KVClient
 from kvproto import Status, checksum
-from hostagent.server import PoolServer
-from hostagent.store import BlockStore, StoreError
+from hostagent.pool.server import PoolServer
+from hostagent.pool.store import BlockStore, StoreError
 
 KEY = bytes(range(16))
 
@@ -155,7 +156,7 @@ def test_gets_the_server_cannot_answer_are_refused_and_counted():
     socket over loopback (root)."""
     import socket
     import struct
-    from hostagent.server import serve
+    from hostagent.pool.server import serve
     from kvproto import Message, Op
 
     async def body():

@@ -1,10 +1,10 @@
-"""The tier policy's decisions (hostagent.tier_policy), table-driven, pure."""
+"""The tier policy's decisions (hostagent.common.tier_policy), table-driven, pure."""
 import math
 
 import pytest
 
-from hostagent.tier_policy import (OrderedTier, PolicyConfig, PolicyError, PoolSide,
-                                   Popularity, TierCost, TierPolicy)
+from hostagent.common.tier_policy import (OrderedTier, PolicyConfig, PolicyError, PoolSide,
+                                          Popularity, TierCost, TierPolicy)
 
 MIB = 1 << 20
 BLOCK = 64 * MIB            # a 512-token block of Llama-3-8B

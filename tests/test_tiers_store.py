@@ -1,6 +1,6 @@
-"""The storage tiers of issue #29: the node DRAM tier (hostagent.node_tier: bounded, shared,
-zero-copy, a hit needs no network fetch), the pool disk tier (hostagent.disk_tier: blocks
-evicted from pool DRAM come back byte-exact through the server's GET path, survive a pool
+"""The storage tiers of issue #29: the node DRAM tier (hostagent.inference.node_tier: bounded,
+shared, zero-copy, a hit needs no network fetch), the pool disk tier (hostagent.pool.disk_tier:
+blocks evicted from pool DRAM come back byte-exact through the server's GET path, survive a pool
 process restart, a corrupt file is detected and dropped, a full or unwritable directory is one
 log line and DRAM serving goes on) and the pool's eviction order (lru or value). Pure Python
 with real pool servers and clients over loopback UDP; one e2e run of `hostagent serve
@@ -15,13 +15,14 @@ import zlib
 import numpy as np
 import pytest
 
-from hostagent import blockfmt
-from hostagent.client import BlockNotFound, KVClient, TransferStats
-from hostagent.disk_tier import DiskTier, file_name
-from hostagent.fetch.block import Block
-from hostagent.node_tier import NodeTier, fetch, view_of
-from hostagent.server import serve
-from hostagent.store import MemoryStore
+from hostagent.pool import blockfmt
+from hostagent.common.transfer import BlockNotFound, TransferStats
+from hostagent.inference.client import KVClient
+from hostagent.pool.disk_tier import DiskTier, file_name
+from hostagent.inference.fetch.block import Block
+from hostagent.inference.node_tier import NodeTier, fetch, view_of
+from hostagent.pool.server import serve
+from hostagent.pool.store import MemoryStore
 from kvproto import checksum
 from testbed.lab.topology import python_argv
 
@@ -97,8 +98,8 @@ def test_node_tier_value_order_leases_and_names_already_held():
 
 
 def test_value_eviction_takes_the_lowest_value_of_the_moment():
-    """The value order is kept up incrementally (hostagent.staging.ValueHeap), not ranked anew
-    per eviction: with values that rise as blocks are used, each eviction still takes the
+    """The value order is kept up incrementally (hostagent.common.eviction.ValueHeap), not ranked
+    anew per eviction: with values that rise as blocks are used, each eviction still takes the
     lowest-valued block held at that moment (ties: least recently pushed)."""
     rng = np.random.default_rng(5)
     values, evicted, new = {}, [], [None]
@@ -353,9 +354,9 @@ def test_a_full_or_unwritable_disk_is_one_log_line_and_dram_serving_goes_on(tmp_
 def test_with_mooncake_the_pool_nodes_own_disk_tier_keeps_what_the_cluster_dropped(tmp_path):
     """--store mooncake: blocks leaving the node's staging DRAM go to its disk tier; one the
     cluster has since evicted, and any while the master is down, is served from there."""
-    from hostagent.client import Refused
-    from hostagent.mooncake_store import MooncakeStore
-    from hostagent.store import UNAVAILABLE
+    from hostagent.common.transfer import Refused
+    from hostagent.pool.mooncake_store import MooncakeStore
+    from hostagent.pool.store import UNAVAILABLE
     from test_pool_store import FakeCluster, FakeMaster
 
     async def run():
@@ -453,7 +454,7 @@ def test_serve_disk_options_refuse_bad_values(tmp_path):
 def node_tier_probe(pool: str, ns: int, key_hex: str, chunk_size: int) -> dict:
     """Run in an inference node: fetch a block twice through a node tier (the fetch engine
     where it runs); what the second fetch was and whether it is the first one's memory."""
-    from hostagent.fetch import open_client
+    from hostagent.inference.fetch import open_client
 
     async def go():
         tier = NodeTier(64 << 20)

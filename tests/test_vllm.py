@@ -16,12 +16,12 @@ except ImportError as exc:
     pytest.fail(f"{exc}: install the inference extra (pip install -e '.[inference]', "
                 "or run 'make setup')", pytrace=False)
 
-from hostagent.client import BlockNotFound, TransferStats
-from hostagent.hashing import block_hashes
-from hostagent.server import serve
-from hostagent.vllm_connector_blocks import (LoadSpec, Planner, PoolLayout, Settings,
-                                             load_targets, read_block, write_block)
-from hostagent.vllm_connector_pool import PoolBackend, drain_load
+from hostagent.common.transfer import BlockNotFound, TransferStats
+from hostagent.common.hashing import block_hashes
+from hostagent.pool.server import serve
+from hostagent.inference.vllm_connector_blocks import (LoadSpec, Planner, PoolLayout, Settings,
+                                                       load_targets, read_block, write_block)
+from hostagent.inference.vllm_connector_pool import PoolBackend, drain_load
 
 L, H, D = 2, 2, 8
 
@@ -43,7 +43,7 @@ def test_settings_need_pools_and_refuse_unknown_keys():
 
 
 def test_layout_tag_and_keys_are_the_hugging_face_connectors():
-    from hostagent.kvconnector import BlockLayout
+    from hostagent.inference.hf_connector import BlockLayout
     for dtype in (torch.float32, torch.bfloat16):
         ours = PoolLayout(4, 2, 64, dtype, 128, 128)
         theirs = BlockLayout(4, 2, 64, dtype, 128)
@@ -148,7 +148,7 @@ def test_blocks_have_the_pool_layout_and_round_trip(dtype):
 def test_coded_blocks_round_trip_through_the_paged_cache(codec):
     """kv_codec: read_block encodes, write_block decodes into the paged cache (bounded error);
     the coded block is smaller and its keys are the codec's own."""
-    from hostagent import codec as codecs
+    from hostagent.inference import codec as codecs
     layout = PoolLayout(L, H, D, torch.float32, 8, 4, codec)
     raw_layout = _layout(8, 4)
     torch.manual_seed(0)

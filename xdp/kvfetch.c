@@ -1,4 +1,4 @@
-/* kvfetch.c - the inference node's block fetch engine in XDP (hostagent/fetch drives it).
+/* kvfetch.c - the inference node's block fetch engine in XDP (hostagent/inference/fetch drives it).
  *
  * One program, attached natively to the node's interface in place of the XDP_PASS program a veth
  * end needs anyway, plays two parts:

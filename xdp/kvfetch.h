@@ -1,6 +1,6 @@
 /* kvfetch.h - the fetch engine's constants and structs (xdp/kvfetch.c; the engine, in
- * hostagent/fetch/program.py, reads the constants with xdp.constants and checks its numpy views
- * against the sizes stated here). Constants are plain `#define KV_<NAME> <integer>` lines so
+ * hostagent/inference/fetch/program.py, reads the constants with xdp.constants and checks its numpy
+ * views against the sizes stated here). Constants are plain `#define KV_<NAME> <integer>` lines so
  * tools can read them. */
 #ifndef KV_FETCH_H
 #define KV_FETCH_H

@@ -1,13 +1,13 @@
-/* kvserve.c - a pool node's GET path in XDP (hostagent/xdpserve.py loads it on the node's
+/* kvserve.c - a pool node's GET path in XDP (hostagent/pool/xdpserve.py loads it on the node's
  * interface): GETs for staged blocks are answered at the driver layer, everything else goes up
  * to `hostagent serve` untouched.
  *
  * The pool node's staging arena is this program's memory: kvs_arena, an mmapable array of
  * KV_SERVE_SEGS segments of KV_SERVE_SEG bytes, contiguous in memory, which the Python server
  * uses as its arena (stores read whole blocks into it: get_into, put_from, PUT assembly). A
- * staged block lies in a run of the arena laid out as hostagent/blockfmt.py stores it (any chunk
- * size): chunk i is `len` bytes at arena offset `off`. For every block that may be served
- * Python writes (hostagent/xdpserve.py)
+ * staged block lies in a run of the arena laid out as hostagent/pool/blockfmt.py stores it (any
+ * chunk size): chunk i is `len` bytes at arena offset `off`. For every block that may be served
+ * Python writes (hostagent/pool/xdpserve.py)
  *
  *   kvs_slots[first+i]  per chunk, mmapped: the chunk it describes (namespace, key, index), the
  *                       block's chunk count, the chunk's length, CRC-32 and arena offset, and

@@ -90,10 +90,11 @@ def _later_shared(keys: list[list[bytes]]) -> list[set[bytes]]:
 
 async def _run(model, tok, mid, client, args: dict, log=print) -> dict:
     import torch
-    from hostagent import blend
-    from hostagent.blend_store import PassageStore
-    from hostagent.client import TransferStats
-    from hostagent.kvconnector import BlockLayout, KVConnector, cache_to_blocks, greedy, prefill
+    from hostagent.inference import blend
+    from hostagent.inference.blend_store import PassageStore
+    from hostagent.common.transfer import TransferStats
+    from hostagent.inference.hf_connector import (BlockLayout, KVConnector, cache_to_blocks, greedy,
+                                                  prefill)
     from testbed.demos.realmodel import texts
     torch.set_num_threads(args["threads"])
     cfg, new = model.config, args["new_tokens"]
@@ -224,7 +225,7 @@ def _file_log(path):
 def node(pools: list[str], chunk_size: int, args: dict) -> dict:
     """Task inside the inference node: the whole run, passages through the testbed's pool."""
     os.nice(args.get("nice", 0))            # the model's work yields; switchd and the pool don't
-    from hostagent.fetch import open_client
+    from hostagent.inference.fetch import open_client
     from testbed.demos.realmodel import load
     model, tok, mid = load()
 
@@ -239,7 +240,7 @@ def node(pools: list[str], chunk_size: int, args: dict) -> dict:
 
 def local(args: dict, log=print) -> dict:
     """The same run in this process with an in-process store (quick runs, no testbed)."""
-    from hostagent.blend_store import LocalClient
+    from hostagent.inference.blend_store import LocalClient
     from testbed.demos.realmodel import load
     model, tok, mid = load()
     out = asyncio.run(_run(model, tok, mid, LocalClient(), args, log))

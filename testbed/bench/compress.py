@@ -1,5 +1,5 @@
-"""`testbed bench compress`: the KV codecs (``hostagent.codec``) measured on a real trained model,
-SmolLM2-135M-Instruct (``testbed.demos.realmodel``), with real English text (Debian's
+"""`testbed bench compress`: the KV codecs (``hostagent.inference.codec``) measured on a real
+trained model, SmolLM2-135M-Instruct (``testbed.demos.realmodel``), with real English text (Debian's
 ``/usr/share/common-licenses/*``).
 
 Per codec: the compression ratio against 16-bit KV; the perplexity of a continuation with the
@@ -64,7 +64,8 @@ def quality(model, layout, codecs, prompts, prefix_tokens, cont_tokens, suffix_t
     forward for all of them."""
     import torch
     from transformers import DynamicCache
-    from hostagent.kvconnector import blocks_to_cache, cache_to_blocks, codec_for, prefill
+    from hostagent.inference.hf_connector import (blocks_to_cache, cache_to_blocks, codec_for,
+                                                  prefill)
     order = ["none"] + [c for c in codecs if c != "none"]
     B = len(order)
     acc = {c: {"nll": 0.0, "n": 0, "agree": [], "tf": [], "err": 0.0} for c in order}
@@ -132,7 +133,7 @@ def speed(layout, codecs, block_kv, reps: int = 5) -> dict:
     """Encode and decode GB/s of 16-bit KV on one core, over real blocks ``block_kv``
     ([n, L, 2, H, T, D] float32); decode straight into a cache-shaped float32 tensor."""
     import torch
-    from hostagent.kvconnector import codec_for
+    from hostagent.inference.hf_connector import codec_for
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -167,7 +168,7 @@ def entropy(layout, block_kv) -> dict:
     """Empirical entropy of the int4 and int8 codes (bits a symbol): what an entropy coder
     (CacheGen's last stage) could take off, before its own decode cost."""
     import numpy as np
-    from hostagent.kvconnector import codec_for
+    from hostagent.inference.hf_connector import codec_for
     out = {}
     for c in ("int8", "int4"):
         codec = codec_for(layout, c)
@@ -201,7 +202,7 @@ def hit_ratios(trace_path: str, ratios: dict[str, float], fraction: float = 0.02
 # ---- the long prefix through the switch -----------------------------------------------------
 def _layout(dtype: str, shape):
     import torch
-    from hostagent.kvconnector import BlockLayout
+    from hostagent.inference.hf_connector import BlockLayout
     L, H, T, D = shape
     return BlockLayout(L, H, D, getattr(torch, dtype), T)
 
@@ -210,9 +211,9 @@ def node_put(pools, chunk_size, codec, dtype, shape, kv_path, model_id) -> dict:
     """In an inference node: put the blocks of ``kv_path`` (a saved [n, L, 2, H, T, D] tensor)
     coded with ``codec`` (bf16 blocks for ``none``); their keys."""
     import torch
-    from hostagent.client import KVClient
-    from hostagent.hashing import block_hashes
-    from hostagent.kvconnector import codec_for
+    from hostagent.inference.client import KVClient
+    from hostagent.common.hashing import block_hashes
+    from hostagent.inference.hf_connector import codec_for
     layout = _layout(dtype, shape)
     kv = torch.load(kv_path)
     co = codec_for(layout, codec)
@@ -231,12 +232,12 @@ def node_put(pools, chunk_size, codec, dtype, shape, kv_path, model_id) -> dict:
 def node_load(pools, chunk_size, codec, dtype, shape, nblocks, model_id, reps) -> dict:
     """In an inference node: load the prefix with the fetch engine and decode it, ``reps``
     times (the first warms the switch); seconds of each."""
-    from hostagent.fetch import open_client
-    from hostagent.kvconnector import KVConnector
+    from hostagent.inference.fetch import open_client
+    from hostagent.inference.hf_connector import KVConnector
     layout = _layout(dtype, shape)
 
     async def go():
-        from hostagent.kvconnector import codec_for
+        from hostagent.inference.hf_connector import codec_for
         size = codec_for(layout, codec).nbytes
         async with open_client(pools=pools, chunk_size=chunk_size, window=64, deadline=60,
                                arena_bytes=(nblocks + 8) * size) as client:
@@ -302,7 +303,8 @@ def run_compress(codecs=("none", "int8", "fp8", "int4"), prompts: int = 20,
     each part. ``update``: keep what ``json_path`` already holds and update it (a run split
     into parts)."""
     import torch
-    from hostagent.kvconnector import BlockLayout, DynamicCache, cache_block_tensor, codec_for
+    from hostagent.inference.hf_connector import (BlockLayout, DynamicCache, cache_block_tensor,
+                                                  codec_for)
     from testbed.demos.realmodel import load
     from testbed.lab import write_json
     codecs = list(dict.fromkeys(["none", *codecs]))
@@ -350,7 +352,7 @@ def run_compress(codecs=("none", "int8", "fp8", "int4"), prompts: int = 20,
     kv = []
     for _, ids in windows_[:4] if {"speed", "load"} & set(parts) else []:
         cache = DynamicCache(config=model.config)
-        from hostagent.kvconnector import prefill
+        from hostagent.inference.hf_connector import prefill
         prefill(model, ids[:prefix_tokens], cache, BLOCK_TOKENS)
         kv.append(cache_block_tensor(cache, layout))
     block_kv = torch.cat(kv) if kv else None
@@ -414,7 +416,7 @@ def plot(result: dict, path: str) -> None:
 def command():
     """The `testbed bench compress` command (registered by testbed.cli)."""
     import click
-    from hostagent.codec import UnknownCodec, parse
+    from hostagent.inference.codec import UnknownCodec, parse
 
     def codec_list(ctx, param, value):
         names = [v.strip() for v in value.split(",") if v.strip()]

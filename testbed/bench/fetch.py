@@ -1,20 +1,21 @@
 """`testbed bench fetch`: whole-block fetch throughput at an inference node, GB/s of block payload,
 every path measured in one run, on one testbed per chunk size (h1 reads, p1 holds):
 
-  xdp/switch    the XDP fetch engine (hostagent.fetch) from the switch's cache, byte-exact (the
-                CRC of every chunk, and compared here), loss-free and under 1% and 5% loss of the
-                KV frames h1 receives (the engine's stand-in for the testbed's loss injector);
+  xdp/switch    the XDP fetch engine (hostagent.inference.fetch) from the switch's cache, byte-exact
+                (the CRC of every chunk, and compared here), loss-free and under 1% and 5% loss of
+                the KV frames h1 receives (the engine's stand-in for the testbed's loss injector);
   xdp/pool      the engine past the switch (KV_F_NO_CACHE), answered by `hostagent serve`;
-  asyncio       today's asyncio client (hostagent.client.KVClient) from the switch's cache;
-  mooncake      Mooncake Store's TCP get (get_into a registered buffer) of the same bytes from a
-                segment on p1, with the switch's program detached (a plain bridge) and attached;
-                its master (testbed.lab.mooncake) runs in the topology's m1;
+  asyncio       today's asyncio client (hostagent.inference.client.KVClient) from the switch's
+  cache; mooncake      Mooncake Store's TCP get (get_into a registered buffer) of the same bytes
+                from a segment on p1, with the switch's program detached (a plain bridge) and
+                attached; its master (testbed.lab.mooncake) runs in the topology's m1;
   switch hit    the switch's hit rate as `bench throughput` measures it (live-frames GET
                 generator, replies counted and dropped by an XDP program on h1: no copy, no
                 check, no Python) over the block's chunks: the ceiling;
-  xdp-auth      the engine fetching the same data sealed with a namespace key (hostagent/auth.py:
-                one header chunk more, its AES-GMAC tag checked over the arena as the fetch
-                goes), from the switch and past it: the cost of keyed authentication.
+  xdp-auth      the engine fetching the same data sealed with a namespace key
+                (hostagent/common/auth.py: one header chunk more, its AES-GMAC tag checked over the
+                arena as the fetch goes), from the switch and past it: the cost of keyed
+                authentication.
 
 The hit path and the engine (each loss rate, and with authentication right after the loss-free
 fetch of the same round) are measured in interleaved rounds (the engine
@@ -33,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hostagent import auth
-from hostagent.client import TransferTimeout
-from hostagent.fetch import FetchEngine
+from hostagent.common import auth
+from hostagent.common.transfer import TransferTimeout
+from hostagent.inference.fetch import FetchEngine
 from switchd.cache import Cache
 from switchd.dataplane import DataPlane, pinned_deployment
 
@@ -126,7 +127,7 @@ def _merge(parts: list[dict]) -> dict:
 def asyncio_get(pools: list[str], cs: int, key_hex: str, n: int, reps: int) -> dict:
     """Task in the reader: today's asyncio client, ``reps`` fetches of one block."""
     import asyncio
-    from hostagent.client import KVClient
+    from hostagent.inference.client import KVClient
     expect = _block(n, cs)
 
     async def go():
@@ -162,7 +163,7 @@ def _mooncake_setup(store_mod, me: str, master: str, segment: int, buffer: int =
 def mooncake_hold(me: str, master: str, blocks: list, ready: str, stop: str) -> dict:
     """Task in the holder: the blocks as Mooncake objects in this node's segment until
     ``stop`` exists. ``blocks``: (object key, chunk size, chunks)."""
-    from hostagent.mooncake_store import load_mooncake
+    from hostagent.pool.mooncake_store import load_mooncake
     mc = load_mooncake()
     total, most = sum(cs * n for _, cs, n in blocks), max(cs * n for _, cs, n in blocks)
     store = _mooncake_setup(mc, me, master, total + 64 * MIB, most + 16 * MIB)   # put copies
@@ -186,7 +187,7 @@ def mooncake_read(me: str, master: str, blocks: list, reps: int) -> dict:
     """Task in the reader: get_into a registered buffer, ``reps`` times per block."""
     import ctypes
     import numpy as np
-    from hostagent.mooncake_store import load_mooncake
+    from hostagent.pool.mooncake_store import load_mooncake
     store = _mooncake_setup(load_mooncake(), me, master, 16 * MIB)
     out = {}
     try:

@@ -1,6 +1,6 @@
 """Keyed block authentication's cost on the fetch engine, A/B: the same data plain and sealed
-(hostagent/auth.py) in a keyed namespace, fetched from the switch's cache alternately, fetch by
-fetch, on one testbed per chunk size. `testbed bench fetch` measures the same in its rounds
+(hostagent/common/auth.py) in a keyed namespace, fetched from the switch's cache alternately, fetch
+by fetch, on one testbed per chunk size. `testbed bench fetch` measures the same in its rounds
 (the xdp-auth rows); this is the low-noise check. ``python -m testbed.bench.fetch_auth
 [JSON]``."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 
 import numpy as np
 
-from hostagent import auth
-from hostagent.fetch import FetchEngine
+from hostagent.common import auth
+from hostagent.inference.fetch import FetchEngine
 from switchd.cache import Cache
 from switchd.dataplane import DataPlane, pinned_deployment
 
@@ -20,7 +20,7 @@ from .fetch import AUTH_KEY, MIB, NS, NS_AUTH, PREFIX, _block, _engine, _gbps, _
 from .throughput import fill_cache
 def auth_ab(chunk_sizes=(3072,), sizes_mib=(2, 64), reps: int = 30, json_path: str | None = None,
             log=print) -> dict:
-    """The engine fetching the same data plain and sealed (hostagent/auth.py), alternating
+    """The engine fetching the same data plain and sealed (hostagent/common/auth.py), alternating
     fetch by fetch from the switch's cache, ``reps`` pairs per block (a third of that at 8 MiB
     and more): the cost of keyed authentication with less noise than a full run's rounds.
     ``python -m testbed.bench.fetch_auth [JSON]``."""

@@ -78,7 +78,7 @@ def _preload(lab: Lab, ns: int, keys: list[str], replicas: bool, block_bytes: in
 async def put_all(pools, chunk_size, ns, block_bytes, keys, replicas) -> int:
     """In a node: put ``keys``' blocks on their owner (every pool node with ``replicas``)."""
     import asyncio
-    from hostagent.client import KVClient
+    from hostagent.inference.client import KVClient
     groups = [[p] for p in pools] if replicas else [pools]
     sem = asyncio.Semaphore(8)
 

@@ -21,8 +21,8 @@ import random
 import threading
 import time
 
-from hostagent.client import KVClient
-from hostagent.fetch.engine import FetchEngine
+from hostagent.inference.client import KVClient
+from hostagent.inference.fetch.engine import FetchEngine
 
 from .serve_workloads import payload
 

@@ -4,8 +4,8 @@ rate (as `bench serve`); capacities set so that the node tiers fill and the work
 ``fill`` x the pool's DRAM. One testbed; for every mode (demote none|all|value x write-down
 all|selective) the pool servers and the switch restart afresh, and the mode runs with the
 pool bounded and with an unbounded pool (its reference). The tier policy
-(hostagent.tier_policy) decides on the inference nodes (testbed.bench.serve_tiers_node) and on
-the pool nodes (testbed.bench.serve_tiers_pool); `testbed sim`'s exact tier replay
+(hostagent.common.tier_policy) decides on the inference nodes (testbed.bench.serve_tiers_node) and
+on the pool nodes (testbed.bench.serve_tiers_pool); `testbed sim`'s exact tier replay
 (testbed.sim.tiers.TierSim) runs the same requests through the same policy code at the same
 capacities, and its per-tier hit ratios are reported beside the live ones.
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hostagent.tier_policy import DEMOTES, WRITE_DOWNS, PolicyConfig, PolicyError, TierCost
-from hostagent.tier_policy import DEFAULT_COSTS
+from hostagent.common.tier_policy import DEMOTES, WRITE_DOWNS, PolicyConfig, PolicyError, TierCost
+from hostagent.common.tier_policy import DEFAULT_COSTS
 
 from ..lab import Lab, TestbedError, write_json
 from ..sim.config import MODELS
@@ -62,8 +62,8 @@ def fill_workload(nodes: int, docs: int = 64, doc_blocks: int = 4, own_blocks: i
 
 def object_bytes(block_bytes: int) -> int:
     """A block as a pool node stores it (header, CRCs, payload): a disk tier file."""
-    from hostagent.blockfmt import Layout
-    return Layout.for_payload(NS, bytes(16), block_bytes, CHUNK).size
+    from hostagent.pool.blockfmt import ObjectLayout
+    return ObjectLayout.for_payload(NS, bytes(16), block_bytes, CHUNK).size
 
 
 def staged_bytes(block_bytes: int) -> int:
@@ -118,7 +118,7 @@ def simulate(wl: Workload, cap: dict, nodes: int, pool_addrs, cfg: PolicyConfig,
              block_bytes: int, unbounded: bool, fetch_s: float,
              prefill_tok_s: float | None = None, ns: int = NS) -> dict:
     """`testbed sim`'s exact tier replay of the same requests at the same capacities."""
-    from hostagent.client import pool_for
+    from hostagent.common.transfer import pool_for
     from kvproto.wire import PORT
     from ..sim.tiers import TierSim
     pools = [(a, PORT) for a in pool_addrs]

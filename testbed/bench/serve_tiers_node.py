@@ -1,7 +1,7 @@
 """One inference node of `testbed bench serve --tiers` (a testbed.lab task in the node's
 namespace): the serving loop of testbed.bench.serve_node with a node-DRAM tier
-(hostagent.node_tier.NodeTier, holding the fetch engine's zero-copy blocks and the blocks the
-node computed) and hostagent.tier_policy deciding, per request:
+(hostagent.inference.node_tier.NodeTier, holding the fetch engine's zero-copy blocks and the blocks
+the node computed) and hostagent.common.tier_policy deciding, per request:
 
   1. every prefix block is a use of it (the policy's popularity, with its depth);
   2. node DRAM first (a hit: no network), the rest fetched at once with the XDP fetch engine
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import time
 
-from hostagent.fetch.engine import FetchEngine
-from hostagent.node_tier import NodeTier, view_of
+from hostagent.inference.fetch.engine import FetchEngine
+from hostagent.inference.node_tier import NodeTier, view_of
 
 from .serve_node import BLOCK_TOKENS, Writer
 from .serve_tiers_pool import policy_config
@@ -29,7 +29,7 @@ from .serve_workloads import payload
 
 def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests: list[dict],
           start_at: float, prefill_tok_s: float, policy: dict, node_bytes: int) -> dict:
-    from hostagent.tier_policy import TierPolicy
+    from hostagent.common.tier_policy import TierPolicy
     pol = TierPolicy(policy_config(policy))
     t0 = [time.monotonic()]
     clock = lambda: time.monotonic() - t0[0]      # noqa: E731 - the policy's time

@@ -1,5 +1,5 @@
 """The pool node of `testbed bench serve --tiers`: `hostagent serve` (DRAM store, disk tier)
-with hostagent.tier_policy's pool side plugged in: the PUTs it stores and the GETs (chunk 0,
+with hostagent.common.tier_policy's pool side plugged in: the PUTs it stores and the GETs (chunk 0,
 one a fetch) that reach it feed the policy; DRAM gives way in the policy's order (``value``
 mode: lowest value first, else least recent) through the store's ``set_policy``, and the
 policy's demotion gate decides which evicted blocks go to disk. GETs are answered by the
@@ -15,7 +15,7 @@ import sys
 
 
 def policy_config(d: dict):
-    from hostagent.tier_policy import PolicyConfig, TierCost
+    from hostagent.common.tier_policy import PolicyConfig, TierCost
     kw = dict(d)
     if "costs" in kw:
         kw["costs"] = {k: TierCost(*v) for k, v in kw["costs"].items()}
@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = policy_config(json.loads(argv.pop(0)))
     os.environ["HOSTAGENT_XDP_SERVE"] = "0"
-    from hostagent import cli, server
-    from hostagent.tier_policy import PoolSide
+    from hostagent import cli
+    from hostagent.pool import server
+    from hostagent.common.tier_policy import PoolSide
     side = PoolSide(cfg)
     make_store = cli._make_store
 

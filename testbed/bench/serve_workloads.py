@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hostagent.client import pool_for
+from hostagent.common.transfer import pool_for
 
 from ..sim.trace import BLOCK_TOKENS, load_trace
 

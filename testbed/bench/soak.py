@@ -18,7 +18,7 @@ NS = 13
 async def drive(pool: str, seconds: float, seed: int, keys_hex: list[str]) -> dict:
     """In an inference node: fetch blocks drawn Zipf(1) from ``keys_hex`` for ``seconds``."""
     import numpy as np
-    from hostagent.client import KVClient
+    from hostagent.inference.client import KVClient
     keys = [bytes.fromhex(k) for k in keys_hex]
     rng = np.random.default_rng(seed)
     p = np.arange(1, len(keys) + 1) ** -1.0

@@ -14,7 +14,7 @@ import random
 from rich.console import Console
 from rich.table import Table
 
-from hostagent.hashing import block_hashes
+from hostagent.common.hashing import block_hashes
 
 from ..lab import Lab
 

@@ -11,8 +11,8 @@ blocks must equal the recomputed ones bit for bit) and the bytes moved per cache
 
 The default model is the real SmolLM2-135M-Instruct (``testbed.demos.realmodel``, installed by
 ``make setup``) on real text (Debian's license texts): with every KV codec in ``codecs``
-(``hostagent.codec``) the same prompts' blocks move again, coded (their own keys); codec none
-must give greedy tokens and KV identical to recompute, the others report their greedy agreement
+(``hostagent.inference.codec``) the same prompts' blocks move again, coded (their own keys); codec
+none must give greedy tokens and KV identical to recompute, the others report their greedy agreement
 with it. The seeded-random models stay for fast runs and tests: "llama3-mini" is a scaled-down
 Llama-3: grouped-query attention with 16 query heads and 2 KV heads, a 3.5x SwiGLU MLP, fp32, 8 layers of width 1024 (~0.17 B parameters, 0.35 GFLOP
 per token outside attention), so 8 KiB of KV per token: ~42 kFLOP of prefill per KV byte. That is
@@ -23,9 +23,9 @@ and no AMX, and torch's CPU build multiplies bf16 about 5x slower than fp32 here
 (``--dtype bfloat16`` still runs).
 
 The orchestrator runs here; the model runs inside the node namespaces (tasks ``node_a`` and
-``node_b``). B and C fetch through the XDP fetch engine (``hostagent.fetch``; the asyncio client
-where it cannot run) and rebuild the cache straight from its zero-copy blocks; A puts with the
-asyncio client.
+``node_b``). B and C fetch through the XDP fetch engine (``hostagent.inference.fetch``; the asyncio
+client where it cannot run) and rebuild the cache straight from its zero-copy blocks; A puts with
+the asyncio client.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ class _Node:
     """The model of one inference node (the same seeded weights on every node) and its layout."""
 
     def __init__(self, model: str, dtype: str, block_tokens: int):
-        from hostagent.kvconnector import BlockLayout      # first: it keeps transformers offline
+        from hostagent.inference.hf_connector import BlockLayout  # first: keeps transformers offline
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
         self.dtype = getattr(torch, dtype)
@@ -99,7 +99,7 @@ class _Node:
 
     def recompute(self, tokens: list[int]):
         from transformers import DynamicCache
-        from hostagent.kvconnector import prefill
+        from hostagent.inference.hf_connector import prefill
         cache = DynamicCache(config=self.config)
         start = time.perf_counter()
         logits = prefill(self.model, tokens, cache, self.layout.block_tokens)
@@ -114,9 +114,9 @@ class _Node:
         """Warmed up, a KV connector for this node's model over a client of its own: with
         ``fetch_blocks``, the XDP fetch engine (an arena for that many blocks; the asyncio
         client where the engine cannot run), else the asyncio client (puts)."""
-        from hostagent.client import KVClient
-        from hostagent.fetch import open_client
-        from hostagent.kvconnector import KVConnector
+        from hostagent.inference.client import KVClient
+        from hostagent.inference.fetch import open_client
+        from hostagent.inference.hf_connector import KVConnector
         self.warm_up()
         opened = (open_client(**client_args, arena_bytes=fetch_blocks * self.layout.block_bytes)
                   if fetch_blocks else KVClient(**client_args))
@@ -157,7 +157,7 @@ async def _node_a(node: _Node, name: str, sizes, client_args: dict, concurrency:
 
 async def _node_b(node: _Node, name: str, sizes, client_args: dict, concurrency: int,
                   new_tokens: int, codecs=("none",)) -> dict:
-    from hostagent.kvconnector import greedy, prefill
+    from hostagent.inference.hf_connector import greedy, prefill
     import torch
     out = []
     # the largest prefix's blocks are held together (the cache is built from them in place)

@@ -121,7 +121,7 @@ def timed_fetches(pools: list[str], chunk_size: int, ns: int, key_hex: str,
     engine; each fetch's stats (seconds from the first GET to the last byte, who answered,
     retransmissions) and the block's sha256."""
     import hashlib
-    from hostagent.fetch.engine import FetchEngine
+    from hostagent.inference.fetch.engine import FetchEngine
     out = []
     with FetchEngine(pools, chunk_size) as eng:
         for _ in range(reps):

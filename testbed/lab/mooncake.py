@@ -43,7 +43,7 @@ class MooncakeMaster:
         return f"{self.node.ip}:{RPC_PORT}"
 
     def argv(self) -> list[str]:
-        from hostagent.mooncake_store import MooncakeMissing, master_argv
+        from hostagent.pool.mooncake_store import MooncakeMissing, master_argv
         try:
             return master_argv(self.node.ip, RPC_PORT, HTTP_PORT, 9003, *self.extra)
         except MooncakeMissing as exc:

@@ -212,7 +212,7 @@ def plain_bridge_ports(topo: Topology, on: bool) -> None:
 
 def _without_xdp_server(namespaces: list[str], ifname: str) -> list[str]:
     """The namespaces whose ``ifname`` carries no generic-mode program: a pool node's XDP GET
-    server (hostagent.xdpserve) runs in that mode, and a native program cannot join it."""
+    server (hostagent.pool.xdpserve) runs in that mode, and a native program cannot join it."""
     keep = []
     for ns in namespaces:
         with netns.inside(ns):

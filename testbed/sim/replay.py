@@ -52,7 +52,7 @@ async def drive(trace_path: str, pool: str, limit: int | None, speedup: float,
                 block_bytes: int) -> dict:
     """In the inference node: put the trace's blocks, then fetch every request's blocks at the
     trace's pace; count the switch's answers."""
-    from hostagent.client import KVClient
+    from hostagent.inference.client import KVClient
     trace = load_trace(trace_path)
     n = min(trace.n_requests, limit or trace.n_requests)
     wanted = sorted({int(h) for i in range(n) for h in trace.blocks(i)})

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from hostagent.client import pool_for
+from hostagent.common.transfer import pool_for
 from kvproto.wire import PORT
 
 from .config import FRAME_OVERHEAD

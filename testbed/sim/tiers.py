@@ -236,8 +236,8 @@ class SwitchModel:
 # ---- the four live tiers, exact, request by request --------------------------------------------
 class TierSim:
     """Node DRAM (per inference node), the switch (SwitchModel), pool DRAM and pool disk (per
-    pool node), replayed request by request with hostagent.tier_policy deciding, the same code
-    the live inference nodes and pool nodes run: what each node writes down and when, what it
+    pool node), replayed request by request with hostagent.common.tier_policy deciding, the same
+    code the live inference nodes and pool nodes run: what each node writes down and when, what it
     promotes, what leaves a full tier first and whether an evicted block moves down or is
     dropped. Each inference node and each pool node has a policy of its own, fed with what it
     sees (a node: its requests; a pool node: the PUTs and the GETs that reach it). A request
@@ -250,7 +250,7 @@ class TierSim:
                  switch_headroom: int | None = None, interval: float = 1.0,
                  fetch_window: float = 0.0, prefill_tok_s: float | None = None,
                  block_tokens: int = 512):
-        from hostagent.tier_policy import OrderedTier, TierPolicy
+        from hostagent.common.tier_policy import OrderedTier, TierPolicy
         self.cfg, self.size, self.owner, self.nchunks = cfg, block_bytes, owner, nchunks
         by_value = cfg.demote == "value"
         self.node_pol = [TierPolicy(cfg) for _ in range(nodes)]

@@ -61,7 +61,7 @@ def model_config(cap: int, headroom: int, routing: str, speedup: float,
 
 # ---- inside the namespaces (tasks) --------------------------------------------------------------
 async def put(trace_path: str, limit: int, pool: str) -> dict:
-    from hostagent.client import KVClient
+    from hostagent.inference.client import KVClient
     tr = _slice(load_trace(trace_path), limit)
     ids = np.unique(tr.hash_ids).tolist()
     async with KVClient([pool], chunk_size=BLOCK, window=64) as c:
@@ -71,7 +71,7 @@ async def put(trace_path: str, limit: int, pool: str) -> dict:
 
 async def drive(trace_path: str, limit: int, pool: str, routes_path: str, me: int,
                 speedup: float, start_at: float) -> dict:
-    from hostagent.client import KVClient
+    from hostagent.inference.client import KVClient
     tr = _slice(load_trace(trace_path), limit)
     mine = [i for i, n in enumerate(json.loads(Path(routes_path).read_text())) if n == me]
     ts0 = int(tr.timestamp[0])

@@ -37,7 +37,7 @@ def probe(pools: list[str], chunk: int, ns: int, block_bytes: int, reps: int, n:
     or at the end of a modelled prefill) and, with ``links`` (one node, so that the links are
     idle), a fetch of one block and a fetch of ``n`` blocks at once, each on blocks not fetched
     before."""
-    from hostagent.fetch.engine import FetchEngine
+    from hostagent.inference.fetch.engine import FetchEngine
     out = {"not_found": [], "wake": [], "one": [], "many": []}
     with FetchEngine(pools, chunk) as eng:
         def timed(keys):

@@ -1,6 +1,6 @@
-"""The KV codecs' decode loops (``hostagent.codec``), compiled by numba at first use and cached
-on disk. Each decodes ``rows`` rows of ``row_len`` values from coded bytes into ``out``, a flat
-float32 array, row r at ``out[r * out_stride + out_off:][:row_len]`` (a block's tokens inside a
+"""The KV codecs' decode loops (``hostagent.inference.codec``), compiled by numba at first use and
+cached on disk. Each decodes ``rows`` rows of ``row_len`` values from coded bytes into ``out``, a
+flat float32 array, row r at ``out[r * out_stride + out_off:][:row_len]`` (a block's tokens inside a
 longer cache tensor). One pass, the inner loop over contiguous values (LLVM vectorises it).
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Keyed authentication in the fetch engine (hostagent/auth.py has the format): a transfer of a
-namespace the engine's keyring covers gets a ``StreamCheck``; as its arrived prefix grows the
+"""Keyed authentication in the fetch engine (hostagent/common/auth.py has the format): a transfer of
+a namespace the engine's keyring covers gets a ``StreamCheck``; as its arrived prefix grows the
 header is parsed and the data fed to GHASH straight from the arena (a memoryview: no copy), so
 the tag check overlaps the fetch; when the last chunk is in the tag decides. The tag covers
 every byte, so such a transfer skips the per-chunk CRC checks on the way (GHASH costs about what
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from hostagent.auth import AuthError, Keyring, StreamCheck, header_chunks, refused
+from hostagent.common.auth import AuthError, Keyring, StreamCheck, header_chunks, refused
 
 from .verify import ask_again
 

@@ -1,17 +1,17 @@
 """What a pool node stores blocks in, and the in-memory store (the embedded default).
 
 Every store has the same two halves. PUT chunks, one datagram each, are assembled
-(``hostagent.assembly``: budgets per namespace and per source, an incomplete block is dropped
+(``hostagent.pool.assembly``: budgets per namespace and per source, an incomplete block is dropped
 after a timeout) until the block is whole; then it is laid out as one object
-(``hostagent.blockfmt``: header, the writer's CRC of every chunk, payload) in the node's
-staging arena (``hostagent.staging``), from which GETs are
+(``hostagent.pool.blockfmt``: header, the writer's CRC of every chunk, payload) in the node's
+staging arena (``hostagent.pool.staging``), from which GETs are
 answered. ``PoolStore`` is that common part and the interface the server uses: ``get`` and
 ``put_chunk`` answer at once or hand back a future when the backing store has to be asked.
 
 ``MemoryStore`` (alias ``BlockStore``) has no backing store: the arena is the store, a miss is
 NOT_FOUND and the least recently used blocks go when space runs out. The Mooncake Store one is
-``hostagent.mooncake_store``. Either may have a pool disk tier (``disk=``, a
-``hostagent.disk_tier.DiskTier``): a block evicted from the arena is written there first (if
+``hostagent.pool.mooncake_store``. Either may have a pool disk tier (``disk=``, a
+``hostagent.pool.disk_tier.DiskTier``): a block evicted from the arena is written there first (if
 ``demote_fn(ns, key, nbytes)`` says so; default: every one), and a GET the arena misses is
 staged back from it (read in a worker thread, every chunk checked) before the backing store is
 asked; at a clean stop (``close``) the blocks only in DRAM are written there too. The eviction order is ``lru`` or ``value`` (``value_fn(ns, key, nbytes)``, lowest
@@ -33,7 +33,7 @@ from collections import Counter
 from kvproto import Status, checksum
 from .assembly import (DEFAULT_ASSEMBLY_BYTES, DEFAULT_ASSEMBLY_TIMEOUT, Assembler, PutBudgets,
                        StoreError)
-from .blockfmt import Layout, write_block
+from .blockfmt import ObjectLayout, write_block
 from .disk_tier import DiskTier
 from .staging import DEFAULT_PAGE, Arena, StagedBlock, Staging, StagingFull
 
@@ -160,7 +160,7 @@ class PoolStore:
         if not self.assembler.add(ns, key, chunk, nchunks, payload, crc, source):
             return False
         chunk_size, chunks, crcs = self.assembler.take(ns, key)
-        layout = Layout.for_payload(ns, key, sum(map(len, chunks)), chunk_size)
+        layout = ObjectLayout.for_payload(ns, key, sum(map(len, chunks)), chunk_size)
         try:
             run = self.staging.reserve(layout.size)
         except StagingFull as exc:

@@ -2,7 +2,7 @@
 
 Every pool node is a Mooncake client with a segment of its own DRAM mounted in the cluster.
 A whole block is one Mooncake object, keyed ``kvswitch/<ns>/<key hex>`` and laid out as
-``hostagent.blockfmt`` stores it (header and the writer's chunk CRCs before the payload), so a
+``hostagent.pool.blockfmt`` stores it (header and the writer's chunk CRCs before the payload), so a
 block PUT through any pool node is served by any other. The node's staging arena (registered
 with the transfer engine once, so reads and writes are zero-copy) holds the blocks it serves:
 a completed PUT is laid out there and written to the cluster from it (``put_from``, first copy in

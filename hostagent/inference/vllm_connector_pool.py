@@ -13,7 +13,7 @@ is the longest prefix of blocks whose chunk 0 came back (a NACK, a refusal or a 
 deadline ends the prefix). It goes through the switch like any GET, so a hot prefix is probed
 at the switch. Whole-block GETs go through ``getter``: anything with ``KVClient.get_block``'s
 signature returning ``(block, TransferStats)``, the block a buffer or an object with a
-zero-copy ``view`` and ``release()``: the XDP fetch engine's client (``hostagent.fetch``),
+zero-copy ``view`` and ``release()``: the XDP fetch engine's client (``hostagent.inference.fetch``),
 opened at the first load, or the asyncio client where the engine cannot run (or with
 ``fetch_engine: "off"``).
 """
@@ -27,22 +27,17 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import fields
 
 from kvproto import Message, Op, Status
 
 from . import client as kvclient
-from .client import BlockNotFound, KVClient, Refused, TransferStats
+from hostagent.common.transfer import BlockNotFound, Refused, TransferStats
+from .client import KVClient
 from .vllm_connector_blocks import LoadSpec, PoolLayout, Settings, write_block
 
 log = logging.getLogger("vllm.kvswitch")       # under "vllm": vLLM's handler prints it
 
 PROBE_DEADLINE = 2.0                            # seconds: a probe must not stall the scheduler
-
-
-def add_stats(total: TransferStats, part: TransferStats) -> None:
-    for f in fields(TransferStats):
-        setattr(total, f.name, getattr(total, f.name) + getattr(part, f.name))
 
 
 class PoolBackend:
@@ -101,7 +96,7 @@ class PoolBackend:
         tasks.extend(asyncio.create_task(one(i)) for i in range(len(keys)))
         await asyncio.gather(*tasks, return_exceptions=True)
         stats.seconds = time.monotonic() - start
-        add_stats(self.totals["probe"], stats)
+        self.totals["probe"].add(stats, seconds=True)
         return found, stats
 
     async def _chunk0(self, ns: int, key: bytes, stats: TransferStats) -> None:
@@ -155,7 +150,7 @@ class PoolBackend:
                     failed = min(failed, i)
                     q.put((i, exc, None))
                     return
-                add_stats(self.totals["load"], stats)
+                self.totals["load"].add(stats, seconds=True)
                 q.put((i, data, stats))
 
         await asyncio.gather(*(one(i) for i in range(len(keys))))
@@ -164,7 +159,7 @@ class PoolBackend:
         """The fetch engine's client (zero-copy blocks), else the asyncio client; one log
         line says which fetches blocks."""
         if self.getter is None:
-            from hostagent.fetch import AsyncFetchClient, FetchEngine, NoXdp
+            from hostagent.inference.fetch import AsyncFetchClient, FetchEngine, NoXdp
             s = self.settings
             c = AsyncFetchClient(FetchEngine(list(s.pools), s.chunk_size, deadline=s.deadline),
                                  s.window, s.deadline, owns=True)
@@ -203,7 +198,8 @@ class PoolBackend:
         async def one(key: bytes, data: bytes) -> None:
             async with sem:
                 try:
-                    add_stats(self.totals["save"], await self.client.put_block(ns, key, data))
+                    part = await self.client.put_block(ns, key, data)
+                    self.totals["save"].add(part, seconds=True)
                 except Refused as exc:     # stored already, with other bits: keep the pool's
                     self.save_refused += 1
                     log.info("kvswitch: PUT of %s refused: %s", key.hex(), exc)
@@ -249,7 +245,7 @@ def drain_load(ld: LoadSpec, q: queue.SimpleQueue, caches, layout: PoolLayout,
         finally:
             if not _is_buffer(data) and hasattr(data, "release"):
                 data.release()           # a zero-copy block: its slots may be reused now
-        add_stats(stats, part)
+        stats.add(part, seconds=True)
     return loaded, stats, error
 
 

@@ -7,8 +7,8 @@ index is drawn at random among the free entries and the generation at random fro
 non-zero values (``secrets``), and an (index, generation) pair is not drawn again for
 ``hold`` seconds after its transfer ended: a late reply of a finished transfer (a held miss
 released at the switch, a slow pool node) never matches a new one. The XDP program also checks
-a reply's source addresses; keyed authentication (hostagent/auth.py) is what makes a guessed id
-useless in the end.
+a reply's source addresses; keyed authentication (hostagent/common/auth.py) is what makes a guessed
+id useless in the end.
 """
 from __future__ import annotations
 

@@ -23,8 +23,9 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
-from hostagent import auth as auth_mod
-from hostagent.client import KVClient, TransferStats
+from hostagent.common import auth as auth_mod
+from hostagent.inference.client import KVClient
+from hostagent.common.transfer import TransferStats
 from kvproto import DEFAULT_CHUNK
 from xdp import NoXdp
 from xdp import netns as netns_mod
@@ -153,7 +154,7 @@ async def open_client(pools: Sequence[str | tuple[str, int]], chunk_size: int = 
                       **engine_kw) -> AsyncIterator[AsyncFetchClient | KVClient]:
     """The fetch engine's client if the engine can run here, else the asyncio KVClient (both
     offer get_block and put_block); logs which one is in use. ``auth``: the keyring (default:
-    the process's, hostagent/auth.py), None to turn authentication off."""
+    the process's, hostagent/common/auth.py), None to turn authentication off."""
     engine = FetchEngine(pools, chunk_size, ifname=ifname, netns=netns, deadline=deadline,
                          arena_bytes=arena_bytes, auth=auth, **engine_kw)
     try:

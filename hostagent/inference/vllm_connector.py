@@ -4,17 +4,17 @@ pool: prompt-prefix KV blocks put on the pool nodes and fetched through the swit
 Enable it in any vLLM with its own mechanism::
 
     --kv-transfer-config '{"kv_connector": "KVSwitchConnector",
-      "kv_connector_module_path": "hostagent.vllm_connector", "kv_role": "kv_both",
+      "kv_connector_module_path": "hostagent.inference.vllm_connector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"pools": ["198.18.0.101"], "namespace": 1,
                                     "chunk_size": 3072, "model_id": "my-model@weights-sha",
                                     "kv_codec": "int8"}}'
 
-(``hostagent.vllm_connector_blocks.Settings`` lists every extra key.) ``kv_role`` kv_both loads
-and saves, kv_consumer only loads, kv_producer only saves.
+(``hostagent.inference.vllm_connector_blocks.Settings`` lists every extra key.) ``kv_role`` kv_both
+loads and saves, kv_consumer only loads, kv_producer only saves.
 
 Scheduler side. ``get_num_new_matched_tokens`` derives the prompt's block keys (chained prefix
-hashes with the model id and the layout in them, as ``hostagent.kvconnector``) and probes the
-loadable blocks (never the one holding the last prompt token) with a chunk-0 GET each, all in
+hashes with the model id and the layout in them, as ``hostagent.inference.hf_connector``) and probes
+the loadable blocks (never the one holding the last prompt token) with a chunk-0 GET each, all in
 flight at once: the longest present prefix, minus what vLLM holds locally, is the external hit.
 The probe moves one chunk per block, never the blocks: the scheduler does not fetch twice.
 ``build_connector_meta`` turns hits and allocations into per-step loads and saves
@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorMetadata,
                                                                KVConnectorRole)
 
-from .client import TransferStats
+from hostagent.common.transfer import TransferStats
 from .vllm_connector_blocks import (LoadSpec, Planner, PoolLayout, SaveSpec, Settings,
                                     check_paged_cache, read_block)
 from .vllm_connector_pool import backend_for, drain_load, log

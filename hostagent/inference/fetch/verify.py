@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from hostagent.auth import AuthError
-from hostagent.client import BlockNotFound, Refused
+from hostagent.common.auth import AuthError
+from hostagent.common.transfer import BlockNotFound, Refused
 from kvproto import Flag, ProtocolError, Status
 
 from .block import Block

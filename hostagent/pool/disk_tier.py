@@ -1,7 +1,7 @@
 """The pool disk tier (issue #29): blocks that leave a pool node's DRAM kept in a local
 directory, bounded in bytes, and staged back on a GET instead of being lost.
 
-A block is written as the object the staging arena holds (``hostagent.blockfmt``: a 64-byte
+A block is written as the object the staging arena holds (``hostagent.pool.blockfmt``: a 64-byte
 header naming it, with its own CRC over the header and the writer's CRC-32 of every chunk,
 then the payload), so the file is self-checking with the project's CRCs: on a read the header
 and every chunk are checked against them, and the file must be exactly the object's size. One
@@ -19,7 +19,7 @@ CRC array read and checked), so the tier survives a pool process restart. Past
 log line; a write that fails (full disk, unwritable directory) logs one line, the block is not
 kept and the pool keeps serving from DRAM (one more line when writes work again).
 
-Nothing here touches the network or the staging arena's bookkeeping: ``hostagent.store``
+Nothing here touches the network or the staging arena's bookkeeping: ``hostagent.pool.store``
 writes evicted blocks here (``write``) and reads them back into a reserved run (``read_into``).
 """
 from __future__ import annotations
@@ -34,7 +34,8 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .blockfmt import HEAD_LEN, HEAD, BlockFormatError, Layout, bad_chunks, read_crcs, read_layout
+from .blockfmt import (HEAD_LEN, HEAD, BlockFormatError, ObjectLayout, bad_chunks, read_crcs,
+                       read_layout)
 
 log = logging.getLogger("hostagent.disk")
 
@@ -225,7 +226,7 @@ class DiskTier:
             self.failing = None
         return True
 
-    def read_into(self, ns: int, key: bytes, buf) -> tuple[Layout, array]:
+    def read_into(self, ns: int, key: bytes, buf) -> tuple[ObjectLayout, array]:
         """Read a block's object into ``buf`` (at least ``size(ns, key)`` bytes) and check it:
         its layout and chunk CRCs. Raises KeyError (not here) or DiskCorrupt (dropped). Safe
         to call from a worker thread."""

@@ -13,10 +13,10 @@ except ImportError as exc:  # the pure-Python tier needs the inference extra
     pytest.fail(f"{exc}: install the inference extra (pip install -e '.[inference]', "
                 "or run 'make setup')", pytrace=False)
 
-from hostagent.client import KVClient
-from hostagent.kvconnector import (BlockLayout, KVConnector, blocks_to_cache, cache_to_blocks,
-                                   greedy, prefill)
-from hostagent.server import serve
+from hostagent.inference.client import KVClient
+from hostagent.inference.hf_connector import (BlockLayout, KVConnector, blocks_to_cache,
+                                              cache_to_blocks, greedy, prefill)
+from hostagent.pool.server import serve
 
 BT = 16                              # tokens per block
 NS = 5

@@ -4,26 +4,27 @@
 one page per value can take its place, so an XDP program can serve the same bytes) cut into
 pages, a block taking a contiguous run of them (first fit, neighbouring free runs merged).
 ``Staging`` owns what is in it: an index from (namespace, key) to the staged block (its run,
-its layout as ``hostagent.blockfmt`` stores it, its CRC array), a byte bound (the arena's size),
-the eviction order (``lru``: least recently used first; ``value``: lowest ``value_fn(ns, key,
+its layout as ``hostagent.pool.blockfmt`` stores it, its CRC array), a byte bound (the arena's
+size), the eviction order (``lru``: least recently used first; ``value``: lowest ``value_fn(ns, key,
 nbytes)`` first, ties least recent first), the eviction hook (``on_evict(block)``, called while
 the block is still whole in its run: where a pool disk tier writes it down) and pins: a run
 being filled or written out is never evicted.
 Nothing here touches a socket or a store; the server reads chunks from ``StagedBlock``s, the
 stores fill runs (``reserve`` then ``commit``, or ``release`` on failure), and the arena hears
 of every block that becomes servable (``publish``) and of every one about to leave
-(``retract``), which is where an arena served by XDP (``hostagent.xdpserve``) updates its index.
+(``retract``), which is where an arena served by XDP (``hostagent.pool.xdpserve``) updates its
+index.
 """
 from __future__ import annotations
 
 import ctypes
-import heapq
 import mmap
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from .blockfmt import Layout
+from .blockfmt import ObjectLayout
+from hostagent.common.eviction import ValueHeap, check_eviction
 
 DEFAULT_PAGE = 4096
 
@@ -126,7 +127,7 @@ class Run:
 @dataclass(eq=False)
 class StagedBlock:
     """A whole block in the arena, ready to serve: chunk i is ``chunk(i)``."""
-    layout: Layout
+    layout: ObjectLayout
     run: Run
     crcs: array
     pins: int = 0
@@ -144,66 +145,6 @@ class StagedBlock:
         """(payload, writer's CRC) of chunk i."""
         off, ln = self.layout.chunk_span(i)
         return self.run.view[off:off + ln], self.crcs[i]
-
-
-EVICT_ORDERS = ("lru", "value")
-
-
-def check_eviction(evict: str, value_fn) -> None:
-    if evict not in EVICT_ORDERS:
-        raise ValueError(f"eviction order {evict!r} is not one of {', '.join(EVICT_ORDERS)}")
-    if evict == "value" and value_fn is None:
-        raise ValueError("evict='value' needs a value_fn(ns, key, nbytes)")
-
-
-class ValueHeap:
-    """Held blocks lowest value first, kept up as they come (``push``) rather than ranked anew
-    at every eviction: a popped entry whose value has risen since is pushed back with it, one
-    whose block has gone (or been replaced) is dropped, and the heap is rebuilt after as many
-    evictions as there are blocks (values that fell are seen then). Exact when values only
-    rise between rebuilds (the tier policy's time-free order keys), amortised O(log n) value
-    calls per eviction. Ties: the least recently pushed first."""
-
-    def __init__(self, value_fn):
-        self.vf, self.heap, self.seq, self.pops = value_fn, [], 0, 0
-
-    def push(self, name, obj, nbytes: int) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (self.vf(name[0], name[1], nbytes), self.seq, name, obj))
-
-    def rebuild(self, held) -> None:
-        """From ``held``: (name, obj, nbytes) of every held block, least recent first."""
-        self.heap, self.pops = [], 0
-        for name, obj, nbytes in held:
-            self.seq += 1
-            self.heap.append((self.vf(name[0], name[1], nbytes), self.seq, name, obj))
-        heapq.heapify(self.heap)
-
-    def victims(self, current: dict, pinned, nbytes, held):
-        """Names of ``current``'s unpinned blocks, lowest value first (lazily; pinned ones
-        are put back when the caller stops asking)."""
-        if self.pops > len(current) or len(self.heap) > 2 * len(current) + 64:
-            self.rebuild(held())
-        later = []
-        try:
-            while self.heap:
-                entry = heapq.heappop(self.heap)
-                value, _, name, obj = entry
-                if current.get(name) is not obj:
-                    continue                        # gone or replaced
-                if pinned(obj):
-                    later.append(entry)
-                    continue
-                now = self.vf(name[0], name[1], nbytes(obj))
-                if now > value:                     # used since: back in at its value now
-                    self.seq += 1
-                    heapq.heappush(self.heap, (now, self.seq, name, obj))
-                    continue
-                self.pops += 1
-                yield name
-        finally:
-            for entry in later:
-                heapq.heappush(self.heap, entry)
 
 
 class Staging:
@@ -297,7 +238,7 @@ class Staging:
         self.reserved_pages -= run.npages
         self.arena.release(run.start, run.npages)
 
-    def commit(self, run: Run, layout: Layout, crcs: array, pins: int = 0,
+    def commit(self, run: Run, layout: ObjectLayout, crcs: array, pins: int = 0,
                meta: dict | None = None) -> StagedBlock:
         """Make a reserved run, now holding ``layout``'s object, the staged copy of its block
         (``meta``: what the arena may know of it, e.g. the source that PUT it)."""

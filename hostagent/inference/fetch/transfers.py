@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from hostagent.client import TransferStats
+from hostagent.common.transfer import TransferStats
 
 from .program import GEN_MASK, SENDQ
 

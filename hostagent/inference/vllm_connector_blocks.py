@@ -1,12 +1,12 @@
 """The vLLM connector's pure part (torch, never vLLM): settings, the pool block layout and its
 keys, the scheduler's plan mapping pool blocks onto vLLM's paged blocks, and the copies between
-vLLM's CPU paged KV cache and pool blocks. ``hostagent.vllm_connector`` is the vLLM glue.
+vLLM's CPU paged KV cache and pool blocks. ``hostagent.inference.vllm_connector`` is the vLLM glue.
 
-Blocks and keys are those of the Hugging Face connector (``hostagent.kvconnector``): a pool block
-holds ``block_tokens`` consecutive prompt tokens for every layer, one C-contiguous array of the
-KV dtype shaped ``[layers, 2 (K, V), kv_heads, block_tokens, head_dim]`` (keys after RoPE), and
-its key is the chained prefix hash of the tokens (``hostagent.hashing.block_hashes``) with
-``extra`` = model id + ``|`` + layout tag. ``block_tokens`` is a multiple of vLLM's block size
+Blocks and keys are those of the Hugging Face connector (``hostagent.inference.hf_connector``): a
+pool block holds ``block_tokens`` consecutive prompt tokens for every layer, one C-contiguous array
+of the KV dtype shaped ``[layers, 2 (K, V), kv_heads, block_tokens, head_dim]`` (keys after RoPE),
+and its key is the chained prefix hash of the tokens (``hostagent.common.hashing.block_hashes``)
+with ``extra`` = model id + ``|`` + layout tag. ``block_tokens`` is a multiple of vLLM's block size
 (``ratio`` vLLM blocks per pool block).
 
 vLLM's CPU paged cache keeps per layer a tensor ``[num_blocks, kv_heads, block_size, 2 *
@@ -23,9 +23,8 @@ from typing import Any
 
 import torch
 
-from .hashing import block_hashes
-
-LAYOUT_VERSION = 1                     # the layout of hostagent.kvconnector.BlockLayout
+from hostagent.common.hashing import block_hashes
+from .block_layout import BlockLayout
 
 
 # ---- settings ------------------------------------------------------------------------------
@@ -43,7 +42,7 @@ class Settings:
     block_tokens: int | None = None    # pool block tokens; default: vLLM's block size
     max_pending_save_mib: int = 256    # saves copied out but not yet acknowledged
     fetch_engine: str = "auto"         # auto: the XDP fetch engine where it can run; off
-    kv_codec: str = "none"             # hostagent.codec: none, int8, fp8, int4 (or NAME/gTOKENS)
+    kv_codec: str = "none"             # none, int8, fp8, int4 or NAME/gTOKENS (inference.codec)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
@@ -76,14 +75,11 @@ class Settings:
 
 # ---- layout and keys -----------------------------------------------------------------------
 @dataclass(frozen=True)
-class PoolLayout:
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    block_tokens: int                  # pool block
+class PoolLayout(BlockLayout):
+    """The pool block layout (``BlockLayout``, the Hugging Face connector's) with vLLM's
+    paged block size (``vllm_block``, a pool block is ``ratio`` of them) and the pool's codec."""
     vllm_block: int                    # vLLM's paged block
-    kv_codec: str = "none"             # how blocks are coded in the pool (hostagent.codec)
+    kv_codec: str = "none"             # the pool's coding of blocks (hostagent.inference.codec)
 
     def __post_init__(self):
         if self.block_tokens < 1 or self.block_tokens % self.vllm_block:
@@ -96,23 +92,6 @@ class PoolLayout:
     @property
     def ratio(self) -> int:
         return self.block_tokens // self.vllm_block
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.layers, 2, self.kv_heads, self.block_tokens, self.head_dim)
-
-    @property
-    def token_bytes(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype.itemsize
-
-    @property
-    def block_bytes(self) -> int:
-        return self.token_bytes * self.block_tokens
-
-    def tag(self) -> bytes:
-        """Byte for byte ``hostagent.kvconnector.BlockLayout.tag()`` of the same layout."""
-        return (f"kvlayout/v{LAYOUT_VERSION} L{self.layers} H{self.kv_heads} D{self.head_dim} "
-                f"{str(self.dtype).removeprefix('torch.')} B{self.block_tokens}").encode()
 
     def extra(self, model_id: str) -> bytes:
         """What block keys carry besides the tokens: model id, layout tag and codec tag (so a

@@ -1,33 +1,26 @@
 """The integration layer between a Hugging Face decoder and the KV pool: a model's KV cache as
 content-addressed blocks.
 
-It owns the block layout, cutting a ``transformers.DynamicCache`` into blocks and rebuilding one
+It owns cutting a ``transformers.DynamicCache`` into blocks and rebuilding one
 from blocks, block-aligned chunked prefill, and ``KVConnector``, which puts the blocks of a prompt
 and loads the longest prefix of a prompt whose blocks the switch or the pool nodes have.
 
 Blocks and keys. A block holds the KV of ``block_tokens`` consecutive prompt tokens for every
-layer. Its key is the chained prefix hash of the tokens (``hostagent.hashing.block_hashes``) with
-``extra`` = model id + the layout tag (``BlockLayout.tag``), so blocks of another model, another
-set of weights or another layout never share a key. Only full blocks get keys.
+layer. Its key is the chained prefix hash of the tokens (``hostagent.common.hashing.block_hashes``)
+with ``extra`` = model id + the layout tag (``BlockLayout.tag``), so blocks of another model,
+another set of weights or another layout never share a key. Only full blocks get keys.
 
-Block layout (version 1), no header: one C-contiguous array of the model's dtype (native byte
-order, little-endian on x86 and ARM) of shape
-
-    [layers, 2, kv_heads, block_tokens, head_dim]      (index 1: 0 = K, 1 = V)
-
-that is, for each layer K then V, each [kv_heads, block_tokens, head_dim] as the model keeps them
-(keys after RoPE). Its size is fixed by the layout (``BlockLayout.block_bytes``), so a reader
-knows every block's chunk count without asking; a block of any other size is refused. The layout
-is recoverable from the key's ``extra`` alone, which is why the block needs no header.
+The block layout (its bytes and tag) is ``hostagent.inference.block_layout``'s, which
+both connectors use.
 
 Determinism. Prefill runs in chunks aligned to block boundaries (``prefill``), so the KV of a
 block is the same bits whether a node computed it or fetched it, and greedy generation from a
 fetched prefix is token-for-token (and logit-for-logit) that of a full recompute. Pool blocks
 are immutable: a node whose bits differed would have its PUTs refused.
 
-Codecs. ``KVConnector(kv_codec=...)`` codes blocks with ``hostagent.codec`` (none, int8, fp8,
-int4): encoded where saved, decoded where loaded (each block straight into the cache's tensor as
-it arrives, in a worker thread, while later blocks are fetched); the pool and the switch carry
+Codecs. ``KVConnector(kv_codec=...)`` codes blocks with ``hostagent.inference.codec`` (none, int8,
+fp8, int4): encoded where saved, decoded where loaded (each block straight into the cache's tensor
+as it arrives, in a worker thread, while later blocks are fetched); the pool and the switch carry
 the coded bytes. The codec's tag joins ``extra``, so a reader with another codec misses.
 
 Finding the prefix. Blocks are fetched in chain order, ``concurrency`` at a time; a missing block
@@ -43,54 +36,20 @@ import os
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")       # nothing here ever downloads a model
 
 import torch                                       # noqa: E402
 from transformers import DynamicCache              # noqa: E402
 
-from .client import BlockNotFound, KVClient, TransferStats  # noqa: E402
+from hostagent.common.transfer import BlockNotFound, TransferStats  # noqa: E402
+from .client import KVClient  # noqa: E402
 from .codec import Codec, make as make_codec, warm_up  # noqa: E402
-from .hashing import block_hashes                  # noqa: E402
+from hostagent.common.hashing import block_hashes  # noqa: E402
+from hostagent.inference.block_layout import BlockLayout  # noqa: E402
 
-LAYOUT_VERSION = 1
-DEFAULT_BLOCK_TOKENS = 256
 DEFAULT_CONCURRENCY = 4
-
-
-@dataclass(frozen=True)
-class BlockLayout:
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    block_tokens: int = DEFAULT_BLOCK_TOKENS
-
-    @classmethod
-    def of(cls, config, dtype: torch.dtype, block_tokens: int = DEFAULT_BLOCK_TOKENS):
-        """The layout of a transformers decoder config (Llama, Mistral, Qwen2, ...)."""
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads,
-                   head_dim, dtype, block_tokens)
-
-    @property
-    def shape(self) -> tuple[int, int, int, int, int]:
-        return (self.layers, 2, self.kv_heads, self.block_tokens, self.head_dim)
-
-    @property
-    def token_bytes(self) -> int:
-        """KV bytes per token: every layer's K and V."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype.itemsize
-
-    @property
-    def block_bytes(self) -> int:
-        return self.token_bytes * self.block_tokens
-
-    def tag(self) -> bytes:
-        return (f"kvlayout/v{LAYOUT_VERSION} L{self.layers} H{self.kv_heads} D{self.head_dim} "
-                f"{str(self.dtype).removeprefix('torch.')} B{self.block_tokens}").encode()
 
 
 def cache_block_tensor(cache: DynamicCache, layout: BlockLayout, first: int = 0,
@@ -126,7 +85,7 @@ def cache_to_blocks(cache: DynamicCache, layout: BlockLayout, first: int = 0,
 
 
 def codec_for(layout: BlockLayout, kv_codec: str = "none") -> Codec:
-    """The KV codec ``kv_codec`` (hostagent.codec) bound to a layout."""
+    """The KV codec ``kv_codec`` (hostagent.inference.codec) bound to a layout."""
     return make_codec(kv_codec, layout.layers, layout.kv_heads, layout.block_tokens,
                       layout.head_dim, layout.dtype)
 
@@ -194,12 +153,6 @@ def _release(block) -> None:
         block.release()
 
 
-def _add(total: TransferStats, part: TransferStats) -> None:
-    for f in fields(TransferStats):
-        if f.name != "seconds":
-            setattr(total, f.name, getattr(total, f.name) + getattr(part, f.name))
-
-
 @dataclass
 class Loaded:
     """What ``KVConnector.load`` found: a cache of the first ``tokens`` prompt tokens."""
@@ -214,8 +167,8 @@ class Loaded:
 
 class KVConnector:
     """Put and load a prompt's KV blocks through a ``KVClient`` or the fetch engine's
-    ``AsyncFetchClient`` (already entered; ``hostagent.fetch.open_client`` picks). With the
-    engine, ``load`` builds the cache straight from its zero-copy blocks."""
+    ``AsyncFetchClient`` (already entered; ``hostagent.inference.fetch.open_client`` picks). With
+    the engine, ``load`` builds the cache straight from its zero-copy blocks."""
 
     def __init__(self, client: KVClient, ns: int, layout: BlockLayout, model_id: str | bytes,
                  config=None, concurrency: int = DEFAULT_CONCURRENCY, kv_codec: str = "none"):
@@ -243,7 +196,7 @@ class KVConnector:
 
         async def put(key: bytes, data: bytes) -> None:
             async with sem:
-                _add(total, await self.client.put_block(self.ns, key, data))
+                total.add(await self.client.put_block(self.ns, key, data))
 
         await asyncio.gather(*(put(k, b) for k, b in zip(keys[first_block:], blocks)))
         total.seconds = time.monotonic() - start
@@ -276,7 +229,7 @@ class KVConnector:
                     for t in tasks[i + 1:]:
                         t.cancel()
                     return
-                _add(total, stats)
+                total.add(stats)
             if sink is not None and i < missing:
                 block, got[i] = got[i], True
                 await sink(i, block)

@@ -54,7 +54,7 @@ def payload_offset(nchunks: int, chunk_size: int) -> int:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ObjectLayout:
     """Where a stored block's parts are, relative to the start of its object."""
     ns: int
     key: bytes
@@ -74,7 +74,7 @@ class Layout:
         return self.payload_off + start, min(self.chunk_size, self.payload_len - start)
 
     @classmethod
-    def for_payload(cls, ns: int, key: bytes, payload_len: int, chunk_size: int) -> Layout:
+    def for_payload(cls, ns: int, key: bytes, payload_len: int, chunk_size: int) -> ObjectLayout:
         if payload_len < 1 or chunk_size < 1:
             raise ValueError("a block has at least one byte and a positive chunk size")
         n = -(-payload_len // chunk_size)
@@ -92,7 +92,8 @@ def _crc_bytes(crcs) -> bytes:
     return a.tobytes()
 
 
-def write_block(buf: memoryview, layout: Layout, chunks: list[bytes], crcs: list[int]) -> None:
+def write_block(buf: memoryview, layout: ObjectLayout, chunks: list[bytes],
+                crcs: list[int]) -> None:
     """Lay a block out in ``buf`` (at least ``layout.size`` bytes, writable)."""
     if len(chunks) != layout.nchunks or len(crcs) != layout.nchunks:
         raise ValueError("one payload and one CRC per chunk")
@@ -117,13 +118,13 @@ def encode_block(ns: int, key: bytes, chunks: list[bytes], crcs: list[int] | Non
     """A block as one object (bytes), from its chunks (all but the last of one size)."""
     if crcs is None:
         crcs = [zlib.crc32(c) for c in chunks]
-    layout = Layout.for_payload(ns, key, sum(map(len, chunks)), len(chunks[0]))
+    layout = ObjectLayout.for_payload(ns, key, sum(map(len, chunks)), len(chunks[0]))
     buf = bytearray(layout.size)
     write_block(memoryview(buf), layout, chunks, crcs)
     return bytes(buf)
 
 
-def read_layout(buf, size: int, ns: int | None = None, key: bytes | None = None) -> Layout:
+def read_layout(buf, size: int, ns: int | None = None, key: bytes | None = None) -> ObjectLayout:
     """The layout of the ``size``-byte object at the start of ``buf``, its header checked
     (against the expected name when given). Raises BlockFormatError."""
     if size < HEAD_LEN:
@@ -141,10 +142,10 @@ def read_layout(buf, size: int, ns: int | None = None, key: bytes | None = None)
         raise BlockFormatError("header or chunk CRC array is corrupt")
     if (ns is not None and bns != ns) or (key is not None and bkey != key):
         raise BlockFormatError(f"object holds block {bns}/{bkey.hex()}, not the one asked for")
-    return Layout(bns, bkey, n, cs, off, length)
+    return ObjectLayout(bns, bkey, n, cs, off, length)
 
 
-def read_crcs(buf, layout: Layout) -> array:
+def read_crcs(buf, layout: ObjectLayout) -> array:
     a = array("I")
     a.frombytes(bytes(memoryview(buf)[HEAD_LEN:HEAD_LEN + 4 * layout.nchunks]))
     if sys.byteorder != "little":
@@ -152,7 +153,7 @@ def read_crcs(buf, layout: Layout) -> array:
     return a
 
 
-def bad_chunks(buf, layout: Layout, crcs: array) -> list[int]:
+def bad_chunks(buf, layout: ObjectLayout, crcs: array) -> list[int]:
     """Indices of the chunks whose bytes do not match their CRC (empty: all good)."""
     mv, bad = memoryview(buf), []
     for i in range(layout.nchunks):

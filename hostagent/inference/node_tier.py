@@ -6,8 +6,8 @@ the node's memory, shared by every engine of the node, checked before the switch
 object back on a hit: no copy in, no copy out. It is bounded in bytes; when a ``put`` needs
 room the least recently used entry leaves first (``evict="lru"``), or the lowest-valued
 (``evict="value"``: ``value_fn(ns, key, nbytes)`` returns anything comparable, lowest leaves
-first, ties the one put (or found risen) first — ``hostagent.staging.ValueHeap``;
-``hostagent.tier_policy`` supplies the function). Every eviction is told
+first, ties the one put (or found risen) first — ``hostagent.common.eviction.ValueHeap``;
+``hostagent.common.tier_policy`` supplies the function). Every eviction is told
 to ``on_evict(ns, key, obj, nbytes)`` first (where a demotion decision — write it down to the
 pool, or drop it — is made; the object is still valid during the call), then the object is
 released (``Block.release()``, or the ``release`` given to ``put``), which gives a fetch
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .staging import ValueHeap, check_eviction
+from hostagent.common.eviction import ValueHeap, check_eviction
 
 __all__ = ["Fetched", "Lease", "NodeTier", "fetch", "fetch_sync", "nbytes_of", "save",
            "view_of"]
@@ -55,7 +55,7 @@ def view_of(obj) -> memoryview:
     """A memoryview of a held block's bytes, without a copy."""
     if isinstance(obj, memoryview):
         return obj
-    view = getattr(obj, "view", None)          # hostagent.fetch.Block
+    view = getattr(obj, "view", None)          # hostagent.inference.fetch.Block
     if view is not None and not callable(view):
         return view
     return memoryview(obj)

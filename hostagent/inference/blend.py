@@ -7,7 +7,7 @@ picking the tokens to recompute (``select``: largest KV deviation between the re
 freshly computed KV of a check layer) and the fused prefill (``blend_prefill``), which runs the
 first layer over every token, the check layer's projections over every token, and every later
 layer only over the selected tokens and the question, whose queries attend over the fused KV.
-``hostagent.blend_store`` moves passages' KV through the pool (position-independent keys).
+``hostagent.inference.blend_store`` moves passages' KV through the pool (position-independent keys).
 
 RoPE. Llama-style models (``rotate_half``) rotate each pair (i, i + D/2) of a key by angle
 p * inv_freq[i]; rotations compose, so R(p + o) k = R(o) (R(p) k): re-rotating a key computed at

@@ -9,7 +9,7 @@ tells the whole story; each module owns one concern:
     engine    FetchEngine: lifecycle, the send ring and its test-run calls, the step loop
     transfers per-transfer state, round trips, windows, loss recovery
     verify    CRC checks of what arrived (crcfold), finished transfers as Blocks
-    authcheck keyed authentication of sealed blocks over the arena (hostagent/auth.py)
+    authcheck keyed authentication of sealed blocks over the arena (hostagent/common/auth.py)
     ids       random transfer indexes and generations (request ids), not reused while
               replies may come
     block     Block (a zero-copy view of the arena) and the slot allocator
@@ -17,7 +17,7 @@ tells the whole story; each module owns one concern:
     client    AsyncFetchClient (KVClient's interface) and open_client, the automatic choice
               between the engine and the asyncio KVClient
 
-    from hostagent.fetch import FetchEngine
+    from hostagent.inference.fetch import FetchEngine
     with FetchEngine(["198.18.0.101"], chunk_size=3072) as e:      # in the node's netns
         blk = e.get_block(ns, key)            # Block: .numpy(), .torch(dtype), .view
         ...

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hostagent.client import TransferStats
+from hostagent.common.transfer import TransferStats
 
 
 class Block:

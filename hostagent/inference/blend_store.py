@@ -1,12 +1,12 @@
-"""Passages' KV through the pool for CacheBlend (hostagent/blend.py does the compute).
+"""Passages' KV through the pool for CacheBlend (hostagent/inference/blend.py does the compute).
 
 A passage's KV, computed alone at positions 0.., is stored under position-independent keys
-(``hostagent.hashing.passage_keys`` with the connector's ``extra``: model id, layout tag, codec
-tag) in the connector's block layout: blocks of ``block_tokens`` tokens, the last one padded with
-zeros (the key covers the passage's length, so the reader knows where it ends). ``PassageStore``
-fetches a passage's blocks through a ``KVConnector`` (switch, pool nodes); a passage missing from
-every tier (any block absent) is prefilled and put, never an error. ``fused_kv`` assembles the
-segments of a prompt, each moved to its offset.
+(``hostagent.common.hashing.passage_keys`` with the connector's ``extra``: model id, layout tag,
+codec tag) in the connector's block layout: blocks of ``block_tokens`` tokens, the last one padded
+with zeros (the key covers the passage's length, so the reader knows where it ends).
+``PassageStore`` fetches a passage's blocks through a ``KVConnector`` (switch, pool nodes); a
+passage missing from every tier (any block absent) is prefilled and put, never an error.
+``fused_kv`` assembles the segments of a prompt, each moved to its offset.
 
 Lead. A passage computed alone makes its first token an attention sink (the first token of any
 sequence gathers attention and carries outsized activations), and its reused KV then holds one
@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from .blend import KV, move, passage_kv
-from .client import BlockNotFound, TransferStats
-from .hashing import passage_keys
-from .kvconnector import KVConnector, _add
+from hostagent.common.transfer import BlockNotFound, TransferStats
+from hostagent.common.hashing import passage_keys
+from .hf_connector import KVConnector
 
 
 class LocalClient:
@@ -106,7 +106,7 @@ class PassageStore:
     async def put(self, tokens: Sequence[int], kv: KV, lead: bool = False) -> TransferStats:
         total = TransferStats()
         for key, data in zip(self.keys(tokens, lead), self.to_blocks(kv)):
-            _add(total, await self.conn.client.put_block(self.conn.ns, key, data))
+            total.add(await self.conn.client.put_block(self.conn.ns, key, data))
         return total
 
     async def get(self, tokens: Sequence[int], lead: bool = False
@@ -131,7 +131,7 @@ class PassageStore:
         for i, (p, (kv, stats, found)) in enumerate(zip(passages, got)):
             parts.append(move(self.model, kv, offset - (len(self.lead) if i > 0 else 0)))
             offset += len(p)
-            _add(out.stats, stats)
+            out.stats.add(stats)
             out.hits, out.misses = out.hits + found, out.misses + (not found)
         out.kv = [(torch.cat([p[i][0] for p in parts], 2), torch.cat([p[i][1] for p in parts], 2))
                   for i in range(len(parts[0]))]

@@ -45,8 +45,9 @@ def block_hashes(tokens: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS
     return keys
 
 
-# Position-independent passage keys (CacheBlend, hostagent/blend.py): a passage's KV computed at
-# positions 0.. is stored under keys of its tokens alone, wherever it appears in a prompt.
+# Position-independent passage keys (CacheBlend, hostagent/inference/blend.py): a passage's KV
+# computed at positions 0.. is stored under keys of its tokens alone, wherever it appears in a
+# prompt.
 #     digest = SHA-256(PASSAGE_DOMAIN || len(extra) || extra || len(tokens) || tokens)
 #     key_i  = SHA-256(PASSAGE_DOMAIN || digest || i)[:16]       (i: the passage's i-th block)
 # Every hashed input starts with PASSAGE_DOMAIN, which differs from DOMAIN at byte 7, so a

@@ -1,13 +1,13 @@
 """The pool (storage) node: answers GETs and accepts PUTs of chunked blocks over UDP (asyncio),
-in front of a store (``hostagent.store``: in memory, or ``hostagent.mooncake_store``).
+in front of a store (``hostagent.pool.store``: in memory, or ``hostagent.pool.mooncake_store``).
 
 Each datagram is one request and gets at most one answer; one from UDP source port 0 gets
 none (counted: ``refused_port0``), and one with a bad UDP checksum never gets here (the kernel
 drops it; ``udp_in_csum_errors`` in the stats is its count). A datagram that is not a v1 message is
 answered with ERROR when its header could be read far enough to address a reply, else dropped.
 A GET for a staged block is answered from the staging arena: by XDP before it reaches this
-process where it can (``hostagent.xdpserve``), else here (the header packed, the chunk sent from
-where it lies); a GET the store has to fetch, and the PUT that completes a block
+process where it can (``hostagent.pool.xdpserve``), else here (the header packed, the chunk sent
+from where it lies); a GET the store has to fetch, and the PUT that completes a block
 the store has to write out, are answered when the store's future settles (requests for the same
 block wait on the same future; at most ``max_waiting`` wait, the rest are dropped and retried by
 their clients).
@@ -22,7 +22,7 @@ from collections import Counter
 from kvproto import (FIELDS, HEADER, HEADER_LEN, MAGIC, MAX_PAYLOAD, VERSION, Flag, Message,
                      Op, ProtocolError, Status)
 from .store import BlockStore, PoolStore, StoreError
-from .udp import grow_buffers
+from hostagent.common.udp import grow_buffers
 
 log = logging.getLogger("hostagent.server")
 _RX_NAMES = {int(op): f"rx_{op.name.lower()}" for op in Op}

@@ -28,8 +28,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from hostagent import auth as auth_mod
-from hostagent.client import TransferTimeout, parse_addr, pool_for
+from hostagent.common import auth as auth_mod
+from hostagent.common.transfer import TransferTimeout, parse_addr, pool_for
 from kvproto import PORT, Flag
 from kvproto.frames import PAYLOAD_OFF
 from xdp import Netns, NoXdp

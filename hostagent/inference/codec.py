@@ -3,8 +3,9 @@ bytes as opaque payload). It owns the codec names, their byte formats, the tag e
 to a block's layout tag (so the chained block keys of two codecs never meet: a reader with
 another codec misses, it never decodes another codec's bytes), and fast encode/decode.
 
-A block is ``[layers, 2 (K, V), kv_heads, block_tokens, head_dim]`` (``hostagent.kvconnector``);
-call ``rows = layers * 2 * kv_heads`` its rows, each ``block_tokens * head_dim`` values. Codecs:
+A block is ``[layers, 2 (K, V), kv_heads, block_tokens, head_dim]``
+(``hostagent.inference.hf_connector``); call ``rows = layers * 2 * kv_heads`` its rows, each
+``block_tokens * head_dim`` values. Codecs:
 
 - ``none``: the model dtype's bytes as they are (the block layout's own format; no tag).
 - ``int8``: symmetric INT8, one fp16 scale (absmax / 127) per row and group of ``g`` tokens

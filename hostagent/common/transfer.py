@@ -1,0 +1,92 @@
+"""What both of the inference node's clients (the asyncio fallback client,
+``hostagent.inference.client``, and the fetch engine, ``hostagent.inference.fetch``) share
+with their callers: the transfer errors, ``TransferStats`` (counted per reply, summed with
+``add``), pool addresses (``parse_addr``) and which pool node owns a block (``pool_for``,
+rendezvous hashing).
+"""
+from __future__ import annotations
+
+import hashlib
+import socket
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+
+from kvproto import PORT, Flag, Message, Status
+
+
+# plain ints: IntFlag operations are slow on the receive path
+_REPLICA, _FROM_SWITCH = int(Flag.REPLICA), int(Flag.FROM_SWITCH)
+
+
+class BlockNotFound(KeyError):
+    """The pool node does not have (all of) the block."""
+
+
+class TransferTimeout(TimeoutError):
+    """Chunks were still missing when the deadline passed."""
+
+
+class Refused(RuntimeError):
+    """The peer answered ERROR; ``status`` says why."""
+
+    def __init__(self, status: int, what: str):
+        super().__init__(f"{what}: refused with {Status(status).name}")
+        self.status = status
+
+
+@dataclass
+class TransferStats:
+    chunks: int = 0
+    bytes: int = 0
+    from_switch: int = 0      # replies written by the switch (cache hits)
+    replicas: int = 0         # replies the switch copied from another reader's fetch
+    from_pool: int = 0        # replies sent by the pool node itself
+    retransmits: int = 0
+    checksum_errors: int = 0
+    auth_failures: int = 0    # tag checks failed (the block was fetched again past the switch)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def add(self, part: TransferStats, seconds: bool = False) -> None:
+        """Add ``part``'s counts to these, and its seconds if ``seconds`` (a running total of
+        time in transfers; a caller timing one concurrent operation sets seconds itself)."""
+        for f in fields(self):
+            if seconds or f.name != "seconds":
+                setattr(self, f.name, getattr(self, f.name) + getattr(part, f.name))
+
+    def count_reply(self, msg: Message) -> None:
+        """One accepted GET_REPLY: its bytes, and who sent it (by its flags)."""
+        self.chunks += 1
+        self.bytes += len(msg.payload)
+        if msg.flags & _REPLICA:
+            self.replicas += 1
+        elif msg.flags & _FROM_SWITCH:
+            self.from_switch += 1
+        else:
+            self.from_pool += 1
+
+
+def parse_addr(text: str, default_port: int = PORT) -> tuple[str, int]:
+    """'10.0.0.1', 'pool-3' or '10.0.0.1:19286' -> (IPv4 address, port); a name is resolved
+    now, so replies can be matched to the address asked."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = text, str(default_port)
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"bad port in address {text!r}")
+    try:
+        addr = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+    except (socket.gaierror, UnicodeError):
+        raise ValueError(f"pool address {host!r} is not an IPv4 address or a name that "
+                         "resolves to one") from None
+    return addr, int(port)
+
+
+def pool_for(pools: Sequence[tuple[str, int]], ns: int, key: bytes) -> tuple[str, int]:
+    """The pool node that owns a block: highest rendezvous hash of (pool, ns, key)."""
+    if not pools:
+        raise ValueError("no pool nodes configured")
+    tag = ns.to_bytes(4, "big") + key
+    return max(pools, key=lambda p: hashlib.sha256(f"{p[0]}:{p[1]}".encode() + tag).digest())
