@@ -13,7 +13,7 @@ import signal
 import threading
 from dataclasses import dataclass, field
 
-from .dataplane import (MAP_NAMES, ROLE_HOST, ROLE_POOL, DataPlane, Deployment, SwitchError,
+from .dataplane import (PINNED_MAPS, ROLE_HOST, ROLE_POOL, DataPlane, Deployment, SwitchError,
                         ifindex)
 from .manager import CacheManager
 from .metrics import serve_metrics
@@ -84,7 +84,7 @@ class Daemon:
             if dp:
                 dp.detach_all()
             if fresh:                          # leave no maps behind that this run made
-                for name in MAP_NAMES:
+                for name in PINNED_MAPS:
                     try:
                         os.unlink(os.path.join(pin_dir, name))
                     except FileNotFoundError:

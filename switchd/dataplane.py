@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import socket
 from dataclasses import dataclass
 
@@ -30,6 +31,9 @@ MAX_CHUNK = (VETH_MAX_MTU - CONSTANTS["KV_PAYLOAD_OFF"] + CONSTANTS["KV_ETH_LEN"
 MAP_NAMES = ("kv_cache", "kv_admit", "kv_ports", "kv_stats", "kv_settings", "kv_pending",
              "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats", "kv_port_ns", "kv_ns_low",
              "kv_src_macs", "kv_src_ips")
+# every map kvmaps.h pins, read from its KV_MAP(...) lines: what a failed first start removes
+PINNED_MAPS = tuple(re.findall(r"^KV_MAP\((?:[^,]*,){3}\s*(kv_\w+)\s*,",
+                               xdp.source("kvmaps.h").read_text(), re.M))
 SETTINGS = {name: v for v, name in prefixed(CONSTANTS, "KV_SET_").items()}
 
 
