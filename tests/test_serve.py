@@ -29,6 +29,20 @@ def test_burst_puts_a_request_on_every_node_after_the_first_computes_the_prefix(
         assert len(hot) == 2 and all(r["at"] <= burst_at + 0.2 for r in hot)
 
 
+def test_burst_runs_its_warmup_to_the_end_before_any_burst_request():
+    from testbed.bench.serve import phases
+    wl = burst_workload(4, 10_000, prefix_blocks=8, tail_s=2.0)
+    warm, rest = phases(wl)
+    assert [len(r) for r in warm] == [1, 0, 0, 0] and warm[0][0]["warmup"]
+    assert not any(q.get("warmup") for r in rest for q in r)
+    assert sum(map(len, rest)) == wl.n_requests - 1
+    ats = [q["at"] for r in rest for q in r]
+    assert min(ats) == 0 and all(q["at"] <= 0.2 for r in rest for q in r
+                                 if q["keys"] == warm[0][0]["keys"])
+    zipf = zipf_workload(2, [("198.18.0.101", 1)], 5, objects=8, hot=2, seconds=1.0)
+    assert phases(zipf) == [zipf.requests]
+
+
 def test_zipf_puts_the_hottest_objects_on_the_first_pool_node():
     from hostagent.common.transfer import pool_for
     pools = [("198.18.0.101", 1), ("198.18.0.102", 1)]

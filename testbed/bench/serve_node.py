@@ -1,7 +1,8 @@
 """One inference node's serving loop in `testbed bench serve` (run inside the node's namespace
 as a testbed.lab task): requests in arrival order, one at a time (one GPU), each one:
 
-  1. wait for its arrival (queueing: from arrival to the start of its turn);
+  1. wait for its arrival (counted from the common start even if this node's engine opened
+     late; queueing: from arrival to the start of its turn);
   2. look its prefix blocks up and fetch them with the XDP fetch engine, all at once (each
      block's chunk 0 first: a block the pool does not hold costs one GET, NOT_FOUND); the longest run of fetched blocks from the
      first one is the cached prefix; every fetched block is checked against its content;
@@ -79,8 +80,11 @@ def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests
            "retransmits": 0, "byte_exact": True, "fetch_errors": 0}
     writer = Writer(pools, chunk_size, ns, block_bytes, spread) if write else None
     with cls(pools, chunk_size) as eng:
-        time.sleep(max(0.0, start_at - time.time()))
-        t0 = time.monotonic()
+        # arrivals count from the common start, whenever this node's engine was open
+        ahead = start_at - time.time()
+        out["late_s"] = round(max(0.0, -ahead), 4)
+        t0 = time.monotonic() + max(0.0, ahead)
+        time.sleep(max(0.0, ahead))
         for req in requests:
             arrival = t0 + req["at"]
             time.sleep(max(0.0, arrival - time.monotonic()))

@@ -9,7 +9,8 @@ about as long as in the cluster and modelled prefill runs in real time.
   trace  the shared Mooncake trace's first requests, routed round robin, time-scaled so the
          nodes' modelled prefill is ``load`` busy; nothing in the pool at the start.
   burst  a new long prefix (a rolled-out system prompt): one node computes it first (and writes
-         it through; a warm-up request, reported apart), then every node gets ``burst_per_node`` requests sharing it within
+         it through; a warm-up request, reported apart, which bench serve runs to its end
+         before the rest), then every node gets ``burst_per_node`` requests sharing it within
          ``window`` seconds, then a tail of ordinary requests with prefixes of their own.
   zipf   Zipf(0.99) popularity over ``objects`` prefixes of ``object_blocks`` blocks, all in
          the pool from the start, the hottest ``hot`` objects on the first pool node.
