@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import click
@@ -22,7 +21,7 @@ from .inference import client as kvclient
 from .common.transfer import BlockNotFound, Refused, TransferTimeout, parse_addr
 from .common.hashing import DEFAULT_BLOCK_TOKENS, block_hashes
 from kvproto import MAX_PAYLOAD, PORT
-from kvproto.cli import SizeType, one_line_errors
+from kvproto.cli import SizeType, one_line_errors, with_config
 from .pool.server import serve as serve_forever
 from .pool.store import MemoryStore, PutBudgets
 
@@ -113,34 +112,6 @@ def main(verbose):
     """KV block protocol endpoints: pool node server and inference node client."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
-
-
-def _load_config(path: str) -> dict:
-    try:
-        return tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise click.ClickException(f"cannot read config {path}: {exc}") from None
-
-
-def _with_config(ctx: click.Context, path: str | None, renamed: dict[str, str]) -> dict:
-    """The command's values: the command line's, else the config file's (converted and checked
-    by the options' own types), else the defaults. ``renamed``: config key -> parameter."""
-    values = dict(ctx.params)
-    if not path:
-        return values
-    params = {p.name: p for p in ctx.command.params if p.name != "config"}
-    for key, raw in _load_config(path).items():
-        name = renamed.get(key, key)
-        if name not in params:
-            raise click.ClickException(f"config {path}: unknown key {key!r}")
-        if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
-            continue
-        try:
-            values[name] = params[name].type_cast_value(ctx, raw)
-        except click.BadParameter as exc:
-            raise click.ClickException(f"config {path}: {key}: {exc.message}") from None
-        values.setdefault("_from_config", set()).add(name)
-    return values
 
 
 def _given(ctx: click.Context, values: dict, name: str) -> bool:
@@ -267,7 +238,7 @@ def _allocated(make, capacity: int, *args, **kw):
 def serve(config, **_):
     """Run a pool (storage) node until interrupted."""
     ctx = click.get_current_context()
-    v = _with_config(ctx, config, {"store": "store_kind", "chunk_size": "pool_chunk_size"})
+    v = with_config(ctx, config, {"store": "store_kind", "chunk_size": "pool_chunk_size"})
     bind, port, stats_file = v["bind"], v["port"], v["stats_file"]
     if stats_file:
         where = os.path.dirname(os.path.abspath(stats_file))
