@@ -29,7 +29,7 @@ from hostagent.common.tier_policy import DEFAULT_COSTS
 from ..lab import Lab, TestbedError, write_json
 from ..sim.config import MODELS
 from .serve import CHUNK, CLUSTER_GBIT, block_bytes_for
-from .serve_workloads import Workload, _request, block_key
+from .serve_workloads import Workload, _request, arrivals, block_key, zipf_weights
 
 TIER_NAMES = ("node", "switch", "pool", "disk")
 NS = 60
@@ -41,16 +41,11 @@ def fill_workload(nodes: int, docs: int = 64, doc_blocks: int = 4, own_blocks: i
                   suffix_tokens: int = 128, seed: int = 3) -> Workload:
     rng = np.random.default_rng(seed)
     doc_keys = [[block_key(f"tiers-doc-{d}", b) for b in range(doc_blocks)] for d in range(docs)]
-    p = 1 / np.arange(1, docs + 1) ** alpha
-    p /= p.sum()
+    p = zipf_weights(docs, alpha)
     per: list[list[dict]] = [[] for _ in range(nodes)]
     uid = 0
     for node in range(nodes):
-        t = 0.0
-        while True:
-            t += rng.exponential(1 / rate)
-            if t > seconds:
-                break
+        for t in arrivals(rng, rate, 0.0, seconds):
             uid += 1
             d = int(rng.choice(docs, p=p))
             keys = doc_keys[d] + [block_key(f"tiers-own-{uid}", b) for b in range(own_blocks)]

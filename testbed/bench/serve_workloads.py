@@ -81,6 +81,23 @@ def trace_workload(trace_path: str, nodes: int, prefill_tok_s: float, requests: 
                                           "trace": trace_path})
 
 
+
+def arrivals(rng: np.random.Generator, rate: float, start: float, end: float):
+    """Poisson arrival times at ``rate`` per second after ``start``, up to ``end``; drawn one at
+    a time, so a caller's own draws between arrivals keep their place in ``rng``'s stream."""
+    t = start
+    while True:
+        t += rng.exponential(1 / rate)
+        if t > end:
+            return
+        yield t
+
+
+def zipf_weights(n: int, alpha: float) -> np.ndarray:
+    """Zipf(alpha) probabilities of ranks 1..n."""
+    p = 1 / np.arange(1, n + 1) ** alpha
+    return p / p.sum()
+
 def burst_workload(nodes: int, prefill_tok_s: float, prefix_blocks: int = 32,
                    burst_per_node: int = 2, window: float = 0.2, suffix_tokens: int = 256,
                    tail_s: float = 6.0, tail_rate: float = 0.3, tail_blocks: int = 4,
@@ -97,11 +114,7 @@ def burst_workload(nodes: int, prefill_tok_s: float, prefix_blocks: int = 32,
         for _ in range(burst_per_node):
             per[node].append(_request(start + rng.uniform(0, window), prefix,
                                       ptok + suffix_tokens))
-        t = start + window
-        while True:
-            t += rng.exponential(1 / tail_rate)
-            if t > start + window + tail_s:
-                break
+        for t in arrivals(rng, tail_rate, start + window, start + window + tail_s):
             uid += 1
             keys = [block_key(f"burst-tail-{uid}", i) for i in range(tail_blocks)]
             per[node].append(_request(t, keys, tail_blocks * BLOCK_TOKENS + suffix_tokens))
@@ -119,15 +132,10 @@ def zipf_workload(nodes: int, pools, ns: int, objects: int = 64, object_blocks: 
     rng = np.random.default_rng(seed)
     keys = [[block_key(f"zipf-{o}", b, pools, ns, on=0 if o < hot else None)
              for b in range(object_blocks)] for o in range(objects)]
-    p = 1 / np.arange(1, objects + 1) ** alpha
-    p /= p.sum()
+    p = zipf_weights(objects, alpha)
     per = [[] for _ in range(nodes)]
     for node in range(nodes):
-        t = 0.0
-        while True:
-            t += rng.exponential(1 / rate)
-            if t > seconds:
-                break
+        for t in arrivals(rng, rate, 0.0, seconds):
             o = int(rng.choice(objects, p=p))
             per[node].append(_request(t, keys[o], object_blocks * BLOCK_TOKENS +
                                       suffix_tokens))
