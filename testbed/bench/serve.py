@@ -58,12 +58,15 @@ def check(nodes: int, pools: int, link_gbit: float, workloads, modes) -> None:
         raise TestbedError(f"--pools must be 1..8, got {pools}")
     if not link_gbit > 0:
         raise TestbedError(f"--link-gbit must be > 0, got {link_gbit:g}")
-    for w in workloads:
-        if w not in WORKLOADS:
-            raise TestbedError(f"unknown workload {w!r}: choose from {', '.join(WORKLOADS)}")
-    for m in modes:
-        if m not in MODES:
-            raise TestbedError(f"unknown mode {m!r}: choose from {', '.join(MODES)}")
+    check_choices("workload", workloads, WORKLOADS)
+    check_choices("mode", modes, MODES)
+
+
+def check_choices(kind: str, given, allowed) -> None:
+    """One clear error for the first of ``given`` that is not one of ``allowed``."""
+    for v in given:
+        if v not in allowed:
+            raise TestbedError(f"unknown {kind} {v!r}: choose from {', '.join(allowed)}")
 
 
 def _pct(x, q) -> float:

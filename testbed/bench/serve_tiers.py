@@ -28,7 +28,7 @@ from hostagent.common.tier_policy import DEFAULT_COSTS
 
 from ..lab import Lab, TestbedError, write_json
 from ..sim.config import MODELS
-from .serve import CHUNK, CLUSTER_GBIT, block_bytes_for
+from .serve import CHUNK, CLUSTER_GBIT, block_bytes_for, check_choices
 from .serve_workloads import Workload, _request, arrivals, block_key, zipf_weights
 
 TIER_NAMES = ("node", "switch", "pool", "disk")
@@ -81,13 +81,8 @@ def check_tiers(nodes: int, pools: int, link_gbit: float, demotes, write_downs,
         raise TestbedError(f"--pools must be 1..4 for --tiers, got {pools}")
     if not link_gbit > 0:
         raise TestbedError(f"--link-gbit must be > 0, got {link_gbit:g}")
-    for d in demotes:
-        if d not in DEMOTES:
-            raise TestbedError(f"unknown demote mode {d!r}: choose from {', '.join(DEMOTES)}")
-    for w in write_downs:
-        if w not in WRITE_DOWNS:
-            raise TestbedError(f"unknown write-down mode {w!r}: choose from "
-                               f"{', '.join(WRITE_DOWNS)}")
+    check_choices("demote mode", demotes, DEMOTES)
+    check_choices("write-down mode", write_downs, WRITE_DOWNS)
     if not demotes or not write_downs:
         raise TestbedError("give at least one demote mode and one write-down mode")
     if not fill >= 1:
