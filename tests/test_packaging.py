@@ -16,7 +16,8 @@ def test_the_wheel_works_outside_the_source_tree(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for source in ("xdp/kvswitch.c", "xdp/kvproto.h", "xdp/kvswitch.h", "xdp/kvmaps.h",
                    "xdp/parse.h", "xdp/verifier.h", "xdp/kvfetch.c", "xdp/kvfetch.h",
-                   "xdp/kvfetch_maps.h", "testbed/lab/pass.c", "testbed/lab/lossy.c",
+                   "xdp/kvfetch_maps.h", "xdp/kvserve.c", "xdp/kvserve.h", "xdp/kvserve_maps.h",
+                   "testbed/lab/pass.c", "testbed/lab/lossy.c",
                    "testbed/bench/trafficgen.c", "testbed/demos/models/small-llama/config.json"):
         assert source in names, f"{source} is not packaged"
     site = tmp_path / "site"

@@ -45,11 +45,9 @@ log = logging.getLogger("hostagent.xdpserve")
 
 
 class ServeProgram(Program, source="kvserve.c", stats="KV_SERVE_STAT_"):
-    """kvserve.c loaded (not attached) for an arena of at least ``capacity`` bytes."""
-
-    SLOT_DTYPE = np.dtype([("gen", "<u4"), ("ns", "<u4"), ("key", "u1", 16), ("chunk", "<u4"),
-                           ("nchunks", "<u4"), ("len", "<u4"), ("crc", "<u4"), ("off", "<u8"),
-                           ("last_ns", "<u8")])
+    """kvserve.c loaded (not attached) for an arena of at least ``capacity`` bytes. Its
+    constants come from xdp/kvserve.h; its slots are viewed with the layout BCC built from
+    struct kv_serve_slot (no copy of it in Python)."""
 
     def __init__(self, capacity: int):
         self.segs, self.nslots, self.nblocks = sizes(capacity)
@@ -66,9 +64,10 @@ class ServeProgram(Program, source="kvserve.c", stats="KV_SERVE_STAT_"):
         rw = mmap.PROT_READ | mmap.PROT_WRITE
         self.arena = mmap.mmap(tables["kvs_arena"].get_fd(), self.segs * SEG, mmap.MAP_SHARED,
                                rw)
-        self._slots_mm = mmap.mmap(tables["kvs_slots"].get_fd(),
-                                   self.nslots * SLOT_DTYPE.itemsize, mmap.MAP_SHARED, rw)
-        self.slots = np.frombuffer(self._slots_mm, SLOT_DTYPE)
+        slot = self.struct_dtype(np.dtype(tables["kvs_slots"].Leaf), "KV_SERVE_SLOT_SIZE")
+        self._slots_mm = mmap.mmap(tables["kvs_slots"].get_fd(), self.nslots * slot.itemsize,
+                                   mmap.MAP_SHARED, rw)
+        self.slots = np.frombuffer(self._slots_mm, slot)
 
     def stats_fd(self) -> int:
         return self._stats.get_fd()
@@ -103,7 +102,6 @@ C = ServeProgram.C
 SEG_SHIFT = C["KV_SERVE_SEG_SHIFT"]
 SEG = 1 << SEG_SHIFT
 MAX_PAYLOAD = C["KV_MAX_PAYLOAD"]
-SLOT_DTYPE = ServeProgram.struct_dtype(ServeProgram.SLOT_DTYPE, "KV_SERVE_SLOT_SIZE")
 ENV_SWITCH = "HOSTAGENT_XDP_SERVE"   # 0: never serve from XDP (to measure the difference)
 ENV_MODE = "HOSTAGENT_XDP_MODE"      # generic (default) or native: see XdpServer
 MIN_CHUNK = 1024          # slots are sized for the arena full of chunks this small (or larger)
