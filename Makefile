@@ -10,7 +10,7 @@ DEBS  := python3-bpfcc python3-venv linux-headers-amd64 linux-libc-dev libbpf1 b
 KREL  := $(shell uname -r)
 TRACE ?= ../shared/traces/mooncake_synthetic_trace.jsonl
 
-.PHONY: setup debs kernel-headers bpffs venv model test test-python test-bpf test-e2e demo demo-inference demo-vllm bench bench-sim clean
+.PHONY: setup debs kernel-headers bpffs venv model test test-python test-bpf test-e2e demo demo-inference demo-vllm bench bench-sim check-results clean
 
 setup: debs kernel-headers bpffs venv model
 	@echo "setup: OK ($(VENV) ready; run 'make test')"
@@ -59,6 +59,10 @@ test-bpf:
 
 test-e2e:
 	$(PY) -m pytest -q -m e2e tests
+
+# every result file README and docs cite: present, and measuring the code as it is now
+check-results:
+	$(VENV)/bin/testbed results-check
 
 demo:
 	$(VENV)/bin/testbed demo

@@ -424,5 +424,20 @@ def replay(trace_path, capacity, limit, speedup, interval, policy, fill_headroom
                fill_headroom=fill_headroom, policy=policy)
 
 
+@main.command("results-check")
+@click.option("--root", default=".", show_default=True, help="The checkout to check.")
+def results_check(root):
+    """Every result file README and docs cite: present, and newer than the code it measures."""
+    from .lab.freshness import check
+    findings = check(root)
+    for f in findings:
+        where = (f" {f.changed_lines} lines in {', '.join(f.changed_files)}"
+                 if f.changed_lines else "")
+        click.echo(f"{f.status:8} {f.name:34} {f.result_commit or '-':10}{where}")
+    bad = [f for f in findings if f.status != "fresh"]
+    click.echo(f"{len(findings) - len(bad)} of {len(findings)} cited result files are fresh"
+               + (f"; not: {', '.join(f.name for f in bad)}" if bad else ""))
+    fail_unless(not bad)
+
 # ---- the cluster model (testbed.sim.cli) -------------------------------------------------------
 main.add_command(sim_group)

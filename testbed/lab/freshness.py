@@ -1,0 +1,188 @@
+"""Are the figures the README and docs cite still true? Every result file they name must exist,
+and the code it measures must be the code that produced it.
+
+`MEASURES` says which code each result file measures (its benchmark and the parts of the system
+it exercises). The code is compared as it is now and as it was at the commit that last wrote the
+result, following renames: Python as its syntax tree without docstrings and imports, C without
+comments and includes, each as a multiset of lines, so moving code between files or modules
+and rewording comments change nothing, while any changed statement makes the result stale."""
+from __future__ import annotations
+
+import ast
+import fnmatch
+import re
+import subprocess
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+RESULTS = "bench/results"
+CITED = re.compile(r"([\w.-]+\.(?:json|png))")
+
+# the parts of the system, as the paths that make them
+SWITCH = ["xdp/kvswitch.c", "xdp/kvswitch.h", "xdp/kvmaps.h", "xdp/parse.h", "xdp/reply.h",
+          "xdp/kvproto.h", "switchd/dataplane.py", "switchd/ports.py"]
+FETCH = ["xdp/kvfetch.c", "xdp/kvfetch.h", "xdp/kvfetch_maps.h", "hostagent/inference/fetch"]
+POOL = ["xdp/kvserve.c", "xdp/kvserve.h", "xdp/kvserve_maps.h", "hostagent/pool"]
+POLICY = ["switchd/policy.py", "switchd/sketch.py", "testbed/sim/evaluate.py",
+          "testbed/sim/baselines.py"]
+LINKS = ["testbed/lab/links.py"]
+TIERS = ["hostagent/common/tier_policy.py", "hostagent/inference/node_tier.py",
+         "hostagent/pool/disk_tier.py", "testbed/sim/tiers.py"]
+
+# result file (a glob) -> the code it measures; the first match wins
+MEASURES: list[tuple[str, list[str]]] = [
+    ("throughput.*", SWITCH + POOL + ["testbed/bench/throughput.py", "testbed/bench/generator.py",
+                                      "testbed/bench/trafficgen.c"]),
+    ("fetch-auth*", SWITCH + FETCH + POOL + ["hostagent/common/auth.py",
+                                             "testbed/bench/fetch_auth.py"]),
+    ("fetch*", SWITCH + FETCH + POOL + ["testbed/bench/fetch.py"]),
+    ("incast*", SWITCH + FETCH + POOL + LINKS + ["testbed/bench/incast.py"]),
+    ("serve-tiers*", SWITCH + FETCH + POOL + LINKS + TIERS + ["testbed/bench/serve_tiers.py",
+                                                              "testbed/bench/serve_tiers_node.py",
+                                                              "testbed/bench/serve_tiers_pool.py"]),
+    ("serve*", SWITCH + FETCH + POOL + LINKS + ["switchd/policy.py", "testbed/bench/serve.py",
+                                                "testbed/bench/serve_node.py",
+                                                "testbed/bench/serve_workloads.py"]),
+    ("loss.*", SWITCH + FETCH + POOL + ["testbed/bench/loss.py"]),
+    ("soak.*", SWITCH + POOL + ["switchd", "testbed/bench/soak.py"]),
+    ("fuzz.*", SWITCH + ["testbed/fuzz.py"]),
+    ("security-stall.*", SWITCH + FETCH + ["testbed/security.py"]),
+    ("pool-put-abuse.*", POOL + ["testbed/security.py"]),
+    ("policy-*", POLICY), ("replay-*", POLICY + ["testbed/sim/replay.py"]),
+    ("sim-validate-serve*", ["testbed/sim", "testbed/bench/serve.py"]),
+    ("sim-*", ["testbed/sim"]),
+    ("compress.*", ["hostagent/inference/codec.py", "hostagent/inference/codec_kernels.py",
+                    "testbed/bench/compress.py"]),
+    ("blend*", ["hostagent/inference/blend.py", "hostagent/inference/blend_store.py",
+                "testbed/bench/blend.py"]),
+    ("inference.*", FETCH + ["hostagent/inference/hf_connector.py",
+                             "hostagent/inference/codec.py", "testbed/demos/inference.py"]),
+    ("vllm*", FETCH + ["hostagent/inference/vllm_connector.py",
+                       "hostagent/inference/vllm_connector_blocks.py",
+                       "hostagent/inference/vllm_connector_pool.py", "testbed/demos/vllm.py"]),
+]
+
+
+@dataclass
+class Finding:
+    """One cited result file: where it is cited, its commit and what changed in its code since."""
+    name: str
+    cited_in: list[str]
+    measures: list[str] | None = None
+    result_commit: str | None = None        # None: missing or never committed
+    changed_lines: int = 0                  # code lines added or removed since that commit
+    changed_files: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        if self.result_commit is None:
+            return "missing"
+        if self.measures is None:
+            return "unmapped"
+        return "stale" if self.changed_lines else "fresh"
+
+
+def git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def code_lines(text: str, path: str) -> Counter:
+    """The statements of a source file as a multiset of lines, without what cannot change
+    behaviour: Python's docstrings, comments, imports and layout; C's comments and includes."""
+    if path.endswith(".py"):
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                    and body and isinstance(body[0], ast.Expr)
+                    and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)):
+                node.body = body[1:] or ([] if isinstance(node, ast.Module) else [ast.Pass()])
+        lines = [ln for ln in ast.unparse(tree).splitlines()
+                 if not ln.lstrip().startswith(("import ", "from "))]
+    else:
+        text = re.sub(r"/\*.*?\*/|//[^\n]*", "", text, flags=re.S)
+        lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#include")]
+    return Counter(" ".join(ln.split()) for ln in lines if ln.strip())
+
+
+def source_files(root: Path, paths: list[str]) -> list[str]:
+    out = []
+    for p in paths:
+        q = root / p
+        files = sorted(q.rglob("*")) if q.is_dir() else [q] if q.exists() else []
+        out += [str(f.relative_to(root)) for f in files if f.suffix in (".py", ".c", ".h")]
+    return out
+
+
+@lru_cache(maxsize=None)
+def renamed_from(root: Path, commit: str, head: str) -> dict[str, str]:
+    """Path at ``head`` -> its path at ``commit``, for files git sees as renamed since."""
+    out = git(root, "diff", "-M", "--name-status", "--diff-filter=R", commit, head)
+    return {parts[2]: parts[1] for parts in (ln.split("\t") for ln in out.splitlines())}
+
+
+@lru_cache(maxsize=None)
+def lines_at(root: Path, commit: str, path: str) -> Counter:
+    """The code lines of ``path`` at ``commit`` (empty where it did not exist)."""
+    try:
+        return code_lines(git(root, "show", f"{commit}:{path}"), path)
+    except subprocess.CalledProcessError:
+        return Counter()
+
+
+def changes_since(root: Path, commit: str, head: str,
+                  paths: list[str]) -> tuple[int, list[str]]:
+    """How many code lines under ``paths`` differ between ``commit`` and ``head`` (lines moved
+    between the files count nothing), and the files the added lines are in now or the removed
+    ones were in then. The code then is the files under ``paths`` at ``commit`` and wherever
+    today's files were then (renames followed)."""
+    tracked = set(git(root, "ls-files").splitlines())
+    files = [p for p in source_files(root, paths) if p in tracked]
+    then = renamed_from(root, commit, head)
+    were = {then.get(f, f) for f in files} | {
+        p for p in git(root, "ls-tree", "-r", "--name-only", commit, "--", *paths).splitlines()
+        if p.endswith((".py", ".c", ".h"))}
+    now = {f: lines_at(root, head, f) for f in files}
+    before = {f: lines_at(root, commit, f) for f in were}
+    new, old = sum(now.values(), Counter()), sum(before.values(), Counter())
+    added, removed = new - old, old - new
+    where = sorted({f for f in files if any(ln in added for ln in now[f])}
+                   | {f for f in were if any(ln in removed for ln in before[f])})
+    return sum((added + removed).values()), where
+
+
+def cited(root: Path) -> dict[str, list[str]]:
+    """Result file name -> the documents citing it (README.md and docs/*.md)."""
+    found: dict[str, list[str]] = {}
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for name in CITED.findall(text):
+            if (root / RESULTS / name).exists() or f"{RESULTS}/{name}" in text:
+                docs = found.setdefault(name, [])
+                if str(doc.relative_to(root)) not in docs:
+                    docs.append(str(doc.relative_to(root)))
+    return found
+
+
+def measured_by(name: str) -> list[str] | None:
+    return next((paths for pattern, paths in MEASURES if fnmatch.fnmatch(name, pattern)), None)
+
+
+def check(root: str | Path = ".") -> list[Finding]:
+    """Every result file the README and docs cite, with its status."""
+    root = Path(root)
+    head = git(root, "rev-parse", "HEAD").strip()          # a commit, not a name: lines_at caches
+    findings = []
+    for name, docs in sorted(cited(root).items()):
+        f = Finding(name, docs, measures=measured_by(name))
+        f.result_commit = git(root, "log", "-1", "--format=%h", "--",
+                              f"{RESULTS}/{name}").strip() or None
+        if f.result_commit and f.measures:
+            f.changed_lines, f.changed_files = changes_since(root, f.result_commit, head,
+                                                              f.measures)
+        findings.append(f)
+    return findings
