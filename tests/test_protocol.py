@@ -2,8 +2,8 @@
 import pytest
 
 import xdp
-from kvproto import (HEADER_LEN, MAGIC, PORT, Flag, Message, Op, ProtocolError,
-                                Status, checksum)
+from kvproto import (FIELDS, HEADER_LEN, MAGIC, MAX_PAYLOAD, PORT, Flag, Message, Op,
+                     ProtocolError, Status, checksum, unpack_header)
 
 KEY = bytes(range(16))
 
@@ -67,9 +67,23 @@ def test_answer_keeps_the_request_identity():
     (REPLY_VECTOR[:-1], "datagram has 4"),
     (REPLY_VECTOR[:42] + b"\x00\x01" + REPLY_VECTOR[44:], "reserved"),
 ])
-def test_malformed_datagrams_are_refused(bad, reason):
+@pytest.mark.parametrize("check", [Message.decode, unpack_header])
+def test_malformed_datagrams_are_refused(bad, reason, check):
     with pytest.raises(ProtocolError, match=reason):
-        Message.decode(bad)
+        check(bad)
+
+
+def test_one_header_check_for_every_receiver():
+    """unpack_header (the pool server's fast path) and decode accept and refuse alike."""
+    fields = dict(zip(FIELDS, unpack_header(REPLY_VECTOR)))
+    assert (fields["op"], fields["ns"], fields["chunk"], fields["len"]) == (Op.GET_REPLY, 7, 5, 5)
+    assert Message.from_header(unpack_header(GET_VECTOR), GET_VECTOR) == Message.decode(GET_VECTOR)
+    n = MAX_PAYLOAD + 1
+    big = REPLY_VECTOR[:40] + n.to_bytes(2, "big") + REPLY_VECTOR[42:48] + bytes(n)
+    for check in (Message.decode, unpack_header):
+        with pytest.raises(ProtocolError, match="too large") as exc:
+            check(big)
+        assert exc.value.status == Status.TOO_LARGE
 
 
 def test_version_errors_carry_their_status():

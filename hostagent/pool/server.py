@@ -1,7 +1,8 @@
 """The pool (storage) node: answers GETs and accepts PUTs of chunked blocks over UDP (asyncio),
 in front of a store (``hostagent.pool.store``: in memory, or ``hostagent.pool.mooncake_store``).
 
-Each datagram is one request and gets at most one answer; one from UDP source port 0 gets
+Each datagram is one request and gets at most one answer; its header is checked by kvproto's
+one check (``unpack_header``, which ``Message.decode`` uses too). One from UDP source port 0 gets
 none (counted: ``refused_port0``), and one with a bad UDP checksum never gets here (the kernel
 drops it; ``udp_in_csum_errors`` in the stats is its count). A datagram that is not a v1 message is
 answered with ERROR when its header could be read far enough to address a reply, else dropped.
@@ -19,8 +20,8 @@ import logging
 import socket
 from collections import Counter
 
-from kvproto import (FIELDS, HEADER, HEADER_LEN, MAGIC, MAX_PAYLOAD, VERSION, Flag, Message,
-                     Op, ProtocolError, Status)
+from kvproto import (FIELDS, HEADER, HEADER_LEN, MAGIC, VERSION, Flag, Message, Op,
+                     ProtocolError, Status, unpack_header)
 from .store import BlockStore, PoolStore, StoreError
 from hostagent.common.udp import grow_buffers
 
@@ -29,7 +30,7 @@ _RX_NAMES = {int(op): f"rx_{op.name.lower()}" for op in Op}
 _GET, _GET_REPLY, _PUT, _PUT_ACK = int(Op.GET), int(Op.GET_REPLY), int(Op.PUT), int(Op.PUT_ACK)
 _NACK, _ERROR, _DONE = int(Op.NACK), int(Op.ERROR), int(Flag.BLOCK_DONE)
 _NACKED = (Status.NOT_FOUND, Status.INCOMPLETE)
-_pack, _unpack = HEADER.pack, HEADER.unpack_from
+_pack = HEADER.pack
 
 
 class PoolServer(asyncio.DatagramProtocol):
@@ -85,27 +86,25 @@ class PoolServer(asyncio.DatagramProtocol):
         if not addr[1]:                       # source port 0: no reply could be sent to it
             self.counters["refused_port0"] += 1
             return
-        if len(data) >= HEADER_LEN:           # the common case first: a GET for a staged block
-            (magic, version, op, _flags, _status, ns, req_id, key, chunk, _n, length, reserved,
-             _csum) = _unpack(data)
-            if op == _GET and magic == MAGIC and version == VERSION and not reserved and \
-                    length == len(data) - HEADER_LEN and length <= MAX_PAYLOAD:
-                first = chunk == 0
-                if first and self.store.on_get is not None:
-                    self.store.on_get(ns, key)    # a fetch seen by the process (tier policy)
-                block = self.store.staging.get(ns, key, touch=first)
-                if block is not None and chunk < block.nchunks:
-                    self.counters["rx_get"] += 1
-                    self._send_chunk(block, ns, req_id, key, chunk, addr)
-                    return
         try:
-            msg = Message.decode(data)
+            fields = unpack_header(data)
         except ProtocolError as exc:
             self.counters["malformed"] += 1
             if len(data) >= HEADER_LEN:
                 self._refuse_bad(data, addr, exc.status)
             return
-        self.handle(msg, addr)
+        (_magic, _version, op, _flags, _status, ns, req_id, key, chunk, _n, _len, _reserved,
+         _csum) = fields
+        if op == _GET:                        # the common case first: a GET for a staged block
+            first = chunk == 0
+            if first and self.store.on_get is not None:
+                self.store.on_get(ns, key)    # a fetch seen by the process (tier policy)
+            block = self.store.staging.get(ns, key, touch=first)
+            if block is not None and chunk < block.nchunks:
+                self.counters["rx_get"] += 1
+                self._send_chunk(block, ns, req_id, key, chunk, addr)
+                return
+        self.handle(Message.from_header(fields, data), addr)
 
     def handle(self, msg: Message, addr) -> None:
         self.counters[_RX_NAMES[msg.op]] += 1
