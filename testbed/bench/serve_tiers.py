@@ -2,8 +2,9 @@
 node-DRAM tier, the switch, pool nodes with bounded DRAM and a disk tier, every link at one
 rate (as `bench serve`); capacities set so that the node tiers fill and the workload writes
 ``fill`` x the pool's DRAM. One testbed; for every mode (demote none|all|value x write-down
-all|selective) the pool servers and the switch restart afresh, and the mode runs with the
-pool bounded and with an unbounded pool (its reference). The tier policy
+all|selective) the pool servers restart afresh and the switch is emptied (as a restart on
+fresh maps would leave it, without compiling it again), and the mode runs with the pool
+bounded and with an unbounded pool (its reference). The tier policy
 (hostagent.common.tier_policy) decides on the inference nodes (testbed.bench.serve_tiers_node) and
 on the pool nodes (testbed.bench.serve_tiers_pool); `testbed sim`'s exact tier replay
 (testbed.sim.tiers.TierSim) runs the same requests through the same policy code at the same
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -130,7 +132,8 @@ def simulate(wl: Workload, cap: dict, nodes: int, pool_addrs, cfg: PolicyConfig,
 
 class TiersLab(Lab):
     """A testbed whose pool nodes run the tier policy's pool side over bounded DRAM and a disk
-    tier (testbed.bench.serve_tiers_pool); ``reconfigure`` restarts them and the switch."""
+    tier (testbed.bench.serve_tiers_pool); ``reconfigure`` restarts them and empties the switch
+    (testbed.bench.serve_tiers_switch)."""
 
     def __init__(self, *a, disk_bytes: int = 0, policy: dict | None = None, tag: str = "0",
                  **kw):
@@ -149,16 +152,22 @@ class TiersLab(Lab):
             argv += ["--disk-dir", where, "--disk-bytes", str(self.disk_bytes)]
         return argv
 
+    def switchd_argv(self, *args: str) -> list[str]:
+        argv = super().switchd_argv(*args)
+        if args[:1] == ("run",):     # the switch that empties itself (serve_tiers_switch)
+            argv[argv.index("switchd")] = "testbed.bench.serve_tiers_switch"
+        return argv
+
     def reconfigure(self, policy: dict, tag: str, pool_capacity: str, disk_bytes: int) -> None:
-        """New pool servers (this policy, DRAM, a fresh disk directory) and an empty switch."""
+        """New pool servers (this policy, DRAM, a fresh disk directory) and an empty switch
+        (its maps as a restart on fresh ones finds them, a new policy; not compiled again)."""
         self.policy, self.tag = policy, tag
         self.pool_capacity, self.disk_bytes = pool_capacity, disk_bytes
         for i in range(len(self.pools)):
             self.stop_pool(i)
             self.start_pool(i)
-        self.stop_switch()
-        self.switchd("reset")
-        self.start_switch()
+        self.switch.send_signal(signal.SIGHUP)
+        self.await_switch_line("switchd: reset")
 
 
 def policy_dict(cfg: PolicyConfig) -> dict:
@@ -228,7 +237,7 @@ def run_tiers(nodes: int = 4, pools: int = 1, link_gbit: float = 0.025,
     costs = scaled_costs(link_gbit)
     fetch_s = block_bytes * 8 / (link_gbit * 1e9)
     # each mode bounded, then with an unbounded pool (its reference); one testbed, the pool
-    # nodes and the switch restarted afresh for each, each in a namespace of its own
+    # nodes restarted and the switch emptied for each, each in a namespace of its own
     runs = [(d, w, u) for d in demotes for w in write_downs for u in (False, True)]
     cfgs = []
     for demote, wd, _ in runs:

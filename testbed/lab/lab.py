@@ -15,6 +15,8 @@ import subprocess
 import tempfile
 import time
 
+from kvproto import DEFAULT_CHUNK
+
 from .links import LinkSpec
 from .mooncake import MooncakeMaster
 from .tasks import Task, run_task, start_task
@@ -67,7 +69,7 @@ def _await_line(proc: subprocess.Popen, stream, marker: str, timeout: float, wha
 
 class Lab:
     def __init__(self, prefix: str = "kv", hosts: int = 2, pools: int = 1,
-                 chunk_size: int = 1024, cache_entries: int = 65536,
+                 chunk_size: int = DEFAULT_CHUNK, cache_entries: int = 65536,
                  pool_capacity: str = "512MiB", switch: bool = True,
                  switchd_args: tuple[str, ...] = (), store: str = "memory", replicas: int = 1,
                  segment: str = "256MiB", pool_args: tuple[str, ...] = (),
@@ -185,6 +187,11 @@ class Lab:
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True)
         return _await_line(self.switch, self.switch.stdout, "switchd: serving", 60, "switchd")
+
+    def await_switch_line(self, marker: str, timeout: float = 60) -> str:
+        """The next line with ``marker`` the running switchd prints (it is killed and
+        TestbedError raised if none comes in ``timeout`` seconds)."""
+        return _await_line(self.switch, self.switch.stdout, marker, timeout, "switchd")
 
     def stop_switch(self, sig: int = signal.SIGTERM) -> int:
         self.switch.send_signal(sig)
