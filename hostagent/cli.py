@@ -20,7 +20,7 @@ import click
 from .inference import client as kvclient
 from .common.transfer import BlockNotFound, Refused, TransferTimeout, parse_addr
 from .common.hashing import DEFAULT_BLOCK_TOKENS, block_hashes
-from kvproto import MAX_PAYLOAD, PORT
+from kvproto import DEFAULT_CHUNK, MAX_PAYLOAD, PORT
 from kvproto.cli import SizeType, one_line_errors, with_config
 from .pool.server import serve as serve_forever
 from .pool.store import MemoryStore, PutBudgets
@@ -55,7 +55,7 @@ def _chunk_size(ctx, param, value):
     return value
 
 
-chunk_opt = click.option("--chunk-size", type=click.IntRange(8, MAX_PAYLOAD), default=1024,
+chunk_opt = click.option("--chunk-size", type=click.IntRange(8, MAX_PAYLOAD), default=DEFAULT_CHUNK,
                          show_default=True, callback=_chunk_size,
                          help="Bytes per chunk (one datagram each), a multiple of 8.")
 window_opt = click.option("--window", type=click.IntRange(1, 4096), default=64,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import time
 
-from kvproto import PORT, Message, Op, ProtocolError
+from kvproto import DEFAULT_CHUNK, PORT, Message, Op, ProtocolError
 
 WRAPPINGS = ("plain", "ip-options", "fragments", "vlan")
 
@@ -158,7 +158,7 @@ def forge_replies(dst_ip: str, dst_mac: str, ns: int, key_hex: str, chunks: int,
     from kvproto.frames import ipv4_frame
     raw = []
     for chunk in range(chunks):
-        payload = MARKER + bytes(1024 - len(MARKER))
+        payload = MARKER + bytes(DEFAULT_CHUNK - len(MARKER))   # a chunk the reader expects
         msg = Message(Op.GET_REPLY, ns, key, chunk, chunks, req_id=chunk, payload=payload)
         for dport in range(lo, hi, step):
             raw.append(ipv4_frame(src_mac, dst_mac, src_ip, dst_ip, PORT, dport, msg.encode()))
@@ -214,7 +214,7 @@ def unanswerable_gets(pool_ip: str, pool_mac: str, ns: int, key_hex: str, chunks
 
 
 def measure_stall(how: str, chunks: int = 1024, fetches: int = 3) -> dict:
-    """Issue 26's stall, measured on a testbed of its own: h1 fetches a block of ``chunks`` KiB
+    """Issue 26's stall, measured on a testbed of its own: h1 fetches a block of ``chunks`` chunks
     ``fetches`` times quiet, then while h3 sends it unanswerable_gets(how) (no policy, so every
     fetch goes to the pool). ``python -m testbed.security csum|port0`` prints the JSON."""
     import os
@@ -222,7 +222,7 @@ def measure_stall(how: str, chunks: int = 1024, fetches: int = 3) -> dict:
     out: dict = {"how": how, "chunks": chunks}
     with Lab(f"stall{os.getpid() % 10000}", hosts=3, pools=1, switch=False) as lab:
         lab.start_switch("--policy", "off")
-        key, data = os.urandom(16), os.urandom(chunks * 1024)
+        key, data = os.urandom(16), os.urandom(chunks * lab.chunk_size)
         lab.put("h1", 1, key, data)
         out["quiet"] = [lab.get("h1", 1, key)[0]["seconds"] for _ in range(fetches)]
         before = lab.stats()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from hostagent.common.hashing import block_hashes
+from kvproto import DEFAULT_CHUNK
 from .block_layout import BlockLayout
 
 
@@ -33,7 +34,7 @@ class Settings:
     """``kv_connector_extra_config``, checked. Only ``pools`` is required."""
     pools: tuple[str, ...]
     namespace: int = 1
-    chunk_size: int = 1024             # must be the switch's --chunk-size for hits
+    chunk_size: int = DEFAULT_CHUNK    # must be the switch's --chunk-size for hits
     window: int = 64                   # chunks in flight per block
     concurrency: int = 4               # blocks in flight per load or save
     probe_window: int = 64             # chunk-0 probes in flight

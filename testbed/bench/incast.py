@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvproto import DEFAULT_CHUNK
+
 from ..lab import Lab
 from ..lab import write_json
 
@@ -60,7 +62,7 @@ def _measure(lab: Lab, readers: int, key: bytes, block: bytes, reps: int,
 
 
 def run_incast(readers: list[int], block_mib: float, reps: int, json_path: str | None,
-               plot_path: str | None, chunk_size: int = 1024, link_gbit: float | None = None,
+               plot_path: str | None, chunk_size: int = DEFAULT_CHUNK, link_gbit: float | None = None,
                pool_link_gbit: float | None = None, store: str = "memory",
                link_delay_us: float = 0.0, log=print) -> dict:
     block = os.urandom(int(block_mib * (1 << 20)))

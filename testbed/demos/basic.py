@@ -15,13 +15,14 @@ from rich.console import Console
 from rich.table import Table
 
 from hostagent.common.hashing import block_hashes
+from kvproto import DEFAULT_CHUNK
 
 from ..lab import Lab
 
 NS = 1
 
 
-def run_demo(chunks: int = 256, chunk_size: int = 1024, prefix: str = "demo",
+def run_demo(chunks: int = 256, chunk_size: int = DEFAULT_CHUNK, prefix: str = "demo",
              store: str = "memory") -> bool:
     console = Console()
     rng = random.Random(2025)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 from hostagent.common import auth as auth_mod
 from hostagent.common.transfer import TransferTimeout, parse_addr, pool_for
-from kvproto import PORT, Flag
+from kvproto import DEFAULT_CHUNK, PORT, Flag
 from kvproto.frames import PAYLOAD_OFF
 from xdp import Netns, NoXdp
 
@@ -60,7 +60,7 @@ class FetchEngine:
     transfers from an event loop (``client.AsyncFetchClient``). ``open`` raises NoXdp (with the
     reason) where the engine cannot run; ``client.open_client`` then uses the asyncio client."""
 
-    def __init__(self, pools: Sequence[str | tuple[str, int]], chunk_size: int = 1024, *,
+    def __init__(self, pools: Sequence[str | tuple[str, int]], chunk_size: int = DEFAULT_CHUNK, *,
                  ifname: str = "eth0", netns: str | None = None,
                  arena_bytes: int = 256 << 20, max_arena_bytes: int = 2 << 30,
                  deadline: float = 30.0, burst: int = 1024, batch_size: int = 64,
