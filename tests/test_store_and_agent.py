@@ -121,6 +121,23 @@ def test_missing_block_is_reported_not_retried():
     asyncio.run(_with_server(PoolServer, body))
 
 
+def test_first_chunk_says_whether_a_block_is_there():
+    """KVClient.first_chunk (the vLLM connector's probe): chunk 0 alone, the block's count."""
+    from hostagent.common.transfer import TransferStats
+
+    async def body(addr, proto):
+        async with KVClient([addr], chunk_size=1024, deadline=5) as c:
+            await c.put_block(2, KEY, os.urandom(5000))
+            stats = TransferStats()
+            n = await c.first_chunk(2, KEY, stats, deadline=2.0)
+            with pytest.raises(BlockNotFound):
+                await c.first_chunk(2, bytes(16))
+            return n, stats, proto.counters["rx_get"]
+
+    n, stats, gets = asyncio.run(_with_server(PoolServer, body))
+    assert n == 5 and stats.from_pool == 1 and gets == 2
+
+
 def test_server_answers_garbage_with_error_or_silence():
     async def body(addr, proto):
         from kvproto import Message, Op

@@ -282,12 +282,41 @@ class KVClient:
         except auth_mod.AuthError as exc:
             raise auth_mod.refused(ns, key, exc) from None
 
+    async def first_chunk(self, ns: int, key: bytes, stats: TransferStats | None = None,
+                          deadline: float | None = None) -> int:
+        """GET chunk 0 of a block alone, as every GET is made (window, retransmission, CRC
+        check and bypass), within ``deadline`` seconds (the client's by default): the block's
+        chunk count, or BlockNotFound if its pool node lacks it. For a caller that asks whether
+        a block is there without fetching it (the vLLM connector's probe)."""
+        stats = TransferStats() if stats is None else stats
+        known: dict = {"n": None}
+        build, accept = self._get_chunk(ns, key, {}, known, stats, 0)
+        await _Transfer(self, self.pool_for(ns, key), [0], build, accept, stats,
+                        self.deadline if deadline is None else deadline).run()
+        return known["n"]
+
     async def _get_raw(self, ns: int, key: bytes, nchunks: int | None,
                        no_cache: bool) -> tuple[bytes, TransferStats]:
         stats = TransferStats()
         parts: dict[int, bytes] = {}
         known = {"n": nchunks}
-        room, base_flags = self.chunk_size, Flag.NO_CACHE if no_cache else 0
+        build, accept = self._get_chunk(ns, key, parts, known, stats,
+                                        Flag.NO_CACHE if no_cache else 0)
+        start = time.monotonic()
+        if known["n"] is None:
+            await self._transfer(ns, key, [0], build, accept, stats, timed=False)
+        await self._transfer(ns, key, [i for i in range(known["n"]) if i not in parts],
+                             build, accept, stats, timed=False)
+        stats.seconds = time.monotonic() - start
+        data = b"".join(parts[i] for i in range(known["n"]))
+        stats.chunks, stats.bytes = known["n"], len(data)
+        return data, stats
+
+    def _get_chunk(self, ns: int, key: bytes, parts: dict[int, bytes], known: dict,
+                   stats: TransferStats, base_flags: int):
+        """(build, accept) of a transfer's GETs for chunks of a block: payloads go to
+        ``parts``, the block's chunk count to ``known["n"]`` (checked once known)."""
+        room = self.chunk_size
 
         def build(i: int, rid: int, flags: int) -> bytes:
             return Message(Op.GET, ns, key, i, 0, rid, base_flags | flags, room=room).encode()
@@ -312,15 +341,7 @@ class KVClient:
             stats.count_reply(msg)
             return DONE
 
-        start = time.monotonic()
-        if known["n"] is None:
-            await self._transfer(ns, key, [0], build, accept, stats, timed=False)
-        await self._transfer(ns, key, [i for i in range(known["n"]) if i not in parts],
-                             build, accept, stats, timed=False)
-        stats.seconds = time.monotonic() - start
-        data = b"".join(parts[i] for i in range(known["n"]))
-        stats.chunks, stats.bytes = known["n"], len(data)
-        return data, stats
+        return build, accept
 
     async def _transfer(self, ns, key, items, build, accept, stats, timed=True) -> None:
         start = time.monotonic()

@@ -28,9 +28,6 @@ import queue
 import threading
 import time
 
-from kvproto import Message, Op, Status
-
-from . import client as kvclient
 from hostagent.common.transfer import BlockNotFound, Refused, TransferStats
 from .client import KVClient
 from .vllm_connector_blocks import LoadSpec, PoolLayout, Settings, write_block
@@ -85,7 +82,7 @@ class PoolBackend:
                 if i > found:
                     return
                 try:
-                    await self._chunk0(ns, keys[i], stats)
+                    await self.client.first_chunk(ns, keys[i], stats, PROBE_DEADLINE)
                 except Exception as exc:       # unconfirmed: the prefix ends here
                     if not isinstance(exc, BlockNotFound):
                         log.warning("kvswitch: probe of block %d failed: %s", i, exc)
@@ -98,30 +95,6 @@ class PoolBackend:
         stats.seconds = time.monotonic() - start
         self.totals["probe"].add(stats, seconds=True)
         return found, stats
-
-    async def _chunk0(self, ns: int, key: bytes, stats: TransferStats) -> None:
-        """GET chunk 0 of a block through KVClient's transfer engine (window, retransmission,
-        CRC check and bypass): raises BlockNotFound if the pool lacks the block."""
-        room = self.client.chunk_size
-
-        def build(_i: int, rid: int, flags: int) -> bytes:
-            return Message(Op.GET, ns, key, 0, 0, rid, flags, room=room).encode()
-
-        def accept(_i: int, msg: Message) -> str:
-            if msg.op == Op.NACK:
-                raise BlockNotFound(f"{key.hex()}: {Status(msg.status).name}")
-            if msg.op == Op.ERROR:
-                raise Refused(msg.status, "probe GET of chunk 0")
-            if msg.op != Op.GET_REPLY or msg.ns != ns or msg.key != key or msg.chunk != 0:
-                return kvclient.IGNORE
-            if not msg.checksum_ok():
-                stats.checksum_errors += 1
-                return kvclient.RETRY_BYPASS
-            stats.count_reply(msg)
-            return kvclient.DONE
-
-        await kvclient._Transfer(self.client, self.client.pool_for(ns, key), [0], build,
-                                 accept, stats, PROBE_DEADLINE).run()
 
     # ---- loads ---------------------------------------------------------------------------
     def fetch(self, ns: int, keys: list[bytes], nchunks: int) -> queue.SimpleQueue:
