@@ -1,6 +1,7 @@
-"""The fetch engine's driver: its lifecycle (load, attach, restore), the send ring and its
-test-run calls, and the step loop that ties transfers, loss recovery and verification together.
-Python decides per step, never per chunk.
+"""The fetch engine's driver: its lifecycle (load, attach, restore), the transfer table and
+the arena's slots, and the step loop that ties the send ring (``sendring``: its test-run calls
+and the thread that makes them), transfers, loss recovery and verification together. Python
+decides per step, never per chunk.
 
 Each ``step``: queue GETs from every active transfer into the send ring (``transfers.fill``),
 send up to ``call_frames`` of them in one BPF_PROG_TEST_RUN call in live-frames mode (the kernel
@@ -24,7 +25,6 @@ import os
 import secrets
 import socket
 import struct
-import threading
 import time
 from collections.abc import Sequence
 
@@ -40,7 +40,7 @@ from .crcfold import CRC_IMPL, Folder
 from .ids import RequestIds
 from .netpath import link, next_hop, route_header
 from .program import GEN_MASK, XFERS, FetchAttachment, FetchProgram
-from .sendring import EngineStats, SendRing
+from .sendring import EngineStats, Sender, SendRing
 from .transfers import Route, Transfer
 from .verify import crc_damaged, finish, status_error, verify
 
@@ -116,19 +116,15 @@ class FetchEngine:
             raise
         self.nonce = int(self.prog.ctl[0]["nonce"])
         self.folder = Folder(self.chunk_size)
-        self._template = bytes(PAYLOAD_OFF + self.chunk_size)   # headers written per frame
-        self._meta_bytes = struct.pack("<Q", self.nonce)
         self._ids = RequestIds(XFERS, GEN_MASK)        # random, not reused while replies may come
         self._slots = SlotAllocator(self.slots)
         self._active: list[Transfer] = []
         self._counter_base: dict[str, int] = {}
         self._ring = SendRing(self.prog)
-        self._stop, self._error = False, None
-        self._wake, self._progress = threading.Event(), threading.Event()
-        self._thread = None
-        if self.threaded:
-            self._thread = threading.Thread(target=self._sender, name="kvfetch-sender", daemon=True)
-            self._thread.start()
+        template = bytes(PAYLOAD_OFF + self.chunk_size)           # headers written per frame
+        self._sender = Sender(self._ring, self._ns, self._att.ifindex, template,
+                              struct.pack("<Q", self.nonce), self.call_frames, self.batch_size,
+                              self.stats, self.threaded)
         self._opened = True
         log.info("XDP fetch engine on %s (%d-byte chunks, %d slots, CRC by %s)", self.ifname,
                  self.chunk_size, self.slots, CRC_IMPL)
@@ -174,10 +170,7 @@ class FetchEngine:
         if not self._opened:
             return
         self._opened = False
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(10)
+        self._sender.stop()
         for t in list(self._active):
             self._fail(t, TransferTimeout("engine closed"))
         try:
@@ -227,23 +220,11 @@ class FetchEngine:
         base = self._slots.alloc(n)
         if base is not None or n > self.max_slots:
             return base
-        if [t for t in self._active if t is not alone] or not self._drained():
+        if [t for t in self._active if t is not alone] or not self._sender.drained():
             return None
         self._ring.prod = self._ring.cons             # only ``alone``'s retransmissions
         self._rebuild(min(self.max_slots, max(n, 2 * self.slots)))
         return self._slots.alloc(n)
-
-    def _drained(self, timeout: float = 1.0) -> bool:
-        """The sender thread has sent everything queued (at most a call's worth: ``alone``'s
-        GETs), so the ring and the program may be replaced."""
-        end = time.monotonic() + timeout
-        while self.threaded and self._ring.queued and time.monotonic() < end:
-            if self._error is not None or self._thread is None or not self._thread.is_alive():
-                return False
-            self._wake.set()
-            self._progress.wait(0.005)
-            self._progress.clear()
-        return not (self.threaded and self._ring.queued)
 
     def _rebuild(self, slots: int) -> None:
         """Load the program with an arena of ``slots`` and swap it in (idle engine only)."""
@@ -326,25 +307,22 @@ class FetchEngine:
         """Queue what is due, send, verify what arrived, wait a little; whether anything moved."""
         self.stats.steps += 1
         c0 = time.thread_time()
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
+        self._sender.check()
         active = [t for t in self._active if not t.done]
         n = transfers.fill(active, self._ring, self.prog.meta, time.monotonic(), self.burst,
                            self.tail_wait, 2 * self.burst) if active else 0
         self.stats.frames += n
         if n and self.threaded:
-            self._wake.set()
+            self._sender.kick()
         elif n:                                       # one thread: send a call's worth here
-            self._send()
+            self._sender.send()
         got = self._collect()
         if not n and not got and self._active:
             t0 = time.monotonic()
             if self._ring.queued and not self.threaded:
-                self._send()
+                self._sender.send()
             elif self._ring.queued:                   # the sender is at work: its next call
-                self._progress.wait(0.005)
-                self._progress.clear()
+                self._sender.wait()
             else:
                 time.sleep(transfers.idle_wait(active, self.poll_interval))
             self.stats.idle_seconds += time.monotonic() - t0
@@ -352,31 +330,6 @@ class FetchEngine:
             self.stats.idle_seconds += transfers.trickle(active, got, self.poll_interval)
         self.stats.step_cpu += time.thread_time() - c0
         return bool(n or got)
-
-    def _send(self) -> bool:
-        with self._ns:
-            err = self._ring.send(self._att.ifindex, self._template, self._meta_bytes,
-                                  self.call_frames, self.batch_size, self.stats)
-        if err is not None:
-            raise err
-        return True
-
-    def _sender(self) -> None:
-        """The sender thread: sends what is queued from inside the engine's namespace."""
-        try:
-            with self._ns:
-                while not self._stop:
-                    if not self._ring.queued:
-                        self._wake.wait(0.05)
-                        self._wake.clear()
-                        continue
-                    err = self._ring.send(self._att.ifindex, self._template, self._meta_bytes,
-                                          self.call_frames, self.batch_size, self.stats)
-                    if err is not None:
-                        self._error = err
-                    self._progress.set()
-        except BaseException as exc:
-            self._error = exc
 
     def _collect(self) -> int:
         """Verify every chunk that arrived since the last look; finish transfers."""

@@ -3,9 +3,11 @@ BPF_PROG_TEST_RUN calls in live-frames mode, each call taking up to ``frames`` e
 generator part of kv_fetch advances ``send_pos`` atomically per frame). Positions only grow;
 position p is entry p mod KV_FETCH_SENDQ. When each position was sent and when its call ended
 feed the round-trip estimates and the tail-loss rule (``transfers``). ``EngineStats`` counts
-where an engine's time goes."""
+where an engine's time goes. ``Sender`` makes the test-run calls: a thread of its own, or the
+stepping thread."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -99,3 +101,76 @@ class SendRing:
         stats.sender_cpu += time.thread_time() - c0
         stats.sends += 1
         return err
+
+
+class Sender:
+    """Who makes the ring's test-run calls, from inside the engine's namespace ``ns``: a thread
+    of its own when ``threaded`` (the calls release the GIL, so the stepping thread verifies
+    meanwhile), else the stepping thread itself (``send``). What a call in the thread raised
+    is raised in the stepping thread by ``check``."""
+
+    def __init__(self, ring: SendRing, ns, ifindex: int, template: bytes, meta: bytes,
+                 frames: int, batch: int, stats: EngineStats, threaded: bool):
+        self.ring, self.ns, self.threaded = ring, ns, threaded
+        self._call = (ifindex, template, meta, frames, batch, stats)
+        self.error: BaseException | None = None
+        self._stop = False
+        self._wake, self._progress = threading.Event(), threading.Event()
+        self._thread = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="kvfetch-sender", daemon=True)
+            self._thread.start()
+
+    def check(self) -> None:
+        """Raise (once) what the thread's calls raised."""
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+
+    def send(self) -> None:
+        """One call's worth, from the calling thread."""
+        with self.ns:
+            err = self.ring.send(*self._call)
+        if err is not None:
+            raise err
+
+    def kick(self) -> None:
+        """Something was queued: the thread sends it."""
+        self._wake.set()
+
+    def wait(self, timeout: float = 0.005) -> None:
+        """Until the thread's next call ends (at most ``timeout`` seconds)."""
+        self._progress.wait(timeout)
+        self._progress.clear()
+
+    def drained(self, timeout: float = 1.0) -> bool:
+        """The thread has sent everything queued (at most a call's worth), so the ring and the
+        program may be replaced."""
+        end = time.monotonic() + timeout
+        while self.threaded and self.ring.queued and time.monotonic() < end:
+            if self.error is not None or self._thread is None or not self._thread.is_alive():
+                return False
+            self.kick()
+            self.wait()
+        return not (self.threaded and self.ring.queued)
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def _run(self) -> None:
+        try:
+            with self.ns:
+                while not self._stop:
+                    if not self.ring.queued:
+                        self._wake.wait(0.05)
+                        self._wake.clear()
+                        continue
+                    err = self.ring.send(*self._call)
+                    if err is not None:
+                        self.error = err
+                    self._progress.set()
+        except BaseException as exc:
+            self.error = exc
