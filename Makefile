@@ -107,6 +107,14 @@ bench-sim:
 	$(VENV)/bin/testbed sim sweep --trace $(TRACE) --nodes 4,8,12,16,24,32,48,64,256 \
 	  --switch-gib 64,256 --switch-budget 250000 --json bench/results/sim-sweep.json \
 	  --plot bench/results/sim-breakeven.png
+	$(VENV)/bin/testbed sim sweep --trace $(TRACE) --kv-codec int8 \
+	  --nodes 16,24,32,48,64,96,128,192,256 --switch-gib 64 --sharing 0,0.5,0.9 --skew-cases '' \
+	  --switch-budget 250000 --json bench/results/sim-sweep-int8.json \
+	  --plot bench/results/sim-breakeven-int8.png
+	$(VENV)/bin/testbed sim sweep --trace $(TRACE) --kv-codec int4 \
+	  --nodes 16,24,32,48,64,96,128,192,256,384,512 --switch-gib 64 --sharing 0,0.5,0.9 \
+	  --skew-cases '' --switch-budget 250000 --json bench/results/sim-sweep-int4.json \
+	  --plot bench/results/sim-breakeven-int4.png
 	$(VENV)/bin/testbed sim validate --trace $(TRACE) --json bench/results/sim-validate.json
 	$(VENV)/bin/testbed sim validate --serve --trace $(TRACE) \
 	  --json bench/results/sim-validate-serve.json

@@ -14,6 +14,18 @@ from ..options import (cluster_options, fail_unless, float_list, int_list, json_
 SWEEP_NODES = "4,8,12,16,24,32,48,64,128,256,1024"
 
 
+def codec_options(f):
+    """The KV codec of the blocks ``sim run`` and ``sim sweep`` price (testbed.sim.codec)."""
+    from .config import COMPRESS_JSON
+    f = click.option("--compress-json", default=COMPRESS_JSON, show_default=True,
+                     help="`testbed bench compress` result giving the codec's ratio and "
+                          "decode/encode GB/s.")(f)
+    return click.option("--kv-codec", default="none", show_default=True,
+                        help="KV codec of blocks on the wire and in the switch/pool (none, "
+                             "int8, fp8, int4, NAME/gTOKENS) as measured in --compress-json: "
+                             "blocks shrink by its ratio, nodes pay its decode time.")(f)
+
+
 @click.group()
 def sim():
     """Cluster-scale model: tiers, switch pool on/off, break-even, testbed validation."""
@@ -31,6 +43,7 @@ def sim():
 @click.option("--skew", type=click.FloatRange(0), default=0.0, show_default=True,
               help="Zipf exponent of prefix-tree popularity (hot objects; 0: uniform).")
 @cluster_options
+@codec_options
 @json_opt()
 def sim_run(trace_path, requests, sharing, json_path, **kw):
     """Simulate one cluster configuration, switch pool on and off (one point of the sweep)."""
@@ -63,6 +76,7 @@ def sim_run(trace_path, requests, sharing, json_path, **kw):
 @click.option("--requests-per-node", type=click.IntRange(1), default=200, show_default=True)
 @click.option("--max-requests", type=click.IntRange(1), default=200_000, show_default=True)
 @cluster_options
+@codec_options
 @json_opt("bench/results/sim-sweep.json")
 @click.option("--plot", "plot_path", default="bench/results/sim-breakeven.png",
               show_default=True)

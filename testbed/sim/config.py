@@ -1,6 +1,7 @@
 """What the cluster model is told: the model presets (KV bytes per token, prefill speed, GPUs per
 node), SimConfig, one cluster configuration with its cost model (docs/sim.md), and the data
-plane's CPU per frame, read from the throughput benchmark's result."""
+plane's CPU per frame, read from the throughput benchmark's result (the KV codec's measured
+ratio and decode rate are read by testbed.sim.codec)."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ ROUTINGS = ("random", "least-loaded", "affinity")
 DEMOTES = ("none", "all", "value")
 ROOT = Path(__file__).resolve().parents[2]
 THROUGHPUT_JSON = "bench/results/throughput.json"
+COMPRESS_JSON = "bench/results/compress.json"
 REQUESTS_PER_NODE, MAX_REQUESTS = 200, 200_000    # a point's default request count
 MIN_ENTRIES = 1_000_000           # the cache size the data plane's CPU should be measured at
 PPS_KEYS = ("switch_hit_pps", "hit_pps_sequential", "hit_pps_zipf", "hit_pps")
@@ -81,6 +83,8 @@ class SimConfig:
     xdp_ns_per_frame: float | None = None   # data-plane CPU per frame; None: from throughput_json
     throughput_json: str = THROUGHPUT_JSON  # `testbed bench throughput` result (relative: to cwd
     #                                         or else the source tree)
+    kv_codec: str = "none"            # KV codec of blocks on the wire and in the switch/pool
+    compress_json: str = COMPRESS_JSON  # `testbed bench compress` result: its ratio and rates
     skew: float = 0.0                 # Zipf exponent of prefix-tree popularity (0: uniform)
     seed: int = 1
     # cost model (break-even), see docs/sim.md
@@ -138,7 +142,20 @@ def xdp_frame_cost(cfg: SimConfig) -> dict:
     cache is smaller than ``MIN_ENTRIES`` (the file has no such entry at that chunk size)."""
     if cfg.xdp_ns_per_frame is not None:
         return {"ns_per_frame": float(cfg.xdp_ns_per_frame), "source": "configured"}
-    path = Path(cfg.throughput_json)
+    path, shown, stamp = result_file(cfg.throughput_json)
+    m = dict(_measured(str(path), cfg.chunk_bytes, stamp))
+    return {**m, "file": shown,
+            "source": f"{shown} {m['entry']}: {m['entries']:,} entries x "
+                      f"{m['measured_chunk_bytes']} B chunks, {m['how']}"
+                      + (" (fallback: smaller cache than 1M)" if "fallback" in m else "")}
+
+
+def result_file(name: str) -> tuple[Path, str, tuple | None]:
+    """A committed result file the model reads: its path (relative: to the working directory
+    or else the source tree), how results name it (relative to the source tree when inside it)
+    and a stamp (mtime, size; None if absent) so that cached readings of a rewritten file are
+    read again."""
+    path = Path(name)
     if not path.is_absolute() and not path.exists() and (ROOT / path).exists():
         path = ROOT / path
     path = path.resolve()
@@ -148,11 +165,7 @@ def xdp_frame_cost(cfg: SimConfig) -> dict:
         stamp = (st.st_mtime_ns, st.st_size)
     except OSError:
         stamp = None
-    m = dict(_measured(str(path), cfg.chunk_bytes, stamp))
-    return {**m, "file": shown,
-            "source": f"{shown} {m['entry']}: {m['entries']:,} entries x "
-                      f"{m['measured_chunk_bytes']} B chunks, {m['how']}"
-                      + (" (fallback: smaller cache than 1M)" if "fallback" in m else "")}
+    return path, shown, stamp
 
 
 def throughput_entries(doc: dict) -> list[dict]:

@@ -24,7 +24,9 @@ GPU HBM -> node DRAM (both per node) -> switch pool -> pool-node DRAM -> recompu
   the run at full size (testbed.sim.sample); what the switch serves is then estimated from the
   windows (x 1/R), everything else stays exact (``pool_on.switch.sample_rate`` says so).
 
-Costs and timing: see docs/sim.md. ``point`` computes one point for ``sim run`` and ``sim sweep``
+KV codec (``--kv-codec``, testbed.sim.codec): blocks on the wire and in the switch and pool nodes
+shrink by the codec's measured ratio; a fetched block is decoded on the node's CPU, overlapping
+the fetch of later blocks. Costs and timing: see docs/sim.md. ``point`` computes one point for ``sim run`` and ``sim sweep``
 alike; result keys: see ``run`` and ``summary``.
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from .codec import kv_codec, pipelined_load
 from .config import FRAME_OVERHEAD, GIB, MODELS, SimConfig, default_requests, xdp_frame_cost
 from .evaluate import GAMMA
 from .sample import time_windows
@@ -104,10 +107,19 @@ def _blocks(wl: Workload, cfg: SimConfig) -> SimpleNamespace:
     b.t = np.repeat(wl.time, lens)
     b.span = max(float(wl.time[-1] - wl.time[0]), 1e-3)
     b.node = np.repeat(route(wl, cfg), lens)
-    b.chunks = np.full(nb, float(np.ceil(cfg.block_bytes / cfg.chunk_bytes)))
-    b.chunks[part] = np.ceil(b.nbytes[part] / cfg.chunk_bytes)
+    # on the wire, in the switch and the pool nodes: coded (16-bit bytes / the codec's ratio)
+    codec = kv_codec(cfg)
+    b.ratio = codec["ratio"]
+    b.coded = b.nbytes if b.ratio == 1 else b.nbytes / b.ratio
+    b.chunks = np.full(nb, float(np.ceil(cfg.block_bytes / b.ratio / cfg.chunk_bytes)))
+    b.chunks[part] = np.ceil(b.coded[part] / cfg.chunk_bytes)
     b.wire = b.chunks * FRAME_OVERHEAD                     # reply frames
-    b.wire += b.nbytes
+    b.wire += b.coded
+    # decoding a fetched block (16-bit bytes at the measured rate) and encoding a computed one
+    b.decode_t = (b.nbytes / (codec["decode_gbytes_per_s"] * 1e9)
+                  if codec["decode_gbytes_per_s"] else None)
+    b.encode_t = (b.nbytes / (codec["encode_gbytes_per_s"] * 1e9)
+                  if codec["encode_gbytes_per_s"] else None)
     b.get_per_chunk = cfg.chunk_bytes + FRAME_OVERHEAD     # GETs carry room for the reply
     b.link_bps = min(cfg.node_gbps, cfg.pool_gbps) * 1e9 / 8   # wire / link_bps: transfer time
     b.nsec = int(b.t.max()) + 1 if nb else 1
@@ -130,8 +142,12 @@ def _tiers(b, cfg: SimConfig, in_hbm, in_dram, pool_has) -> SimpleNamespace:
     src[remote] = POOL
     ri = np.flatnonzero(remote)
     recomputed = np.flatnonzero(~served)
+    decode_t = None
+    if b.decode_t is not None:
+        decode_t = np.zeros(b.nb)
+        decode_t[ri] = b.decode_t[ri]
     return SimpleNamespace(
-        src=src, ri=ri, recomputed=recomputed,
+        src=src, ri=ri, recomputed=recomputed, decode_t=decode_t,
         saved_work=b.total_work - np.bincount(b.req[recomputed], weights=b.work[recomputed],
                                               minlength=b.n),
         pool_load=np.bincount(b.cell[ri], weights=b.wire[ri], minlength=cfg.pools * b.nsec),
@@ -163,7 +179,7 @@ def simulate(wl: Workload, cfg: SimConfig, log=None) -> dict:
         pool_has = (prev_g > 0) & np.isfinite(prev_g)
     else:
         zero = np.zeros(b.nb, np.int64)
-        T_pool = che_ttl(zero, next_g, nbytes, cfg.pool_gib * GIB * cfg.pools, 1, span)[0]
+        T_pool = che_ttl(zero, next_g, b.coded, cfg.pool_gib * GIB * cfg.pools, 1, span)[0]
         pool_has = (prev_g > 0) & (prev_g < T_pool)
     in_dram = dram_hits(cfg, key, node, prev_n, next_n, nbytes, T_hbm, span, cfg.demote, orders)
     dropped = dram_hits(cfg, key, node, prev_n, next_n, nbytes, T_hbm, span, "none", orders)
@@ -173,7 +189,8 @@ def simulate(wl: Workload, cfg: SimConfig, log=None) -> dict:
 
     # the switch tier runs on windows of the run when its stream is too long (sample.py)
     sampled = time_windows(wl.time, b.t[tiers.ri], b.nsec, cfg.switch_budget)
-    res = {"config": asdict(cfg), "model": asdict(MODELS[cfg.model]), "requests": int(wl.n),
+    res = {"config": asdict(cfg), "model": asdict(MODELS[cfg.model]),
+           "kv_codec": kv_codec(cfg), "requests": int(wl.n),
            "block_requests": int(b.nb), "distinct_blocks": distinct,
            "seconds_simulated": round(span, 3), "resampled": wl.resampled}
     base = _serve(cfg, b, tiers, sampled, switch=False)
@@ -203,7 +220,7 @@ def _switch(cfg, b, tiers, smp) -> tuple:
     the start of its warm-up): the counted fetches' indices, their outcomes and what to
     report."""
     ri = tiers.ri[smp.sim]
-    cap = cfg.switch_gib * GIB / cfg.block_bytes
+    cap = cfg.switch_gib * GIB * b.ratio / cfg.block_bytes    # coded blocks it holds
     headroom = cap / 16 if cfg.headroom is None else cfg.headroom * cap
     sw = SwitchModel(cfg.switch_policy, cap, headroom, cfg.interval, cfg.coalesce)
     out = np.empty(len(ri), np.int8)
@@ -220,13 +237,21 @@ def _switch(cfg, b, tiers, smp) -> tuple:
     return ri[smp.counted], out[smp.counted], smp.rate, info
 
 
-def _request_times(b, fetch_t, saved_work) -> tuple:
+def _request_times(b, fetch_t, saved_work, decode_t=None) -> tuple:
     """Per request: time loading its prefix and time computing, given each block's fetch time
-    (a node recomputes its prefix instead when fetching it would take longer)."""
-    fetch_req = np.bincount(b.req, weights=fetch_t, minlength=b.n)
+    and, with a codec, its decode time (overlapping later blocks' fetches:
+    ``codec.pipelined_load``); a node recomputes its prefix instead when loading it would take
+    longer. With a codec, also the CPU seconds spent decoding (0 where it recomputes)."""
+    if decode_t is None:
+        fetch_req = np.bincount(b.req, weights=fetch_t, minlength=b.n)
+    else:
+        fetch_req = pipelined_load(b.offsets, fetch_t, decode_t)
     load_t = np.minimum(fetch_req, saved_work)
     compute_t = b.total_work - saved_work + np.where(fetch_req > saved_work, saved_work, 0.0)
-    return load_t, compute_t
+    if decode_t is None:
+        return load_t, compute_t
+    decode_cpu = np.bincount(b.req, weights=decode_t, minlength=b.n)
+    return load_t, compute_t, np.where(fetch_req > saved_work, 0.0, decode_cpu)
 
 
 class _Estimate:
@@ -319,23 +344,27 @@ def _serve(cfg, b, tiers, sampled, switch: bool, light: bool = False) -> dict:
     fetch_t[ri] = (b.wire[ri] / (min(node_bps, pool_bps) * (1 - np.minimum(rho[b.cell[ri]], 0.98)))
                    + hop)
     saved_work = tiers.saved_work
-    base = _request_times(b, fetch_t, saved_work)          # every fetch from its pool node
+    base = _request_times(b, fetch_t, saved_work, tiers.decode_t)  # all from the pool nodes
     if len(si):
         fetch_t[si] = b.wire[si] / node_bps + cfg.hop_us * 1e-6
-        own = _request_times(b, fetch_t, saved_work)       # exact for the sampled requests
+        own = _request_times(b, fetch_t, saved_work, tiers.decode_t)  # the sampled requests
     else:
         own = base
     est = _Estimate(sampled, base, own)
     out = {
         "hit_ratio": hit,
         "bytes": links,
-        "remote_bytes": int(round(b.nbytes[ri].sum())),
+        "remote_bytes": int(round(b.coded[ri].sum())),         # coded, with a codec
         "ttft_s": est.percentiles(),
         "prefill_gpu_s_saved": round(est.total(lambda t: b.total_work - t[1])
                                      * model.gpus_per_node, 2),
         "gpu_s_waiting_for_kv": round(est.total(lambda t: t[0]) * model.gpus_per_node, 2),
         "gpu_s_total": round(est.total(lambda t: t[0] + t[1]) * model.gpus_per_node, 2),
     }
+    if tiers.decode_t is not None:          # node CPU: decoding fetched, encoding computed blocks
+        out["kv_codec_cpu_s"] = {
+            "decode": round(est.total(lambda t: t[2]), 2),
+            "encode": round(float(b.encode_t[comp].sum()) if b.encode_t is not None else 0.0, 2)}
     if light:
         return out
     out["pool_link"] = {"peak_utilisation": round(float(rho.max()) if len(rho) else 0.0, 4),
@@ -371,6 +400,13 @@ def _benefit(cfg: SimConfig, off: dict, on: dict, span: float) -> dict:
     xdp_cores = on["switch"].get("frames_per_s", 0.0) / per_core
     cost = (cfg.switch_gib * cfg.switch_gib_hour_usd
             + (cfg.switchd_cores + xdp_cores) * cfg.core_hour_usd)
+    codec = {}
+    if "kv_codec_cpu_s" in on:          # the nodes' decoding CPU the switch adds (or saves)
+        cpu_on, cpu_off = on["kv_codec_cpu_s"], off["kv_codec_cpu_s"]
+        cost += (cpu_on["decode"] - cpu_off["decode"]) / span * cfg.core_hour_usd
+        codec = {"decode_cores_off": round(cpu_off["decode"] / span, 3),
+                 "decode_cores_on": round(cpu_on["decode"] / span, 3),
+                 "encode_cores": round(cpu_on["encode"] / span, 3)}
     return {"gpu_s_saved_per_hour": round(gpu_s / hours, 2),
             "benefit_usd_per_hour": round(benefit, 4),
             "cost_usd_per_hour": round(cost, 4),
@@ -380,7 +416,8 @@ def _benefit(cfg: SimConfig, off: dict, on: dict, span: float) -> dict:
             "net_usd_per_hour": round(benefit - cost, 4),
             "pays": bool(benefit > cost),
             "pool_egress_saved": round(1 - on["bytes"]["pool_to_switch"]
-                                       / max(1, off["bytes"]["pool_to_switch"]), 4)}
+                                       / max(1, off["bytes"]["pool_to_switch"]), 4),
+            **({"kv_codec_cores": codec} if codec else {})}
 
 
 def summary(res: dict) -> dict:
@@ -388,6 +425,7 @@ def summary(res: dict) -> dict:
     on, off, b = res["pool_on"], res["pool_off"], res["switch_benefit"]
     c = res["config"]
     return {"nodes": c["nodes"], "pools": c["pools"], "switch_gib": c["switch_gib"],
+            "kv_codec": c.get("kv_codec", "none"),
             "sharing": res["sharing"], "skew": c["skew"], "requests": res["requests"],
             "switch_hit_ratio": round(on["hit_ratio"]["switch"]
                                       + on["hit_ratio"]["switch_replica"], 6),
@@ -417,9 +455,11 @@ def point(trace: Trace, cfg: SimConfig, requests: int | None = None, sharing: fl
     wall_seconds (including the workload)."""
     t0 = time.perf_counter()
     xdp = xdp_frame_cost(cfg)               # fail before any work if it cannot be priced
+    codec = kv_codec(cfg)
     if log:
         log(f"data plane: {xdp['ns_per_frame']} ns/frame from {xdp['source']}"
             + (f"; {xdp['fallback']}" if "fallback" in xdp else ""))
+        log(f"KV codec {codec['name']}: {codec['source']}")
     if requests is None:
         requests = default_requests(cfg.nodes)
     wl = workload(trace, cfg, requests or None, sharing)

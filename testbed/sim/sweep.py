@@ -9,7 +9,8 @@ trace, simulated with the switch pool on and off by ``testbed.sim.model.point``,
 GPU's hourly rate, against switch memory, switchd's core and the data plane's per-frame CPU. The
 break-even of a (memory, case) curve is the smallest node count where it pays, interpolated
 log-linearly between the two sweep points around the sign change; the default node grid is
-fine (4..64 in steps of 1.33-1.5x) where the break-even lies.
+fine (4..64 in steps of 1.33-1.5x) where the break-even lies. With ``kv_codec`` every point's
+blocks are coded (testbed.sim.codec); the result names the codec's file and row (``kv_codec``).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import math
 import time
 
 from ..lab import write_json
+from .codec import kv_codec
 from .config import MAX_REQUESTS, REQUESTS_PER_NODE, SimConfig, SimError, xdp_frame_cost
 from .model import point
 from .trace import load_trace
@@ -78,8 +80,10 @@ def run_sweep(trace_path, nodes, switch_gib, cases, requests_per_node=REQUESTS_P
     cfg_kw.pop("skew", None)
     base = SimConfig(**cfg_kw)
     xdp = xdp_frame_cost(base)              # fail before the first point if it cannot be priced
+    codec = kv_codec(base)                  # likewise for the KV codec
     log(f"data plane: {xdp['ns_per_frame']} ns/frame from {xdp['source']}"
         + (f"; {xdp['fallback']}" if "fallback" in xdp else ""))
+    log(f"KV codec {codec['name']}: {codec['source']}")
     points, t0 = [], time.perf_counter()
     for s, k in cases:
         for mem in switch_gib:
@@ -100,7 +104,7 @@ def run_sweep(trace_path, nodes, switch_gib, cases, requests_per_node=REQUESTS_P
            "requests_per_node": requests_per_node, "max_requests": max_requests,
            "defaults": {k: v for k, v in vars(base).items()
                         if k not in ("nodes", "switch_gib", "skew")},
-           "xdp": xdp,
+           "xdp": xdp, "kv_codec": codec,
            "break_even": curves, "points": points,
            "wall_seconds": round(time.perf_counter() - t0, 1)}
     write_json(json_path, out)
@@ -163,10 +167,11 @@ def plot(out: dict, path) -> None:
     axes[1][0].set_ylabel("XDP cores: busiest 1% of seconds\n(dashed: mean, charged)")
     for ax in axes[0]:
         ax.legend(fontsize=8)
-    x = out.get("xdp", {})
+    x, codec = out.get("xdp", {}), out.get("kv_codec", {}).get("name", "none")
     fig.suptitle(f"When the in-network KV pool pays for itself ({out['routing']} routing, "
                  f"{out['pools']} pool nodes; dotted: break-even; XDP "
-                 f"{x.get('ns_per_frame', '?')} ns/frame)", fontsize=10)
+                 f"{x.get('ns_per_frame', '?')} ns/frame"
+                 + (f"; KV codec {codec}" if codec != "none" else "") + ")", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
