@@ -2,8 +2,9 @@
 link queueing at one rate (testbed.lab.links); each node runs a serving loop
 (testbed.bench.serve_node) over its share of a workload (testbed.bench.serve_workloads) and
 records TTFT = queueing + fetch + modelled prefill (the cluster model's preset, named in the
-JSON). Three modes, each on a testbed of its own, the workloads run one after another in it
-(each in a KV namespace of its own):
+JSON). Three modes, one after another on one testbed (each on pool servers started afresh; with
+Mooncake on a testbed each), the workloads one after another in it (each in a KV namespace of
+its own):
 
   bridge    a plain Linux bridge, no switch program: each block from its owner pool node;
   switch    kvswitch with switchd's default policy (nothing admitted by hand);
@@ -17,6 +18,7 @@ plot.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -24,6 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from ..lab import Lab, TestbedError, write_json
+from ..lab.tasks import StartLine
+from ..lab.topology import plain_bridge_ports
 from ..sim.config import MODELS
 from .serve_workloads import (WORKLOADS, Workload, burst_workload, payload, trace_workload,
                               zipf_workload)
@@ -136,11 +140,12 @@ def _run_workload(lab: Lab, wl: Workload, mode: str, ns: int, preset, block_byte
     steps = phases(wl)
     for phase in steps:
         on = [i for i, reqs in enumerate(phase) if reqs or phase is steps[-1]]
-        start_at = time.time() + 3.0 + 0.4 * len(on)      # every node's engine is open by then
+        start = StartLine(lab.tmp.name, len(on))      # once every node's engine is open
         tasks = [(i, lab.start_task(nodes[i].name, "testbed.bench.serve_node:serve",
-                                    lab.pool_addrs, CHUNK, ns, block_bytes, phase[i], start_at,
+                                    lab.pool_addrs, CHUNK, ns, block_bytes, phase[i], start.path,
                                     preset.prefill_tokens_per_s, mode == "replicas"))
                  for i in on]
+        start.go([t for _, t in tasks])
         for i, t in tasks:
             _merge(res[i], t.result(timeout=1800))
     egress = [lab.link_bytes(p.name, "tx") - b for p, b in zip(pools, before)]
@@ -187,6 +192,23 @@ def _run_workload(lab: Lab, wl: Workload, mode: str, ns: int, preset, block_byte
     return row
 
 
+def fresh_mode(lab: Lab, mode: str) -> None:
+    """The testbed as a new one for ``mode`` finds it: pool servers started afresh (empty), then
+    switchd on fresh maps (switch) or a plain bridge (the others)."""
+    if lab.switch is not None and mode != "switch":
+        lab.stop_switch()
+        lab.switchd("reset")
+        plain_bridge_ports(lab.topo, True)
+    for i in range(len(lab.pools)):
+        lab.stop_pool(i)
+    for i in range(len(lab.pools)):       # their programs compile side by side
+        lab.start_pool(i, wait=False)
+    for i in range(len(lab.pools)):
+        lab.await_pool_log(i, "ready")
+    if mode == "switch" and lab.switch is None:
+        lab.start_switch()
+
+
 def make_workloads(names, nodes: int, pools_addrs, preset, trace_path: str,
                    trace_requests: int, scale: float = 1.0) -> dict[str, Workload]:
     """The workloads by name (``scale`` < 1 shrinks them for a quick run)."""
@@ -219,14 +241,21 @@ def run_serve(nodes: int = 8, pools: int = 2, store: str = "memory", link_gbit: 
         raise TestbedError(f"no trace at {trace_path} (give --trace)")
     preset = MODELS[model]
     block_bytes = block_bytes_for(link_gbit)
-    results, addrs = [], None
-    for mode in modes:
-        with Lab(prefix, hosts=nodes, pools=pools, chunk_size=CHUNK, switch=mode == "switch",
-                 store=store, pool_capacity="1GiB", link_gbit=link_gbit,
-                 pool_link_gbit=link_gbit) as lab:
-            addrs = lab.pool_addrs
-            wls = make_workloads(workloads, nodes, addrs, preset, trace_path, trace_requests,
-                                 scale)
+    results = []
+    kw = dict(hosts=nodes, pools=pools, chunk_size=CHUNK, store=store, pool_capacity="1GiB",
+              link_gbit=link_gbit, pool_link_gbit=link_gbit)
+    with contextlib.ExitStack() as labs:
+        lab = None
+        for mode in modes:
+            # with the memory store one testbed serves every mode (each on empty pool nodes);
+            # Mooncake's master outlives a pool server, so there each mode has a testbed
+            if lab is None or store != "memory":
+                labs.close()
+                lab = labs.enter_context(Lab(prefix, switch=mode == "switch", **kw))
+            else:
+                fresh_mode(lab, mode)
+            wls = make_workloads(workloads, nodes, lab.pool_addrs, preset, trace_path,
+                                 trace_requests, scale)
             for name in workloads:
                 results.append(_run_workload(lab, wls[name], mode, wls[name].params["ns"],
                                              preset, block_bytes, log))

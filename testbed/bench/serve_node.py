@@ -72,8 +72,17 @@ class Writer:
         self.thread.join(120)
 
 
+def common_start(start_at: float | str) -> float:
+    """The run's start (epoch seconds): ``start_at``, or the one its testbed.lab StartLine
+    (``start_at`` its path) sets once every node's engine is open."""
+    if isinstance(start_at, str):
+        from testbed.lab.tasks import StartLine
+        return StartLine.wait(start_at)
+    return start_at
+
+
 def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests: list[dict],
-          start_at: float, prefill_tok_s: float, spread: bool, write: bool = True) -> dict:
+          start_at: float | str, prefill_tok_s: float, spread: bool, write: bool = True) -> dict:
     cls = SpreadEngine if spread else FetchEngine
     out = {"ttft": [], "warmup": [], "queue": [], "fetch": [], "prefill": [], "cached_blocks": 0,
            "blocks": 0, "chunks": 0, "from_switch": 0, "replicas": 0, "from_pool": 0,
@@ -81,7 +90,7 @@ def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests
     writer = Writer(pools, chunk_size, ns, block_bytes, spread) if write else None
     with cls(pools, chunk_size) as eng:
         # arrivals count from the common start, whenever this node's engine was open
-        ahead = start_at - time.time()
+        ahead = common_start(start_at) - time.time()
         out["late_s"] = round(max(0.0, -ahead), 4)
         t0 = time.monotonic() + max(0.0, ahead)
         time.sleep(max(0.0, ahead))

@@ -29,6 +29,7 @@ from hostagent.common.tier_policy import DEMOTES, WRITE_DOWNS, PolicyConfig, Pol
 from hostagent.common.tier_policy import DEFAULT_COSTS
 
 from ..lab import Lab, TestbedError, write_json
+from ..lab.tasks import StartLine
 from ..sim.config import MODELS
 from .serve import CHUNK, CLUSTER_GBIT, block_bytes_for, check_choices
 from .serve_workloads import Workload, _request, arrivals, block_key, zipf_weights
@@ -191,13 +192,14 @@ def run_mode(lab: Lab, wl: Workload, cfg: PolicyConfig, block_bytes: int, node_b
              preset, log, label: str, ns: int = NS) -> dict:
     disk0 = _pool_disk_hits(lab)
     nodes = lab.topo.host_nodes
-    start_at = time.time() + 3.0 + 0.4 * len(nodes)
+    start = StartLine(lab.tmp.name, len(nodes))      # once every node's engine is open
     t0 = time.monotonic()
     pol = policy_dict(cfg)
     tasks = [lab.start_task(n.name, "testbed.bench.serve_tiers_node:serve", lab.pool_addrs,
-                            CHUNK, ns, block_bytes, wl.requests[i], start_at,
+                            CHUNK, ns, block_bytes, wl.requests[i], start.path,
                             preset.prefill_tokens_per_s, pol, node_bytes)
              for i, n in enumerate(nodes)]
+    start.go(tasks)
     res = [t.result(timeout=1800) for t in tasks]
     disk = _pool_disk_hits(lab) - disk0
     blocks = max(1, sum(r["blocks"] for r in res))

@@ -22,13 +22,13 @@ import time
 from hostagent.inference.fetch.engine import FetchEngine
 from hostagent.inference.node_tier import NodeTier, view_of
 
-from .serve_node import BLOCK_TOKENS, Writer
+from .serve_node import BLOCK_TOKENS, Writer, common_start
 from .serve_tiers_pool import policy_config
 from .serve_workloads import payload
 
 
 def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests: list[dict],
-          start_at: float, prefill_tok_s: float, policy: dict, node_bytes: int) -> dict:
+          start_at: float | str, prefill_tok_s: float, policy: dict, node_bytes: int) -> dict:
     from hostagent.common.tier_policy import TierPolicy
     pol = TierPolicy(policy_config(policy))
     t0 = [time.monotonic()]
@@ -50,7 +50,7 @@ def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests
            "byte_exact": True, "fetch_errors": 0, "computed": 0, "node_tier": None}
     try:
         with FetchEngine(pools, chunk_size) as eng:
-            time.sleep(max(0.0, start_at - time.time()))
+            time.sleep(max(0.0, common_start(start_at) - time.time()))
             t0[0] = time.monotonic()
             for req in requests:
                 arrival = t0[0] + req["at"]

@@ -1,15 +1,19 @@
 """The one way experiments run Python inside a testbed node: ``run_task(topo, node, "module:func",
 *args)`` calls ``func(*args)`` in a fresh interpreter inside the node's namespace (a coroutine
 function is run with asyncio) and returns what it returned; arguments and the result travel as
-JSON. ``start_task`` starts one and returns a handle, for several nodes at once. Commands that
+JSON. ``start_task`` starts one and returns a handle, for several nodes at once; a
+``StartLine`` gives tasks started together one start as soon as all are ready. Commands that
 are not Python functions (the CLIs, ping, iperf3) run with ``Topology.run``/``popen``."""
 from __future__ import annotations
 
 import asyncio
 import importlib
 import json
+import os
 import subprocess
 import sys
+import tempfile
+import time
 from typing import Any
 
 from .topology import TestbedError, Topology, python_argv
@@ -34,6 +38,42 @@ class Task:
         if not lines:
             raise TestbedError(f"{self.node}: {self.target} printed no result: {err[-400:]}")
         return json.loads(lines[-1])
+
+
+class StartLine:
+    """One start for tasks started together, as soon as every one is ready, instead of a time
+    far enough ahead for the slowest to be (seconds of waiting, and still late on a loaded
+    box). The tasks get ``path`` and call ``StartLine.wait(path)`` when ready: it returns the
+    common start (epoch seconds) that ``go`` writes once all ``n`` have said so."""
+
+    def __init__(self, directory: str, n: int):
+        self.path, self.n = tempfile.mkdtemp(prefix="start-", dir=directory), n
+
+    def go(self, tasks: list[Task], margin: float = 0.5, timeout: float = 600) -> float:
+        """Wait for the ``tasks`` to be ready (or one to end: its ``result`` says why), then
+        start them ``margin`` seconds from now; returns that time."""
+        deadline = time.monotonic() + timeout
+        while sum(n.startswith("ready-") for n in os.listdir(self.path)) < self.n and \
+                all(t.proc.poll() is None for t in tasks):
+            if time.monotonic() > deadline:
+                raise TestbedError(f"tasks not ready after {timeout} s: {self.path}")
+            time.sleep(0.02)
+        at = time.time() + margin
+        tmp = os.path.join(self.path, "go.tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{at:.6f}")
+        os.replace(tmp, os.path.join(self.path, "go"))
+        return at
+
+    @staticmethod
+    def wait(path: str) -> float:
+        """In a task: say it is ready, and the common start once there is one."""
+        open(os.path.join(path, f"ready-{os.getpid()}"), "w").close()
+        go = os.path.join(path, "go")
+        while not os.path.exists(go):
+            time.sleep(0.01)
+        with open(go) as f:
+            return float(f.read())
 
 
 def start_task(topo: Topology, node: str, target: str, *args: Any) -> Task:
