@@ -13,6 +13,7 @@ aside for benchmark networks: hosts .1-.99, pool nodes .101-.199, the master .20
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import socket
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from xdp import netns
 from xdp.attach import attach_mode, attach_xdp, attached_program, detach_port
-from xdp.loader import load_xdp
+from xdp.loader import cached_bytecode, load_bytecode, load_xdp
 
 from .links import LinkSpec, build_link
 
@@ -128,14 +129,12 @@ class Topology:
         ip("link", "set", "lo", "up", ns=sw)
         ip("link", "add", BRIDGE, "type", "bridge", ns=sw)
         ip("link", "set", BRIDGE, "up", ns=sw)
-        pass_fn = None
         for n in self.all_nodes:
             ip("netns", "add", n.netns)
             _quiet_namespace(n.netns)
             gbit = self.links.rate(n.role) if self.links else None
             if gbit:
-                pass_fn = pass_fn or load_xdp(HERE / "pass.c", ("xdp_pass",))[1]["xdp_pass"]
-                build_link(self, n, gbit, self.links, pass_fn, ip, _quiet_namespace)
+                build_link(self, n, gbit, self.links, pass_program(), ip, _quiet_namespace)
             else:
                 ip("link", "add", n.name, "type", "veth", "peer", "name", "eth0", "netns",
                    n.netns, ns=sw)
@@ -186,13 +185,19 @@ def _bridge_without_netfilter(ns: str) -> None:
        "net.bridge.bridge-nf-call-ip6tables=0", "net.bridge.bridge-nf-call-arptables=0")
 
 
+@functools.lru_cache(maxsize=None)
+def pass_program() -> int:
+    """fd of the XDP_PASS program (pass.c): compiled once per kernel (xdp.loader's bytecode
+    cache; BCC took 0.6-3 s for each of the 2-3 loads a testbed made), loaded once per process."""
+    return load_bytecode(cached_bytecode(HERE / "pass.c", "xdp_pass", [], ()), "xdp_pass")[0]
+
+
 def attach_pass_programs(namespaces: list[str], ifname: str = "eth0") -> None:
     """The XDP_PASS program on each node's veth end: frames the switch sends with XDP_TX (or
     redirects) are dropped by a veth whose peer has no XDP program."""
-    _, fns = load_xdp(HERE / "pass.c", ("xdp_pass",))
     for ns in _without_xdp_server(namespaces, ifname):
         with netns.inside(ns):
-            attach_xdp(ifname, fns["xdp_pass"])
+            attach_xdp(ifname, pass_program())
 
 
 def plain_bridge_ports(topo: Topology, on: bool) -> None:
@@ -200,12 +205,11 @@ def plain_bridge_ports(topo: Topology, on: bool) -> None:
     (``on``), or off again before one starts (only where it is still the program). A veth
     whose peer has no XDP program drops what a node's XDP program transmits into it (the fetch
     engine's GETs), which a real NIC does not; with this, a plain bridge carries them."""
-    fns = load_xdp(HERE / "pass.c", ("xdp_pass",))[1] if on else None
     with netns.inside(topo.switch_ns):
         for n in topo.nodes:
             prog = attached_program(n.name)[0]
             if on and prog is None:
-                attach_xdp(n.name, fns["xdp_pass"])
+                attach_xdp(n.name, pass_program())
             elif not on and prog == "xdp_pass":
                 detach_port(n.name)
 
