@@ -1,6 +1,8 @@
 """KV block codecs (hostagent.inference.codec): round trips on random and real KV with bounded error
-(exact for none), the codec in the block key, a corrupt coded chunk caught by the chunk check,
-one clear line for unknown codec names, and the real model loading offline."""
+(exact for none), int4h's rotation (orthonormal, its own inverse, the decode kernel's inverse
+rotation exact against a float64 reference), the codec in the block key, a corrupt coded chunk
+caught by the chunk check, one clear line for unknown codec names, and the real model loading
+offline."""
 from __future__ import annotations
 
 import subprocess
@@ -15,8 +17,8 @@ from hostagent.inference import codec
 from hostagent.inference.hf_connector import (BlockLayout, blocks_to_cache, cache_to_blocks,
                                               codec_for, prefill)
 
-SHAPE = dict(layers=3, kv_heads=2, block_tokens=32, head_dim=16)
-NAMES = ["none", "int8", "fp8", "int4"]
+SHAPE = dict(layers=3, kv_heads=2, block_tokens=32, head_dim=64)
+NAMES = ["none", "int8", "fp8", "int4", "int4h"]
 
 
 def _layout(dtype=torch.float32, **kw):
@@ -50,7 +52,7 @@ def test_round_trip_random(name, dtype):
     slack = 0 if dtype == torch.float32 else kv.float().abs().max().item() * 2 ** -8
     assert err.max().item() <= bound + slack
     assert err.mean().item() < bound / 2    # most values land well inside the bound
-    assert c.ratio > {"int8": 1.9, "fp8": 1.9, "int4": 3.1}[name]
+    assert c.ratio > {"int8": 1.9, "fp8": 1.9, "int4": 3.1, "int4h": 3.1}[name]
 
 
 def test_decode_into_a_longer_cache_writes_only_its_tokens():
@@ -71,7 +73,7 @@ def test_decode_into_a_longer_cache_writes_only_its_tokens():
 
 def test_ratios_and_sizes_are_fixed_by_the_layout():
     smol = dict(layers=30, kv_heads=3, block_tokens=256, head_dim=64)
-    for name, lo in (("int8", 1.95), ("fp8", 1.95), ("int4", 3.8)):
+    for name, lo in (("int8", 1.95), ("fp8", 1.95), ("int4", 3.8), ("int4h", 3.8)):
         c = codec.make(name, **smol, dtype=torch.bfloat16)
         assert c.ratio >= lo
     assert codec.make("none", **smol, dtype=torch.bfloat16).ratio == 1.0
@@ -88,7 +90,7 @@ def test_codec_is_in_the_key():
     layout = _layout()
     tokens = list(range(4 * layout.block_tokens))
     keys = {}
-    for spec in NAMES + ["int8/g8", "int4/g16"]:
+    for spec in NAMES + ["int8/g8", "int4/g16", "int4h/g16"]:
         conn = KVConnector(_C(), 1, layout, "m", kv_codec=spec)
         keys[spec] = tuple(conn.keys(tokens))
     assert len(set(keys.values())) == len(keys)
@@ -124,7 +126,7 @@ def test_a_reader_of_another_codec_misses_in_a_pool():
                 out = {}
                 put = await KVConnector(client, 3, layout, "m", kv_codec="int8").save(
                     tokens, cache)
-                for spec in ("int8", "int4", "none"):
+                for spec in ("int8", "int4", "int4h", "none"):
                     out[spec] = await KVConnector(client, 3, layout, "m",
                                                   kv_codec=spec).load(tokens)
                 return put, out
@@ -139,7 +141,7 @@ def test_a_reader_of_another_codec_misses_in_a_pool():
     got = torch.stack([torch.stack((l.keys[0], l.values[0])) for l in out["int8"].cache.layers])
     ref = torch.cat(list(kv), dim=3)
     assert (got - ref).abs().max().item() <= codec.max_abs_error_bound("int8", kv, 32)
-    for spec in ("int4", "none"):
+    for spec in ("int4", "int4h", "none"):
         assert (out[spec].blocks, out[spec].missing_at) == (0, 0)
         assert out[spec].stats.bytes == 0
 
@@ -171,11 +173,72 @@ def test_corrupt_coded_chunk_is_caught_by_the_chunk_check():
     assert zlib.crc32(bytes(obj[off:off + cs])) != crcs[2]
 
 
-@pytest.mark.parametrize("spec", ["zstd", "int3", "int8/x4", "none/g16", "int8/g0", ""])
+@pytest.mark.parametrize("spec", ["zstd", "int3", "int4hh", "int8/x4", "none/g16", "int8/g0",
+                                  ""])
 def test_unknown_codec_is_one_clear_line(spec):
     with pytest.raises(codec.UnknownCodec) as e:
         codec_for(_layout(), spec)
     assert "\n" not in str(e.value) and "codec" in str(e.value)
+
+
+def test_int4h_needs_a_head_dim_of_64():
+    with pytest.raises(codec.UnknownCodec) as e:
+        codec_for(_layout(head_dim=16), "int4h")
+    assert "\n" not in str(e.value) and "64" in str(e.value)
+
+
+def test_int4h_rotation_is_orthonormal_and_its_own_inverse():
+    r = codec.rotation().double()
+    assert torch.allclose(r @ r, torch.eye(64, dtype=torch.float64), atol=1e-12)
+    assert torch.equal(r, r.T)
+    assert (r != 0).sum(1).tolist() == [8] * 64          # a channel mixes with 7 others
+    x = torch.randn(5, 64, dtype=torch.float64)
+    assert torch.allclose((x @ r) @ r, x, atol=1e-12)
+
+
+def _reference_decode_4h(c, coded: bytes) -> torch.Tensor:
+    """int4h decoded in float64 from its documented payload, without the numba kernel."""
+    import numpy as np
+    L, H, T, D, G = c.layers, c.kv_heads, c.block_tokens, c.head_dim, c.groups
+    b = np.frombuffer(coded, np.uint8)
+    n = c.values // 2
+    p = torch.from_numpy(b[:n].copy()).view(L, 2, H, T, D // 2).long()
+    q = torch.cat([p & 15, p >> 4], -1).double()
+    k = L * H * G * D * 2
+    ks = torch.from_numpy(b[n:n + k].view(np.float16).astype(np.float64)).view(L, H, G, 1, D)
+    km = torch.from_numpy(b[n + k:n + 2 * k].view(np.float16).astype(np.float64)).view(
+        L, H, G, 1, D)
+    o, v = n + 2 * k, L * H * T
+    s8 = torch.from_numpy(b[o:o + v].astype(np.float64)).view(L, H, T, 1)
+    m8 = torch.from_numpy(b[o + v:o + 2 * v].astype(np.float64)).view(L, H, T, 1)
+    grid = torch.from_numpy(b[o + 2 * v:].view(np.float16).astype(np.float64)).view(L, H, 1, 3)
+    y = torch.empty(L, 2, H, T, D, dtype=torch.float64)
+    y[:, 0] = (q[:, 0].view(L, H, G, T // G, D) * ks + km).view(L, H, T, D)
+    y[:, 1] = q[:, 1] * (s8 * grid[..., :1] / 255) + grid[..., 1:2] + m8 * grid[..., 2:]
+    return y @ codec.rotation().double()
+
+
+def test_int4h_kernel_rotates_back_exactly():
+    """The decode kernel's butterflies are the inverse rotation: what it writes equals the
+    dequantised rotated values rotated back in float64 (no error but float32 rounding); and a
+    block already on the quantisation grid comes back: K exactly (fp16 scales and minima hold
+    0.5 and -2), V to its row grid's outward fp16 rounding (a 1/1000 of the scale)."""
+    layout = _layout()
+    c = codec_for(layout, "int4h")
+    kv = _random_kv(layout)[0]
+    coded = c.encode(kv)
+    ref = _reference_decode_4h(c, coded)
+    got = c.decode(coded).double()
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, kv.shape, generator=g).double()
+    q[..., 0, :], q[..., 1, :] = 0, 15                  # each K channel spans 0..15
+    q[..., 0], q[..., 1] = 0, 15                        # and so does each V token
+    on_grid = (0.5 * q - 2) @ codec.rotation().double() # scale 0.5, minimum -2: fp16-exact
+    back = c.decode(c.encode(on_grid.float())).double()
+    err = (back - on_grid).abs()
+    assert err[:, 0].max().item() < 1e-5
+    assert err[:, 1].max().item() < 8 ** 0.5 * 15 * 0.5 * 2 ** -9
 
 
 def test_group_must_divide_the_block():
@@ -221,7 +284,7 @@ def test_real_model_loads_offline(smollm2):
 
 def test_round_trip_real_kv(smollm2):
     """Real KV (the model's keys after RoPE have outlier channels): bounded error per codec,
-    and relative errors of about 1 % (int8), 3 % (fp8), 10 % (int4)."""
+    and relative errors of about 1 % (int8), 3 % (fp8), 10 % (int4), less with int4h."""
     from transformers import DynamicCache
     from testbed.demos.realmodel import texts
     model, tok, _ = smollm2
@@ -241,4 +304,4 @@ def test_round_trip_real_kv(smollm2):
             continue
         assert err.max().item() <= codec.max_abs_error_bound(name, kv, 64)
         rel = (err.norm() / kv.norm()).item()
-        assert rel < {"int8": 0.02, "fp8": 0.05, "int4": 0.12}[name], (name, rel)
+        assert rel < {"int8": 0.02, "fp8": 0.05, "int4": 0.12, "int4h": 0.10}[name], (name, rel)

@@ -16,6 +16,14 @@ A block is ``[layers, 2 (K, V), kv_heads, block_tokens, head_dim]``
   used for K and V alike): per row, group and channel an fp16 scale and minimum. Codes are
   packed two tokens a byte (token 2j in the low nibble, 2j+1 in the high one, same channel), so
   the decoder's inner loop runs over contiguous channels. Payload: codes, scales, minima.
+- ``int4h``: 4-bit codes of the head dimension rotated by an orthonormal Hadamard transform
+  (``H8 ⊗ I8`` over 64 channels: channel d mixed with the 7 others of d mod 8; it spreads the
+  keys' outlier channels; the decoder rotates back with three butterfly stages). K: asymmetric
+  per rotated channel over ``g`` tokens (fp16 scale and minimum); V: asymmetric per token (an
+  8-bit scale and an 8-bit minimum on a per-row fp16 grid). Payload: codes (a token's 32 bytes:
+  rotated channel c low, c + 32 high), K scales, K minima (fp16 ``[layers, heads, groups,
+  64]``), V scale codes, V minimum codes (uint8 ``[layers, heads, tokens]``), V row grids
+  (fp16 ``[layers, heads, 3]``: top scale, lowest minimum, minimum step).
 
 Every coded size is fixed by the layout and the codec (a reader knows the chunk count). Encoding
 uses torch; decoding is one pass of a numba-compiled loop (LLVM vectorises it) from the coded
@@ -29,8 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-CODECS = ("none", "int8", "fp8", "int4")
-DEFAULT_GROUP = {"int8": 16, "fp8": 16, "int4": 256}
+CODECS = ("none", "int8", "fp8", "int4", "int4h")
+DEFAULT_GROUP = {"int8": 16, "fp8": 16, "int4": 256, "int4h": 256}
 SCALE_MIN = 2.0 ** -20                     # a representable fp16 (subnormal) scale floor
 
 
@@ -79,7 +87,14 @@ class Codec:
 
     @property
     def code_bytes(self) -> int:
-        return self.values // 2 if self.name == "int4" else self.values
+        return self.values // 2 if self.name.startswith("int4") else self.values
+
+    @property
+    def _h(self) -> tuple[int, int, int]:
+        """int4h: bytes of K's scales (and of its minima), of V's scale codes (and minimum
+        codes), of V's row grids."""
+        half = self.layers * self.kv_heads
+        return 2 * half * self.groups * self.head_dim, half * self.block_tokens, 6 * half
 
     @property
     def nbytes(self) -> int:
@@ -88,6 +103,9 @@ class Codec:
             return self.values * self.itemsize
         if self.name == "int4":
             return self.code_bytes + 2 * 2 * self.rows * self.groups * self.head_dim
+        if self.name == "int4h":
+            k, v, g = self._h
+            return self.code_bytes + 2 * k + 2 * v + g
         return self.code_bytes + 2 * self.rows * self.groups
 
     @property
@@ -108,6 +126,8 @@ class Codec:
             raise ValueError(f"block of shape {tuple(kv.shape)}, the codec's is {shape}")
         if self.name == "none":
             return kv.contiguous().view(torch.uint8).numpy().tobytes()
+        if self.name == "int4h":
+            return _encode4h(self, kv.detach().to(torch.float32))
         x = kv.detach().to(torch.float32).reshape(self.rows, self.groups, self.group,
                                                   self.head_dim)
         if self.name in ("int8", "fp8"):
@@ -150,6 +170,11 @@ class Codec:
         o = out.view(-1).numpy()
         args = (self.rows, self.block_tokens * D, N * D, token0 * D)
         k = _kernels()
+        if self.name == "int4h":
+            ks, km, vs, vm = _params4h(self, src)
+            k.dec4h(src[:self.code_bytes], ks, km, vs, vm, o, self.kv_heads, self.group,
+                    self.rows, self.block_tokens, N * D, token0 * D)
+            return
         if self.name == "int4":
             n = self.rows * self.groups * D
             s = src[self.code_bytes:self.code_bytes + 2 * n].view(np.float16).astype(np.float32)
@@ -179,11 +204,82 @@ def make(spec: str, layers: int, kv_heads: int, block_tokens: int, head_dim: int
     if name == "none":
         return Codec(name, layers, kv_heads, block_tokens, head_dim, dtype)
     group = min(group or DEFAULT_GROUP[name], block_tokens)
+    if name == "int4h" and head_dim != 64:
+        raise UnknownCodec(f"KV codec {spec!r} needs a head dimension of 64, not {head_dim}")
     if block_tokens % group or (name == "int4" and group % 2):
         raise UnknownCodec(f"KV codec {spec!r}: its group of {group} tokens must divide the "
                            f"{block_tokens}-token block" + (" and be even" if name == "int4"
                                                             else ""))
     return Codec(name, layers, kv_heads, block_tokens, head_dim, dtype, group)
+
+
+# ---- int4h: rotate, quantise; dequantise, rotate back ----------------------------------------
+def rotation(dim: int = 64) -> torch.Tensor:
+    """int4h's orthonormal rotation of the head dimension, ``H8 ⊗ I8 / sqrt(8)``: symmetric and
+    its own inverse (``R @ R == I``), channel d mixed with the channels d ± 8k."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < 8:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return torch.kron(h, torch.eye(dim // 8)) / 8 ** 0.5
+
+
+_R = rotation()
+_R_SCALE = float(_R[0, 0])                  # 1/sqrt(8): the decoder's butterflies are unscaled
+
+
+def _down(x: torch.Tensor) -> torch.Tensor:
+    """fp16 at or below ``x`` (a grid's floor must not rise above the value it covers)."""
+    h = x.half()
+    return torch.where(h.float() > x, torch.nextafter(h, torch.tensor(-65504.0).half()), h)
+
+
+def _up(x: torch.Tensor) -> torch.Tensor:
+    """fp16 at or above ``x`` (positive)."""
+    h = x.clamp_min(SCALE_MIN).half()
+    return torch.where(h.float() < x, torch.nextafter(h, torch.tensor(65504.0).half()), h)
+
+
+def _encode4h(c: Codec, kv: torch.Tensor) -> bytes:
+    L, H, T, D, g = c.layers, c.kv_heads, c.block_tokens, c.head_dim, c.group
+    y = kv @ _R                                                   # [L, 2, H, T, D]
+    # K: per rotated channel over g tokens, fp16 scale and minimum
+    k = y[:, 0].reshape(L, H, T // g, g, D)
+    klo, khi = k.amin(3), k.amax(3)                               # [L, H, G, D]
+    ks = ((khi - klo) / 15).clamp_min(SCALE_MIN).half()
+    klo = klo.half()
+    qk = ((k - klo.float()[:, :, :, None]) / ks.float()[:, :, :, None]).round().clamp(0, 15)
+    # V: per token, 8-bit scale and minimum on the row's fp16 grid
+    v = y[:, 1]                                                   # [L, H, T, D]
+    lo, hi = v.amin(-1), v.amax(-1)                               # [L, H, T]
+    mlo = _down(lo.amin(-1))                                      # [L, H]
+    mstep = _up((lo.amax(-1) - mlo.float()) / 255)
+    m8 = ((lo - mlo.float()[..., None]) / mstep.float()[..., None]).floor().clamp(0, 255)
+    vmin = mlo.float()[..., None] + m8 * mstep.float()[..., None]     # <= lo
+    s = ((hi - vmin) / 15).clamp_min(SCALE_MIN)
+    smax = _up(s.amax(-1))
+    s8 = (s / smax.float()[..., None] * 255).ceil().clamp(1, 255)
+    vs = s8 * smax.float()[..., None] / 255
+    qv = ((v - vmin[..., None]) / vs[..., None]).round().clamp(0, 15)
+    q = torch.stack([qk.reshape(L, H, T, D), qv], 1).to(torch.uint8)   # [L, 2, H, T, D]
+    packed = q[..., :D // 2] | (q[..., D // 2:] << 4)
+    grid = torch.stack([smax, mlo, mstep], -1)                    # [L, H, 3]
+    return b"".join(a.contiguous().numpy().tobytes() for a in (
+        packed, ks, klo, s8.to(torch.uint8), m8.to(torch.uint8), grid))
+
+
+def _params4h(c: Codec, src: np.ndarray):
+    """The decoder's float32 scales: K's per channel, V's per token, times the rotation's
+    1/sqrt(8) (the kernel's butterflies are unscaled)."""
+    k, v, g = c._h
+    o = c.code_bytes
+    ks = src[o:o + k].view(np.float16).astype(np.float32) * _R_SCALE
+    km = src[o + k:o + 2 * k].view(np.float16).astype(np.float32) * _R_SCALE
+    o += 2 * k
+    grid = src[o + 2 * v:o + 2 * v + g].view(np.float16).astype(np.float32).reshape(-1, 3)
+    vs = (src[o:o + v].reshape(grid.shape[0], -1) * (grid[:, :1] * (_R_SCALE / 255))).ravel()
+    vm = (src[o + v:o + 2 * v].reshape(grid.shape[0], -1) * (grid[:, 2:] * _R_SCALE)
+          + grid[:, 1:2] * _R_SCALE).ravel()
+    return ks, km, vs.astype(np.float32), vm.astype(np.float32)
 
 
 def _as_tensor(src: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -220,8 +316,8 @@ def warm_up(spec: str) -> None:
     name, _ = parse(spec)
     if name == "none" or name in _WARM:
         return
-    c = make(name, 1, 1, 2, 2, torch.float32)
-    c.decode_into(c.encode(torch.zeros(1, 2, 1, 2, 2)), torch.empty(1, 2, 1, 2, 2))
+    c = make(name, 1, 1, 2, 64, torch.float32)
+    c.decode_into(c.encode(torch.zeros(1, 2, 1, 2, 64)), torch.empty(1, 2, 1, 2, 64))
     _WARM.add(name)
 
 
@@ -240,8 +336,16 @@ def max_abs_error_bound(spec: str, kv: torch.Tensor, block_tokens: int) -> float
         return a / 127 * 0.5 * 1.002 + 1e-6
     if name == "fp8":
         return a / 16 * 1.002 + 1e-6
+    if name == "int4h":
+        # half a step of the widest rotated group (plus a minimum-grid step), spread back over
+        # the 8 channels a rotated one mixes: sqrt(8) times it at most
+        y = kv.float() @ _R
+        rng = (y.amax() - y.amin()).item()
+        ay = y.abs().amax().item()
+        return 8 ** 0.5 * (rng / 15 * 0.5 * 1.02 + rng / 255 + 4 * ay * 2 ** -11) + 1e-5
     rng = (kv.amax() - kv.amin()).item()
     return rng / 15 * 0.5 * 1.01 + 2 * a * 2 ** -11 + 1e-6
 
 
-__all__ = ["CODECS", "Codec", "UnknownCodec", "make", "parse", "ratio", "warm_up"]
+__all__ = ["CODECS", "Codec", "UnknownCodec", "make", "parse", "ratio", "rotation",
+           "warm_up"]
