@@ -11,6 +11,7 @@ import click
 
 from kvproto.cli import one_line_errors
 from switchd.dataplane import MAX_CHUNK
+from xdp.attach import VETH_MAX_MTU
 from switchd.policy import POLICIES
 
 from .bench.compress import command as compress_command
@@ -36,8 +37,8 @@ def main():
 @click.option("--name", default="kv", show_default=True, help="Prefix of every object made.")
 @click.option("--hosts", type=click.IntRange(1, 99), default=2, show_default=True)
 @click.option("--pools", type=click.IntRange(1, 99), default=1, show_default=True)
-@click.option("--mtu", type=click.IntRange(1280, 3506), default=1500, show_default=True,
-              help="Above 3506 this kernel refuses native XDP on veths.")
+@click.option("--mtu", type=click.IntRange(1280, VETH_MAX_MTU), default=1500, show_default=True,
+              help=f"Above {VETH_MAX_MTU} this kernel refuses native XDP on veths.")
 @click.option("--store", type=click.Choice(["memory", "mooncake"]), default="memory",
               show_default=True, help="mooncake: also run a Mooncake master (node m1) for the "
                                       "pool nodes' `hostagent serve --store mooncake`.")
