@@ -14,6 +14,7 @@ import pytest
 
 from conftest import leaves_no_namespaces
 from testbed.lab import Lab
+from testbed.lab.tasks import stop_task
 from testbed.security import WRAPPINGS
 
 pytestmark = pytest.mark.e2e
@@ -87,9 +88,11 @@ def test_black_holed_rounds_cannot_stall_another_hosts_fetch(lab):
     lab.put("h1", VICTIM_NS, key, data)
     lab.switchd("cache", "admit", "--ns", str(VICTIM_NS), "--key", key.hex())
     before = lab.stats()
-    # 20 s of stalling: the victim's `hostagent get` may first compile its fetch engine
-    staller = lab.start_task("h3", "testbed.security:stall_rounds", "198.18.0.250",
-                             "02:00:00:00:00:fa", VICTIM_NS, key.hex(), chunks, 1024, 20.0)
+    # stalling until the victim's fetch is done (and 100 rounds at least), in 2 s slices
+    stop = os.path.join(lab.tmp.name, "stop-black-hole")
+    staller = lab.start_task("h3", "testbed.lab.tasks:until_stopped", stop,
+                             "testbed.security:stall_rounds", "198.18.0.250",
+                             "02:00:00:00:00:fa", VICTIM_NS, key.hex(), chunks, 1024, 2.0)
     deadline = time.monotonic() + 20
     def met_own_round(c):          # its GETs met its own open rounds: held, or asked again
         return c["coalesced"] + c["reasked"]
@@ -98,6 +101,7 @@ def test_black_holed_rounds_cannot_stall_another_hosts_fetch(lab):
         assert time.monotonic() < deadline, "the stalling host never opened rounds"
         time.sleep(0.2)
     got, fetched = lab.get("h1", VICTIM_NS, key, "--deadline", "10")
+    stop_task(stop, rounds=101)
     stalled = staller.result(60)
     after = lab.stats()
     assert fetched == data and got["from_pool"] + got["from_switch"] == chunks
@@ -151,8 +155,12 @@ def test_gets_the_pool_cannot_answer_do_not_stall_another_hosts_fetch(lab, how):
     quiet = [lab.get("h1", VICTIM_NS, key)[0]["seconds"] for _ in range(3)]
     counter = {"csum": "bad_udp_csum", "port0": "port_zero"}[how]
     before = lab.stats()
-    staller = lab.start_task("h3", "testbed.security:unanswerable_gets", lab.pool_addrs[0],
-                             lab.mac("p1"), VICTIM_NS, key.hex(), chunks, how, 40.0, 0.05)
+    # attacking until h1's fetches under attack are done (and 100 passes at least), in 2 s
+    # slices (it attacked for 40 s: the test waited for the rest)
+    stop = os.path.join(lab.tmp.name, f"stop-{how}")
+    staller = lab.start_task("h3", "testbed.lab.tasks:until_stopped", stop,
+                             "testbed.security:unanswerable_gets", lab.pool_addrs[0],
+                             lab.mac("p1"), VICTIM_NS, key.hex(), chunks, how, 2.0, 0.05)
     deadline = time.monotonic() + 30           # (switchd stats compiles its map reader)
     while lab.stats()[counter] < before[counter] + 4 * chunks:     # the attack is running
         assert time.monotonic() < deadline, "the staller's GETs never reached the switch"
@@ -164,6 +172,7 @@ def test_gets_the_pool_cannot_answer_do_not_stall_another_hosts_fetch(lab, how):
         attacked.append(got["seconds"])
         retransmits.append(got["retransmits"])
     after = lab.stats()
+    stop_task(stop, frames=100 * chunks + 1)
     stalled = staller.result(90)
     quiet += [lab.get("h1", VICTIM_NS, key)[0]["seconds"] for _ in range(3)]  # and after it
     moved = {k: after[k] - before[k] for k in after if after[k] != before[k]}

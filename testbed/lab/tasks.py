@@ -2,7 +2,8 @@
 *args)`` calls ``func(*args)`` in a fresh interpreter inside the node's namespace (a coroutine
 function is run with asyncio) and returns what it returned; arguments and the result travel as
 JSON. ``start_task`` starts one and returns a handle, for several nodes at once; a
-``StartLine`` gives tasks started together one start as soon as all are ready. Commands that
+``StartLine`` gives tasks started together one start as soon as all are ready, and
+``until_stopped`` runs a task until its caller says. Commands that
 are not Python functions (the CLIs, ping, iperf3) run with ``Topology.run``/``popen``."""
 from __future__ import annotations
 
@@ -74,6 +75,30 @@ class StartLine:
             time.sleep(0.01)
         with open(go) as f:
             return float(f.read())
+
+
+def until_stopped(stop: str, target: str, *args: Any) -> dict:
+    """Task: ``target(*args)`` (a task that works for the time its arguments say, returning a
+    dict of counts) called again and again until the file ``stop`` exists and the summed counts
+    have reached the least ones it holds (JSON), then the sums: a load that lasts as long as
+    its caller needs it, not a time guessed long enough."""
+    module, _, name = target.partition(":")
+    fn, total = getattr(importlib.import_module(module), name), {}
+    while True:
+        for k, v in fn(*args).items():
+            total[k] = total.get(k, 0) + v
+        if os.path.exists(stop):
+            with open(stop) as f:
+                least = json.loads(f.read() or "{}")
+            if all(total.get(k, 0) >= v for k, v in least.items()):
+                return total
+
+
+def stop_task(stop: str, **least: int) -> None:
+    """End an ``until_stopped`` task once its counts reach ``least``."""
+    with open(stop + ".tmp", "w") as f:
+        json.dump(least, f)
+    os.replace(stop + ".tmp", stop)
 
 
 def start_task(topo: Topology, node: str, target: str, *args: Any) -> Task:
