@@ -189,3 +189,27 @@ def test_demo_inference_through_the_switch(capsys):
                               block_tokens=256, prefix="infe", must_win_from=1 << 30)
     assert "demo-inference: OK" in capsys.readouterr().out
     assert not namespaces_of("infe")
+
+
+def test_demo_switch_holds_every_chunk_and_real_prompts_of_two_sizes_share_no_block():
+    """`make demo-inference` checks h3 is served by the switch alone: its cache is sized to every
+    chunk put (per codec, a quarter more); real-text prompts of different sizes are disjoint
+    text, so h2's larger prompt finds none of its blocks learned by the switch already."""
+    from testbed.demos import inference
+    blocks, per_block = (1024 + 4096 + 16384) // 512, -(-512 * 8192 // 3072)   # llama3-mini
+    assert inference.switch_entries("llama3-mini", "float32", 512, [1024, 4096, 16384],
+                                    ["none"], 3072) == blocks * per_block * 5 // 4
+    assert inference.switch_entries("tiny", "float32", 256, [512], ["none"], 1024) == 65536
+
+    class Chars:                                     # a tokenizer: one token a character
+        def __call__(self, text):
+            return {"input_ids": [ord(c) for c in text]}
+    sizes = [512, 2048]
+    small, large = (inference.real_prompt(Chars(), n, "h2", sum(s for s in sizes if s < n))
+                    for n in sizes)
+    from testbed.demos.realmodel import texts
+    ids = [ord(c) for t in texts().values() for c in t]
+    assert small[:512] == ids[:512] and large[:2048] == ids[512:2560]
+    assert len(small) == 512 + inference.QUESTION_TOKENS
+    with pytest.raises(ValueError, match="too few"):
+        inference.real_prompt(Chars(), len(ids), "h2")

@@ -53,13 +53,17 @@ REAL = "smollm2"                  # the real trained model (testbed.demos.realmo
 MODEL_CHOICES = [REAL, *MODELS]
 
 
-def real_prompt(tok, size: int, node: str) -> list[int]:
-    """Real English text: a ``size``-token shared prefix (Debian's license texts, in order),
-    then a per-node question from another place of the same texts."""
+def real_prompt(tok, size: int, node: str, offset: int = 0) -> list[int]:
+    """Real English text: a ``size``-token shared prefix (Debian's license texts, in order, from
+    token ``offset``: prompts of different sizes share no block), then a per-node question from
+    another place of the same texts."""
     from .realmodel import texts
     ids = [t for text in texts().values() for t in tok(text)["input_ids"]]
-    start = size + 97 * (1 + sum(map(ord, node)) % 50)
-    return ids[:size] + ids[start:start + QUESTION_TOKENS]
+    start = offset + size + 97 * (1 + sum(map(ord, node)) % 50)
+    if start + QUESTION_TOKENS > len(ids):
+        raise ValueError(f"the license texts have {len(ids):,} tokens: too few for prompts of "
+                         f"{offset + size:,}")
+    return ids[offset:offset + size] + ids[start:start + QUESTION_TOKENS]
 
 
 def prompt(size: int, node: str) -> list[int]:
@@ -92,9 +96,11 @@ class _Node:
         self.vocab = self.config.vocab_size
         self.params = sum(p.numel() for p in self.model.parameters())
 
-    def tokens(self, size: int, node: str) -> list[int]:
+    def tokens(self, size: int, node: str, sizes) -> list[int]:
+        """The prompt of ``size`` shared tokens asked by ``node``; the demo's other ``sizes``
+        place real text so that no two prompt sizes share a block."""
         if self.tok is not None:
-            return real_prompt(self.tok, size, node)
+            return real_prompt(self.tok, size, node, sum(s for s in sizes if s < size))
         return [t % self.vocab for t in prompt(size, node)]
 
     def recompute(self, tokens: list[int]):
@@ -145,7 +151,7 @@ async def _node_a(node: _Node, name: str, sizes, client_args: dict, concurrency:
     out = []
     async with node.connector(client_args, concurrency) as connector:
         for size in sizes:
-            tokens = node.tokens(size, name)
+            tokens = node.tokens(size, name, sizes)
             _, cache, seconds = node.recompute(tokens)
             for codec in codecs:
                 conn = connector(codec)
@@ -164,7 +170,7 @@ async def _node_b(node: _Node, name: str, sizes, client_args: dict, concurrency:
     blocks = max(sizes) // node.layout.block_tokens + concurrency + 1
     async with node.connector(client_args, concurrency, fetch_blocks=blocks) as connector:
         for size in sizes:
-            tokens = node.tokens(size, name)
+            tokens = node.tokens(size, name, sizes)
             logits_r, cache_r, ttft_recompute = node.recompute(tokens)
             via_recompute = greedy(node.model, logits_r, cache_r, new_tokens)
             for codec in codecs:
@@ -233,6 +239,25 @@ def node_b(name: str, pools: list[str], chunk_size: int, window: int, concurrenc
 
 
 # ---- the orchestrator ----------------------------------------------------------------------------
+def switch_entries(model: str, dtype: str, block_tokens: int, sizes, codecs,
+                   chunk_size: int) -> int:
+    """Switch cache entries for every chunk the demo puts (each prompt's blocks, once per
+    codec) and a quarter more: h3 is served by the switch alone only if it holds them all
+    (SmolLM2's fp32 KV is 46 KB a token: its 4k-token prompt alone is 61,440 chunks)."""
+    import torch
+    from transformers import AutoConfig, LlamaConfig
+    from hostagent.inference.block_layout import BlockLayout
+    from hostagent.inference.codec import make
+    from .realmodel import model_dir
+    config = (AutoConfig.from_pretrained(str(model_dir())) if model == REAL
+              else LlamaConfig(**MODELS[model]))
+    lay = BlockLayout.of(config, getattr(torch, dtype), block_tokens)
+    blocks = sum(size // block_tokens for size in sizes)
+    chunks = sum(blocks * -(-make(c, lay.layers, lay.kv_heads, block_tokens, lay.head_dim,
+                                  lay.dtype).nbytes // chunk_size) for c in codecs)
+    return max(65536, chunks + chunks // 4)
+
+
 def run_inference_demo(sizes=(1024, 4096, 16384), chunk_size: int = 3072, window: int = 64,
                        concurrency: int = 4, new_tokens: int = 16, model: str = "llama3-mini",
                        dtype: str = "float32", block_tokens: int = BLOCK_TOKENS,
@@ -248,7 +273,8 @@ def run_inference_demo(sizes=(1024, 4096, 16384), chunk_size: int = 3072, window
     sizes = sorted(sizes)
     if any(s % block_tokens for s in sizes):
         raise ValueError(f"prompt sizes must be multiples of {block_tokens} tokens")
-    with Lab(prefix, hosts=3, pools=1, chunk_size=chunk_size) as lab:
+    entries = switch_entries(model, dtype, block_tokens, sizes, codecs, chunk_size)
+    with Lab(prefix, hosts=3, pools=1, chunk_size=chunk_size, cache_entries=entries) as lab:
         args = [lab.pool_addrs, chunk_size, window, concurrency, sizes, model, dtype,
                 block_tokens]
         console.print(f"[bold]{model}[/] ({dtype}) on h1, h2, h3; prompt sizes {sizes} "
