@@ -353,5 +353,8 @@ def get(pools, ns, key, out, no_cache, start_at, chunk_size, window, deadline, a
 @click.option("--extra", default="", help="Cache-separating salt (model id, adapter...).")
 def hash_cmd(tokens, block_tokens, extra):
     """Chained prefix keys of a token sequence (one per full block)."""
+    if len(tokens) < block_tokens:
+        raise click.BadParameter(f"{len(tokens)} token(s) make no full block of {block_tokens}"
+                                 " (--block-tokens)", param_hint="TOKENS")
     for key in block_hashes(tokens, block_tokens, extra.encode()):
         click.echo(key.hex())

@@ -69,10 +69,11 @@ KEY0 = "00" * 16
     (["get", "--pool", "127.0.0.1", "--key", KEY0, "--start-at", "nan"], "is not a finite"),
     (["hash", "--", "-1", "2", "3"], "-1 is not in the range 0<=x<=4294967295"),
     (["hash", "4294967296", "1"], "4294967296 is not in the range 0<=x<=4294967295"),
+    (["hash", "1", "2", "3"], "3 token(s) make no full block of 16 (--block-tokens)"),
     (["serve", "--bind", "127.0.0.1", "--port", "19999", "--capacity", "100000GiB"],
      "cannot allocate 107374182400000 bytes of staging memory"),
 ], ids=["chunk 3444", "chunk 1001", "put chunk 1001", "out dir", "deadline", "start-at nan",
-        "negative token", "token too large", "capacity too large"])
+        "negative token", "token too large", "short of a block", "capacity too large"])
 def test_hostagent_bad_values_give_one_line(args, message):
     assert message in _one_line_error("hostagent", *args)
 
