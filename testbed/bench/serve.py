@@ -201,10 +201,7 @@ def fresh_mode(lab: Lab, mode: str) -> None:
         plain_bridge_ports(lab.topo, True)
     for i in range(len(lab.pools)):
         lab.stop_pool(i)
-    for i in range(len(lab.pools)):       # their programs compile side by side
-        lab.start_pool(i, wait=False)
-    for i in range(len(lab.pools)):
-        lab.await_pool_log(i, "ready")
+    lab.start_pools()
     if mode == "switch" and lab.switch is None:
         lab.start_switch()
 

@@ -166,7 +166,7 @@ class TiersLab(Lab):
         self.pool_capacity, self.disk_bytes = pool_capacity, disk_bytes
         for i in range(len(self.pools)):
             self.stop_pool(i)
-            self.start_pool(i)
+        self.start_pools()
         self.switch.send_signal(signal.SIGHUP)
         self.await_switch_line("switchd: reset")
 

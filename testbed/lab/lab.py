@@ -101,8 +101,7 @@ class Lab:
                 self.master = MooncakeMaster(self.topo, os.path.join(self.tmp.name,
                                                                      "mooncake-master.log"))
                 self.master.start()
-            for i in range(len(self.topo.pool_nodes)):
-                self.start_pool(i)
+            self.start_pools()
             if self.want_switch:
                 self.start_switch()
             else:
@@ -157,6 +156,14 @@ class Lab:
                                                 stdout=subprocess.DEVNULL, stderr=log,
                                                 stdin=subprocess.DEVNULL)
         return self.await_pool_log(index, "ready", timeout) if wait else ""
+
+    def start_pools(self, timeout: float = 60) -> None:
+        """Start every pool server, side by side (each compiles its XDP server: seconds), and
+        wait for their ready lines."""
+        for i in range(len(self.pools)):
+            self.start_pool(i, wait=False)
+        for i in range(len(self.pools)):
+            self.await_pool_log(i, "ready", timeout)
 
     def await_pool_log(self, index: int, marker: str, timeout: float = 60) -> str:
         """The first line with ``marker`` the running pool server ``index`` has logged (it
