@@ -133,7 +133,7 @@ def _run_workload(lab: Lab, wl: Workload, mode: str, ns: int, preset, block_byte
         _preload(lab, ns, wl.preload, mode == "replicas", block_bytes)
     pools = lab.topo.pool_nodes
     before = [lab.link_bytes(p.name, "tx") for p in pools]
-    sw0 = lab.stats() if mode == "switch" else {}   # the switch's rounds: where its time goes
+    sw0 = lab.counters() if mode == "switch" else {}   # the switch's rounds: its time
     nodes = lab.topo.host_nodes
     t0 = time.monotonic()
     res: list[dict] = [{} for _ in nodes]
@@ -181,7 +181,8 @@ def _run_workload(lab: Lab, wl: Workload, mode: str, ns: int, preset, block_byte
         if sum(egress) else None,
         "seconds": round(time.monotonic() - t0, 1),
         "start_late_max_s": max(r.get("late_s", 0.0) for r in res),
-        "switch_counters": {k: v - sw0.get(k, 0) for k, v in lab.stats().items() if k in SW_KEYS}
+        "switch_counters": {k: v - sw0.get(k, 0) for k, v in lab.counters().items()
+                            if k in SW_KEYS}
         if sw0 else None,
     }
     log(f"{wl.name:5} {mode:8} ttft p50 {row['ttft_p50_s']:.3f}s p99 {row['ttft_p99_s']:.3f}s "
