@@ -261,38 +261,58 @@ def node_load(pools, chunk_size, codec, dtype, shape, nblocks, model_id, reps) -
     return asyncio.run(go())
 
 
-def load_times(block_kv, codecs, nblocks: int, chunk_size: int, prefix: str, reps: int = 4,
+def load_times(block_kv, codecs, nblocks: int, chunk_size: int, prefix: str, rounds: int = 3,
                log=print) -> dict:
     """Per codec, median seconds to load ``nblocks`` blocks from the switch and decode them
-    (``none``: bf16 blocks into a bf16 cache)."""
+    (``none``: bf16 blocks into a bf16 cache). Every codec's blocks are put in the pool first;
+    then ``rounds`` rounds each load every codec once (the order rotating from round to round,
+    the switch refilled with that codec's blocks, one warm-up load, two timed), so a busy
+    moment of a shared machine falls on all codecs alike; ``load_vs_raw_paired`` is the median
+    of each round's ratio to ``none``'s."""
     import statistics
     import tempfile
     import torch
     from testbed.lab import Lab
     L, _, H, T, D = block_kv.shape[1:]
     tiled = block_kv[torch.arange(nblocks) % block_kv.shape[0]].contiguous()
-    out = {}
+    runs: dict = {c: [] for c in codecs}
+    per_round: dict = {c: [] for c in codecs}
     with tempfile.TemporaryDirectory(prefix="kvcompress-") as tmp, \
             Lab(prefix, hosts=2, pools=1, chunk_size=chunk_size, pool_capacity="2GiB") as lab:
         path = os.path.join(tmp, "kv.pt")
         torch.save(tiled, path)
         os.chmod(tmp, 0o755)
+        args, keys, sizes = {}, {}, {}
         for c in codecs:
             dtype = "bfloat16" if c == "none" else "float32"
-            args = (lab.pool_addrs, chunk_size, c, dtype, (L, H, T, D))
-            put = lab.task("h1", f"{__name__}:node_put", *args, path, "bench-compress")
-            lab.switchd("cache", "flush")           # the last codec's blocks make room
-            for key in put["keys"]:
-                lab.switchd("cache", "admit", "--ns", str(NS), "--key", key)
-            got = lab.task("h2", f"{__name__}:node_load", *args, nblocks, "bench-compress", reps)
-            runs = got["runs"][1:]                  # the first run fills the switch
-            out[c] = {"load_s": round(statistics.median(r["seconds"] for r in runs), 4),
-                      "fetch_s": round(statistics.median(r["fetch"] for r in runs), 4),
-                      "decode_s": round(statistics.median(r["decode"] for r in runs), 4),
-                      "from_switch": runs[-1]["from_switch"], "chunks": runs[-1]["chunks"],
-                      "blocks": runs[-1]["blocks"], "block_bytes": put["block_bytes"],
-                      "fetch_path": got["fetch_path"]}
-            log(f"  {c}: {out[c]}")
+            args[c] = (lab.pool_addrs, chunk_size, c, dtype, (L, H, T, D))
+            put = lab.task("h1", f"{__name__}:node_put", *args[c], path, "bench-compress")
+            keys[c], sizes[c] = put["keys"], put["block_bytes"]
+        for r in range(rounds):
+            for c in codecs[r % len(codecs):] + codecs[:r % len(codecs)]:
+                lab.switchd("cache", "flush")       # the last codec's blocks make room
+                for key in keys[c]:
+                    lab.switchd("cache", "admit", "--ns", str(NS), "--key", key)
+                got = lab.task("h2", f"{__name__}:node_load", *args[c], nblocks,
+                               "bench-compress", 3)
+                timed = got["runs"][1:]             # the first run fills the switch
+                runs[c] += [r_ | {"fetch_path": got["fetch_path"]} for r_ in timed]
+                per_round[c].append(statistics.median(x["seconds"] for x in timed))
+                log(f"  round {r + 1}/{rounds} {c}: {per_round[c][-1]:.3f} s")
+    out = {}
+    for c in codecs:
+        rs = runs[c]
+        out[c] = {"load_s": round(statistics.median(r["seconds"] for r in rs), 4),
+                  "fetch_s": round(statistics.median(r["fetch"] for r in rs), 4),
+                  "decode_s": round(statistics.median(r["decode"] for r in rs), 4),
+                  "from_switch": rs[-1]["from_switch"], "chunks": rs[-1]["chunks"],
+                  "blocks": rs[-1]["blocks"], "block_bytes": sizes[c],
+                  "fetch_path": rs[-1]["fetch_path"], "rounds_s": [round(x, 4) for x in
+                                                                   per_round[c]]}
+        if "none" in per_round:
+            out[c]["load_vs_raw_paired"] = round(statistics.median(
+                x / y for x, y in zip(per_round[c], per_round["none"])), 3)
+        log(f"  {c}: {out[c]}")
     return out
 
 
@@ -377,6 +397,7 @@ def run_compress(codecs=("none", "int8", "fp8", "int4", "int4h"), prompts: int =
         for c in codecs:
             per[c].update({"load_s": lt[c]["load_s"], "load_s_raw": lt["none"]["load_s"],
                            "load_vs_raw": round(lt[c]["load_s"] / lt["none"]["load_s"], 3),
+                           "load_vs_raw_paired": lt[c]["load_vs_raw_paired"],
                            "load": lt[c]})
         save()
     if "policy" in parts and trace_path:
