@@ -148,8 +148,8 @@ def demo_inference(sizes, chunk_size, concurrency, window, new_tokens, model, kv
               help="smollm2: the real SmolLM2-135M-Instruct on real text (make setup); the "
                    "others: a model config shipped in testbed/demos/models, seeded weights.")
 @click.option("--kv-codec", default="none", show_default=True,
-              help="The connectors' KV codec (none, int8, fp8, int4): other than none, greedy "
-                   "agreement with recompute is reported instead of required identity.")
+              help="The connectors' KV codec (none, int8, fp8, int4, int4h): other than none, "
+                   "greedy agreement with recompute is reported instead of required identity.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Also run an engine without the connector (the token-identity reference).")
 @click.option("--negative/--no-negative", default=True, show_default=True,

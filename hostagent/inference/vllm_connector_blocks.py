@@ -43,7 +43,7 @@ class Settings:
     block_tokens: int | None = None    # pool block tokens; default: vLLM's block size
     max_pending_save_mib: int = 256    # saves copied out but not yet acknowledged
     fetch_engine: str = "auto"         # auto: the XDP fetch engine where it can run; off
-    kv_codec: str = "none"             # none, int8, fp8, int4 or NAME/gTOKENS (inference.codec)
+    kv_codec: str = "none"             # none, int8, fp8, int4, int4h or NAME/gTOKENS (codec)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:

@@ -441,9 +441,9 @@ def plot(result: dict, path: str) -> None:
 def command():
     """The `testbed bench compress` command (registered by testbed.cli)."""
     import click
-    from hostagent.inference.codec import UnknownCodec, parse
 
     def codec_list(ctx, param, value):
+        from hostagent.inference.codec import UnknownCodec, parse   # torch: only when it runs
         names = [v.strip() for v in value.split(",") if v.strip()]
         try:
             for n in names:
