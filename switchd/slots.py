@@ -139,9 +139,13 @@ class Slots:
                 yield at, lo - at
             at = max(at, hi)
 
+    def _fit(self, n: int, blocks: dict[BlockId, Block]) -> int | None:
+        return next((at for at, free in self._free_runs(blocks) if free >= n), None)
+
     def place(self, ns: int, key: bytes, nchunks: int) -> Block:
         """The block's slots: its own if it has a range of that size, else a new range (first
-        fit) under a new generation. Raises SwitchError when no free run is long enough."""
+        fit, taking back what the data plane has not carved of its fill region if need be)
+        under a new generation. Raises SwitchError when no free run is long enough."""
         with self.allocating():
             blocks = self.blocks()
             have = blocks.pop((ns, key), None)
@@ -149,7 +153,10 @@ class Slots:
                 return have
             if have:
                 self.drop(ns, key)
-            base = next((at for at, n in self._free_runs(blocks) if n >= nchunks), None)
+            base = self._fit(nchunks, blocks)
+            if base is None and self.dp.get("fill_end"):
+                self.dp.set("fill_end", 0)   # switchd's placements before the region's rest
+                base = self._fit(nchunks, self.blocks())
             if base is None:
                 raise SwitchError(f"cache full: no run of {nchunks} free slots")
             gen = self.dp.get("gen") % (GEN_LIMIT - 1) + 1
