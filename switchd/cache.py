@@ -79,7 +79,7 @@ class Cache:
     def slot_of(self, ns: int, key: bytes, chunk: int) -> int | None:
         """The slot chunk ``chunk`` of the block has (held or not), if the block has slots."""
         b = self.slots.block(ns, key)
-        return b.base + chunk if b and 0 <= chunk < b.nchunks else None
+        return b.base + chunk if b and 0 <= chunk < b.slots else None
 
     def put(self, ns: int, key: bytes, chunk: int, payload: bytes, nchunks: int = 1) -> None:
         if not 1 <= len(payload) <= self.chunk_size:
@@ -121,7 +121,7 @@ class Cache:
 
     def get(self, ns: int, key: bytes, chunk: int) -> tuple[Entry, bytes] | None:
         b = self.slots.block(ns, key)
-        if not b or not 0 <= chunk < b.nchunks:
+        if not b or not 0 <= chunk < b.slots:
             return None
         v = self.slots.read(b.base + chunk)
         o = v.owner if v else None
@@ -192,12 +192,13 @@ class Cache:
             return 0
 
     def place_admitted(self, sizes: dict[tuple[int, bytes], int]) -> None:
-        """Give every admitted block of known size that has no slots yet its range (the data
-        plane then fills it as the block's replies pass)."""
+        """Give every admitted block of known size that has no slots yet, or slots for a prefix
+        of its chunks only, its range (the data plane then fills it as its replies pass)."""
         have = self.slots.blocks()
         for block in self.admitted():
-            n = sizes.get(block)
-            if n and block not in have:
+            b = have.get(block)
+            n = b.nchunks if b else sizes.get(block)
+            if n and (not b or b.slots < n):
                 try:
                     self.slots.place(*block, n)
                 except SwitchError:

@@ -47,8 +47,9 @@ BlockId = tuple[int, bytes]
 @dataclass(frozen=True)
 class Block:
     base: int
-    nchunks: int
+    nchunks: int           # chunks in the block
     gen: int
+    slots: int             # chunks 0..slots-1 have slots (a prefix if the data plane carved it)
 
 
 @dataclass
@@ -88,10 +89,10 @@ class Slots:
             v = self.index[self._bkey(ns, key)]
         except KeyError:
             return None
-        return Block(v.base, v.nchunks, v.gen)
+        return Block(v.base, v.nchunks, v.gen, v.slots)
 
     def blocks(self) -> dict[BlockId, Block]:
-        return {(k.ns, bytes(k.key)): Block(v.base, v.nchunks, v.gen)
+        return {(k.ns, bytes(k.key)): Block(v.base, v.nchunks, v.gen, v.slots)
                 for k, v in self.index.items()}
 
     def _bkey(self, ns: int, key: bytes):
@@ -126,7 +127,7 @@ class Slots:
         return self.dp.get("fill_next"), self.dp.get("fill_end")
 
     def _used(self, blocks: dict[BlockId, Block]) -> list[tuple[int, int]]:
-        used = [(b.base, b.base + b.nchunks) for b in blocks.values()]
+        used = [(b.base, b.base + b.slots) for b in blocks.values()]
         nxt, end = self._region()
         if nxt < end:
             used.append((nxt, end))
@@ -143,27 +144,25 @@ class Slots:
         return next((at for at, free in self._free_runs(blocks) if free >= n), None)
 
     def place(self, ns: int, key: bytes, nchunks: int) -> Block:
-        """The block's slots: its own if it has a range of that size, else a new range (first
+        """The block's slots: its own if it has a slot for every chunk, else a new range (first
         fit, taking back what the data plane has not carved of its fill region if need be)
-        under a new generation. Raises SwitchError when no free run is long enough."""
+        under a new generation, its old range and chunks dropped. Raises SwitchError, keeping
+        what the block had, when no free run is long enough."""
         with self.allocating():
             blocks = self.blocks()
             have = blocks.pop((ns, key), None)
-            if have and have.nchunks == nchunks:
+            if have and have.nchunks == have.slots == nchunks:
                 return have
-            if have:
-                self.drop(ns, key)
             base = self._fit(nchunks, blocks)
             if base is None and self.dp.get("fill_end"):
                 self.dp.set("fill_end", 0)   # switchd's placements before the region's rest
-                base = self._fit(nchunks, self.blocks())
+                base = self._fit(nchunks, blocks)
             if base is None:
                 raise SwitchError(f"cache full: no run of {nchunks} free slots")
             gen = self.dp.get("gen") % (GEN_LIMIT - 1) + 1
             self.dp.set("gen", gen)
-            b = Block(base, nchunks, gen)
-            self.index[self._bkey(ns, key)] = self.index.Leaf(base, nchunks, gen, 0)
-            return b
+            self.index[self._bkey(ns, key)] = self.index.Leaf(base, nchunks, gen, nchunks)
+            return Block(base, nchunks, gen, nchunks)
 
     def grant_region(self, size: int) -> tuple[int, int]:
         """Give the data plane a new fill region of up to ``size`` free slots (the largest free
@@ -247,11 +246,11 @@ class Slots:
     def held(self, ns: int, key: bytes, b: Block) -> tuple[np.ndarray, np.ndarray]:
         """The block's slots and which of them hold a finished chunk of it (kvslot.h's test:
         even sequence word, the block's generation, a length, the chunk as owner)."""
-        rows = self.view[b.base:b.base + b.nchunks]
+        rows = self.view[b.base:b.base + b.slots]
         o, ons, ochunk, okey, osize = self._owner
-        want = np.zeros((b.nchunks, osize), np.uint8)
+        want = np.zeros((b.slots, osize), np.uint8)
         want[:, ons:ons + 4] = np.frombuffer(struct.pack("<I", ns), np.uint8)
-        want[:, ochunk:ochunk + 4] = np.arange(b.nchunks, dtype="<u4").reshape(-1, 1).view(
+        want[:, ochunk:ochunk + 4] = np.arange(b.slots, dtype="<u4").reshape(-1, 1).view(
             np.uint8)
         want[:, okey:okey + len(key)] = np.frombuffer(key, np.uint8)
         ok = ((self.column(rows, "seq", "<u8") & 1) == 0) & \

@@ -158,7 +158,7 @@ static __always_inline struct kv_cache_val *cached(struct kv_cache_key *k, __u64
     if (!b)
         return 0;
     __u32 gen = b->gen, idx = b->base + k->chunk;
-    if (k->chunk >= b->nchunks)
+    if (k->chunk >= b->slots)
         return 0;
     struct kv_cache_val *v = kv_cache.lookup(&idx);
     if (!v)
@@ -568,7 +568,8 @@ static __always_inline int handle_get(struct xdp_md *ctx, struct kv_frame *f)
     return answer_get(ctx, v, &k, seq, f->payload_len);
 }
 
-/* Slots for a block that has none: n of them from the fill region switchd granted (kv_settings
+/* Slots for a block of n chunks that has none: n of them, or as many as are left (its first
+ * chunks: the ones every fetch starts with), from the fill region switchd granted (kv_settings
  * KV_SET_FILL_NEXT..KV_SET_FILL_END), under a new data-plane generation. switchd owns the
  * allocator: it grants the region, takes what was carved into its books from kv_blocks, and
  * never hands out what the index or the region holds. If two CPUs carve for the same block,
@@ -580,13 +581,17 @@ static __always_inline struct kv_block *carve(struct kv_block_key *bk, __u32 n)
     __u64 *gens = kv_settings.lookup(&gi);
     if (!next || !end || !gens || n == 0 || n > KV_CACHE_ENTRIES)
         return 0;
-    __u64 e = *(volatile __u64 *)end;
-    __u64 base = __sync_fetch_and_add(next, n);
-    if (base + n > e)
+    __u64 e = *(volatile __u64 *)end, at = *(volatile __u64 *)next;
+    if (at >= e)
         return 0;                  /* the region is used up until switchd grants another */
+    __u64 want = e - at < n ? e - at : n;
+    __u64 base = __sync_fetch_and_add(next, want);
+    if (base + want > e)
+        return 0;                  /* another CPU carved it first */
     struct kv_block nb = {};
     nb.base = base;
     nb.nchunks = n;
+    nb.slots = want;
     nb.gen = KV_GEN_DATAPLANE | (__u32)__sync_fetch_and_add(gens, 1);
     kv_blocks.insert(bk, &nb);
     return kv_blocks.lookup(bk);
@@ -619,7 +624,7 @@ static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
     struct kv_block *b = kv_blocks.lookup(&bk);
     if (!b)
         b = carve(&bk, nchunks);
-    if (!b || len < 1 || len > KV_CHUNK_MAX || b->nchunks != nchunks || k->chunk >= nchunks) {
+    if (!b || len < 1 || len > KV_CHUNK_MAX || b->nchunks != nchunks || k->chunk >= b->slots) {
         count(KV_STAT_FILL_FAIL, 1);
         return;
     }

@@ -59,9 +59,11 @@ struct kv_cache_val {
 
 struct kv_block {                  /* kv_blocks value: where a block's slots are */
     __u32 base;                    /* slot of chunk 0 */
-    __u32 nchunks;                 /* slots base .. base + nchunks - 1 */
-    __u32 gen;                     /* unique per allocation: switchd's below KV_GEN_DATAPLANE, */
-    __u32 reserved;                /* the data plane's (carved from the fill region) above */
+    __u32 nchunks;                 /* chunks in the block */
+    __u32 gen;                     /* unique per allocation: switchd's below KV_GEN_DATAPLANE, the
+                                      data plane's (carved from the fill region) above */
+    __u32 slots;                   /* chunks 0..slots-1 have slots base..base+slots-1: all of
+                                      them, or a prefix the data plane carved from what was left */
 };
 #define KV_GEN_DATAPLANE 0x80000000
 /* Blocks the index holds: as many as slots (a block has at least one chunk). */
