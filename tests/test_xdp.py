@@ -109,54 +109,6 @@ def test_a_hit_counts_on_its_entry(dp, cache):
     assert cache.get(5, KEY, 3)[0].hits == 1
 
 
-@pytest.mark.parametrize("owner", ["other chunk", "other namespace", "other key", "nobody",
-                                   "other allocation"])
-def test_an_entry_rewritten_for_another_chunk_is_never_served(dp, cache, owner):
-    """The block index only says where to look: the hit path serves a slot only if it was
-    written for the block's current allocation and names the very chunk asked for."""
-    cache.put(5, KEY, 3, PAYLOAD, nchunks=9)
-    k = dp.cache.Key(cache.slot_of(5, KEY, 3))
-    v = dp.cache[k]
-    if owner == "nobody":
-        ctypes.memset(ctypes.addressof(v.owner), 0, ctypes.sizeof(v.owner))
-    elif owner == "other allocation":
-        v.gen ^= 1
-    else:
-        v.owner.chunk, v.owner.ns, v.owner.key[0] = {
-            "other chunk": (4, 5, KEY[0]), "other namespace": (3, 6, KEY[0]),
-            "other key": (3, 5, KEY[0] ^ 1)}[owner]
-    dp.cache[k] = v
-    frame = bytes(get_frame())
-    before = dp.counters()
-    assert run(dp, frame) == (XDP.PASS, frame)      # a miss: on to the pool node
-    after = dp.counters()
-    reused = 0 if owner == "other allocation" else 1   # stale slots are plain misses
-    assert after["reused"] - before["reused"] == reused and after["get_hit"] == before["get_hit"]
-    assert cache.get(5, KEY, 3) is None and cache.entries() == []
-
-
-def test_the_writer_never_takes_a_slot_another_writer_holds(dp, cache):
-    """switchd's writes go through the same claim as the data plane's fills: a slot held by a
-    writer is neither rewritten nor filled until it is let go; then both work again."""
-    cache.put(5, KEY, 3, PAYLOAD, nchunks=9)
-    cache.admit(5, KEY)
-    hold_slot(dp, cache, 5, KEY, 3)
-    try:
-        with pytest.raises(SwitchError, match="busy"):
-            cache.slots.clear(cache.slot_of(5, KEY, 3))
-        run(dp, get_frame())                       # a miss (the slot is mid-write): a round
-        before = dp.counters()
-        raw = bytes(reply_frame(payload=PAYLOAD[::-1]))
-        assert run(dp, raw, port="pool") == (XDP.PASS, raw)
-        assert dp.counters()["fill_fail"] - before["fill_fail"] == 1
-    finally:
-        hold_slot(dp, cache, 5, KEY, 3, held=False)
-    assert cache.get(5, KEY, 3)[1] == PAYLOAD     # neither write landed
-    cache.put(5, KEY, 3, PAYLOAD[::-1], nchunks=9)
-    verdict, out = run(dp, get_frame())
-    assert verdict == XDP.TX and Ether(out)[Raw].load == PAYLOAD[::-1]
-
-
 def test_admitted_reply_from_pool_port_is_learned_and_passed(dp, cache):
     cache.admit(5, KEY)
     run(dp, get_frame())                  # the request it answers
