@@ -210,12 +210,6 @@ class Slots:
                    payloads: list[bytes]) -> None:
         """Write chunk first + i of ``block`` from command row i (its other header fields set by
         the caller) and payload i."""
-        for command in self.commands(block, ns, key, first, cmds, payloads):
-            self._run(command)
-
-    def commands(self, block: Block, ns: int, key: bytes, first: int, cmds: np.ndarray,
-                 payloads: list[bytes]) -> list[bytes]:
-        """The writer's commands for chunks first.. of ``block`` (see ``write_rows``)."""
         m = len(payloads)
         chunks = np.arange(first, first + m)
         cmds[:, 0:4] = (block.base + chunks).astype("<u4").reshape(-1, 1).view(np.uint8)
@@ -227,7 +221,8 @@ class Slots:
         cmds[:, base + ochunk:base + ochunk + 4] = chunks.astype("<u4").reshape(-1, 1).view(
             np.uint8)
         cmds[:, base + okey:base + okey + len(key)] = np.frombuffer(key, np.uint8)
-        return [row.tobytes() + payload for row, payload in zip(cmds, payloads)]
+        for row, payload in zip(cmds, payloads):
+            self._run(row.tobytes() + payload)
 
     def clear(self, slot: int) -> None:
         """Empty one slot (it is no chunk's until written again)."""
