@@ -235,7 +235,8 @@ struct kv_ns_stats {
 #define KV_STAT_GET_MISS 4         /* GET forwarded to the pool node */
 #define KV_STAT_HIT_BYTES 5        /* payload bytes served by the switch */
 #define KV_STAT_FILL 6             /* chunks learned from passing replies */
-#define KV_STAT_FILL_FAIL 7        /* admitted reply that could not be stored (cache full) */
+#define KV_STAT_FILL_FAIL 7        /* admitted reply that could not be stored (no slot for it:
+                                      fill region used up; its slot being written) */
 #define KV_STAT_NO_ROOM 8          /* hit whose request carried too little room: forwarded */
 #define KV_STAT_OTHER_KV 9         /* other KV messages (PUT, ACK, ...) forwarded */
 #define KV_STAT_FORGED 10          /* no longer counted: replies from non-pool ports are dropped
@@ -255,9 +256,10 @@ struct kv_ns_stats {
 #define KV_STAT_DENIED 23          /* request for a namespace its port may not use: dropped */
 #define KV_STAT_UNSOLICITED 24     /* pool reply matching no outstanding request: never learned */
 #define KV_STAT_SPEC_FILL 25       /* of KV_STAT_FILL: chunks learned speculatively */
-#define KV_STAT_REUSED 26          /* a looked-up entry turned out rewritten for another chunk:
-                                      the GET was handled as a miss, or, if that happened while
-                                      its payload was copied, the half-made reply dropped */
+#define KV_STAT_REUSED 26          /* a looked-up slot was being written (kvslot.h) or holds
+                                      another chunk of the same allocation: the GET was handled
+                                      as a miss, or, if it was written while its payload was
+                                      copied, the half-made reply dropped */
 #define KV_STAT_SPOOFED 27         /* frame from a secured port with another source: dropped */
 #define KV_STAT_UNCHECKED 28       /* frame from a limited port the data plane cannot fully check
                                       (VLAN tag, IP options or fragment, IPv6 extension header,
