@@ -1,5 +1,6 @@
-"""Cache entries and the admit set, edited from userspace: put/get/ls/evict/flush chunks in
-kv_cache (one at a time or in bulk), admit/unadmit blocks in kv_admit (whose passing pool replies
+"""Cache entries and the admit set, edited from userspace: put/get/ls/evict/flush chunks of the
+switch's cache (slots in kv_cache found through the block index kv_blocks, written only through
+the slot writer: switchd/slots.py), admit/unadmit blocks in kv_admit (whose passing pool replies
 the data plane learns). Keys and values are the ctypes types BCC built from xdp/kvswitch.h."""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 from kvproto import KEY_LEN, checksum
 
 from .dataplane import CONSTANTS, DataPlane, SwitchError
+from .slots import Slots
 
 FILLED = CONSTANTS["KV_CF_FILLED"]
 SPECULATIVE = CONSTANTS["KV_CF_SPECULATIVE"]
@@ -53,26 +55,20 @@ def parse_key(text: str) -> bytes:
     return key
 
 
-def _column(rows: np.ndarray, field, values: np.ndarray) -> None:
-    """Write little-endian ``values`` (one per row) into a ctypes field's bytes of each row."""
-    rows[:, field.offset:field.offset + field.size] = values.view(np.uint8).reshape(len(rows), -1)
-
-
 def _set_bytes(field, data: bytes) -> None:
     ctypes.memmove(ctypes.addressof(field), data, len(data))
 
 
 class Cache:
-    def __init__(self, dp: DataPlane):
+    def __init__(self, dp: DataPlane, region: int | None = None):
+        """``region``: slots the data plane may carve for blocks it learns before switchd
+        placed them (default: a sixteenth of the cache, as the speculative headroom)."""
         self.dp = dp
-        self.table, self.admit_table = dp.cache, dp.admit
+        self.slots = Slots.of(dp)
+        self.admit_table = dp.admit
         self.chunk_size = dp.deployment.chunk_size
-
-    def chunk_key(self, ns: int, key: bytes, chunk: int):
-        k = self.table.Key()
-        k.ns, k.chunk = ns, chunk
-        _set_bytes(k.key, key)
-        return k
+        self.region = max(1, dp.deployment.cache_entries // 16) if region is None else region
+        self.slots.ensure_region(self.region)
 
     def block_key(self, ns: int, key: bytes):
         k = self.admit_table.Key()
@@ -80,21 +76,18 @@ class Cache:
         _set_bytes(k.key, key)
         return k
 
+    def slot_of(self, ns: int, key: bytes, chunk: int) -> int | None:
+        """The slot chunk ``chunk`` of the block has (held or not), if the block has slots."""
+        b = self.slots.block(ns, key)
+        return b.base + chunk if b and 0 <= chunk < b.slots else None
+
     def put(self, ns: int, key: bytes, chunk: int, payload: bytes, nchunks: int = 1) -> None:
         if not 1 <= len(payload) <= self.chunk_size:
             raise SwitchError(f"chunk payload must be 1..{self.chunk_size} bytes, "
                               f"got {len(payload)}")
         if not 0 <= chunk < nchunks:
             raise SwitchError(f"chunk {chunk} is outside a {nchunks}-chunk block")
-        v = self.table.Leaf()
-        v.len, v.csum, v.nchunks = len(payload), checksum(payload), nchunks
-        v.owner.ns, v.owner.chunk = ns, chunk
-        _set_bytes(v.owner.key, key)
-        _set_bytes(v.data, payload)
-        try:
-            self.table[self.chunk_key(ns, key, chunk)] = v
-        except Exception as exc:
-            raise SwitchError(f"cache full or map error: {exc}") from None
+        self.put_chunks(ns, key, chunk, np.frombuffer(payload, np.uint8).reshape(1, -1), nchunks)
 
     def put_block(self, ns: int, key: bytes, data: bytes) -> int:
         """Put every chunk of a block (as the host agent would cut it); returns chunks put."""
@@ -110,69 +103,85 @@ class Cache:
     def put_chunks(self, ns: int, key: bytes, first: int, rows: np.ndarray, nchunks: int,
                    lengths: np.ndarray | None = None, batch: int = 1 << 16) -> None:
         """Chunks first.. first+len(rows)-1 of a block of ``nchunks``, row i's first
-        ``lengths[i]`` bytes (default: the whole row) each, with BPF_MAP_UPDATE_BATCH: the bulk
-        counterpart of ``put``, fast enough for a million entries."""
-        table = self.table
-        K, V = table.Key, table.Leaf
+        ``lengths[i]`` bytes (default: the whole row) each: the block gets its slots (kept if
+        it has a range of that size) and each chunk is written through the slot writer."""
         n, width = rows.shape
         if width > self.chunk_size or first < 0 or first + n > nchunks:
             raise SwitchError(f"chunks {first}..{first + n - 1} of {width} bytes do not fit a "
                               f"{nchunks}-chunk block of {self.chunk_size}-byte chunks")
         lengths = np.full(n, width) if lengths is None else np.asarray(lengths)
+        block = self.slots.place(ns, key, nchunks)
         for lo in range(0, n, batch):
             hi = min(n, lo + batch)
-            m = hi - lo
-            kb = np.zeros((m, ctypes.sizeof(K)), np.uint8)
-            _column(kb, K.ns, np.full(m, ns, "<u4"))
-            _column(kb, K.chunk, np.arange(first + lo, first + hi, dtype="<u4"))
-            kb[:, K.key.offset:K.key.offset + KEY_LEN] = np.frombuffer(key, np.uint8)
-            vb = np.zeros((m, ctypes.sizeof(V)), np.uint8)
-            _column(vb, V.len, lengths[lo:hi].astype("<u2"))
-            _column(vb, V.csum, np.array([checksum(rows[i, :lengths[i]].tobytes())
-                                          for i in range(lo, hi)], "<u4"))
-            _column(vb, V.nchunks, np.full(m, nchunks, "<u4"))
-            vb[:, V.owner.offset:V.owner.offset + kb.shape[1]] = kb
-            vb[:, V.data.offset:V.data.offset + width] = rows[lo:hi]
-            try:
-                table.items_update_batch((K * m).from_buffer(kb), (V * m).from_buffer(vb))
-            except Exception as exc:
-                raise SwitchError(f"cache full or map error: {exc}") from None
+            payloads = [rows[i, :lengths[i]].tobytes() for i in range(lo, hi)]
+            cmds = self.slots.header_rows(hi - lo)
+            self.slots.field(cmds, "len", lengths[lo:hi], "<u2")
+            self.slots.field(cmds, "csum", [checksum(p) for p in payloads], "<u4")
+            self.slots.write_rows(block, ns, key, first + lo, cmds, payloads)
 
     def get(self, ns: int, key: bytes, chunk: int) -> tuple[Entry, bytes] | None:
-        k = self.chunk_key(ns, key, chunk)
-        try:
-            v = self.table[k]
-        except KeyError:
+        b = self.slots.block(ns, key)
+        if not b or not 0 <= chunk < b.slots:
             return None
-        return self._entry(k, v), bytes(v.data[:v.len])
+        v = self.slots.read(b.base + chunk)
+        o = v.owner if v else None
+        if not v or v.gen != b.gen or not v.len or (o.ns, o.chunk, bytes(o.key)) != (
+                ns, chunk, key):
+            return None
+        return self._entry(ns, key, chunk, v), bytes(v.data[:v.len])
 
     @staticmethod
-    def _entry(k, v) -> Entry:
-        return Entry(k.ns, bytes(k.key), k.chunk, v.len, v.nchunks, v.csum, v.hits,
+    def _entry(ns, key, chunk, v) -> Entry:
+        return Entry(ns, key, chunk, v.len, v.nchunks, v.csum, v.hits,
                      bool(v.flags & FILLED), bool(v.flags & SPECULATIVE))
 
     def entries(self, ns: int | None = None) -> list[Entry]:
-        out = [self._entry(k, v) for k, v in self.table.items()]
-        return sorted((e for e in out if ns is None or e.ns == ns),
-                      key=lambda e: (e.ns, e.key, e.chunk))
+        out = []
+        for (bns, key), b in self.slots.blocks().items():
+            if ns is not None and bns != ns:
+                continue
+            rows, ok = self.slots.held(bns, key, b)
+            cols = {name: self.slots.column(rows, name, dt) for name, dt in (
+                ("len", "<u2"), ("nchunks", "<u4"), ("csum", "<u4"), ("hits", "<u8"),
+                ("flags", "<u2"))}
+            for i in np.flatnonzero(ok):
+                fl = int(cols["flags"][i])
+                out.append(Entry(bns, key, int(i), int(cols["len"][i]), int(cols["nchunks"][i]),
+                                 int(cols["csum"][i]), int(cols["hits"][i]), bool(fl & FILLED),
+                                 bool(fl & SPECULATIVE)))
+        return sorted(out, key=lambda e: (e.ns, e.key, e.chunk))
+
+    def count(self) -> int:
+        """Chunks the cache holds."""
+        return self.slots.summary()[1]
+
+    def _held(self, ns: int, key: bytes) -> int:
+        b = self.slots.block(ns, key)
+        return int(self.slots.held(ns, key, b)[1].sum()) if b else 0
 
     def evict(self, ns: int, key: bytes, chunk: int | None = None) -> int:
         """Remove one chunk, or (chunk=None) every chunk of the block; returns chunks removed."""
-        if chunk is not None:
-            return self._delete(self.table, self.chunk_key(ns, key, chunk))
-        return sum(self._delete(self.table, self.chunk_key(e.ns, e.key, e.chunk))
-                   for e in self.entries(ns) if e.key == key)
+        if chunk is None:
+            held = self._held(ns, key)
+            self.slots.drop(ns, key)
+            return held
+        if self.get(ns, key, chunk) is None:
+            return 0
+        self.slots.clear(self.slot_of(ns, key, chunk))
+        return 1
 
     def evict_block(self, ns: int, key: bytes, nchunks: int) -> int:
-        """Remove a block whose size is known (no scan) and its admission."""
-        removed = sum(self._delete(self.table, self.chunk_key(ns, key, c))
-                      for c in range(nchunks))
+        """Remove a block and its admission."""
+        removed = self.evict(ns, key)
         self.unadmit(ns, key)
         return removed
 
     def flush(self, ns: int | None = None) -> int:
-        return sum(self._delete(self.table, self.chunk_key(e.ns, e.key, e.chunk))
-                   for e in self.entries(ns))
+        removed = sum(self.evict(bns, key) for bns, key in self.slots.blocks()
+                      if ns is None or bns == ns)
+        if ns is None:
+            self.slots.grant_region(self.region)
+        return removed
 
     @staticmethod
     def _delete(table, k) -> int:
@@ -181,6 +190,19 @@ class Cache:
             return 1
         except KeyError:
             return 0
+
+    def place_admitted(self, sizes: dict[tuple[int, bytes], int]) -> None:
+        """Give every admitted block of known size that has no slots yet, or slots for a prefix
+        of its chunks only, its range (the data plane then fills it as its replies pass)."""
+        have = self.slots.blocks()
+        for block in self.admitted():
+            b = have.get(block)
+            n = b.nchunks if b else sizes.get(block)
+            if n and (not b or b.slots < n):
+                try:
+                    self.slots.place(*block, n)
+                except SwitchError:
+                    pass               # full: the policy's next evictions make room
 
     def admit(self, ns: int, key: bytes, ttl: float | None = None, pinned: bool = False) -> None:
         """Add a block to the admit set; ``pinned`` ones are never evicted by the policy (until

@@ -20,6 +20,7 @@ from xdp.attach import MODES, detach_port
 from xdp.loader import preflight
 
 from .cache import Cache, parse_key
+from .slots import Slots
 from .policy import DEFAULT_POLICY, POLICIES
 from .dataplane import (DEFAULT_PIN_DIR, DataPlane, Deployment, SwitchError, ifindex,
                         pinned_deployment)
@@ -224,7 +225,7 @@ def stats(obj: Context, as_json, watch):
     dp = obj.maps()
     while True:
         counters = dp.counters()
-        used = len(dp.cache)
+        used = Slots.of(dp).summary()[1]     # read only: no Cache (it grants a region)
         if as_json:
             click.echo(json.dumps({"counters": counters, "cache_entries": used,
                                    "cache_capacity": dp.deployment.cache_entries,

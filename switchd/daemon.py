@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from .dataplane import (PINNED_MAPS, ROLE_HOST, ROLE_POOL, DataPlane, Deployment, SwitchError,
                         ifindex)
+from .cache import Cache
 from .manager import CacheManager
 from .metrics import serve_metrics
 from .ports import resolve, sync
@@ -114,6 +115,8 @@ class Daemon:
         dp.set("pending_ns", int(s.pending_timeout * 1e9))
         dp.set("spec_fill", 0)           # until the policy says how much room it leaves
         manager = (CacheManager(dp, s.policy, s.quotas, s.fill_headroom) if s.policy else None)
+        if not manager:
+            Cache(dp)                    # grants the data plane its fill region
         if s.metrics_port:
             serve_metrics(s.metrics_port, dp, manager)
         for sig in (signal.SIGINT, signal.SIGTERM):

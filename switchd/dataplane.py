@@ -28,11 +28,11 @@ CACHE_VAL_HEADER = CONSTANTS["KV_CACHE_VAL_HEADER"]  # bytes of kv_cache_val bef
 # The largest chunk a deployment can use: a frame's IPv4 + UDP + KV header and the chunk within
 # the largest MTU native XDP takes on a veth, rounded down to a multiple of 8 (3424)
 MAX_CHUNK = (VETH_MAX_MTU - CONSTANTS["KV_PAYLOAD_OFF"] + CONSTANTS["KV_ETH_LEN"]) // 8 * 8
-MAP_NAMES = ("kv_cache", "kv_admit", "kv_ports", "kv_stats", "kv_settings", "kv_pending",
+MAP_NAMES = ("kv_cache", "kv_blocks", "kv_admit", "kv_ports", "kv_stats", "kv_settings", "kv_pending",
              "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats", "kv_port_ns", "kv_ns_low",
              "kv_src_macs", "kv_src_ips")
 # every map kvmaps.h pins, read from its KV_MAP(...) lines: what a failed first start removes
-PINNED_MAPS = tuple(re.findall(r"^KV_MAP\((?:[^,]*,){3}\s*(kv_\w+)\s*,",
+PINNED_MAPS = tuple(re.findall(r"^KV_F?MAP\((?:[^,]*,){3}\s*(kv_\w+)\s*,",
                                xdp.source("kvmaps.h").read_text(), re.M))
 SETTINGS = {name: v for v, name in prefixed(CONSTANTS, "KV_SET_").items()}
 
@@ -101,7 +101,8 @@ def _name(index: int) -> str:
 
 class DataPlane(Program, source="kvswitch.c", header="kvswitch.h", stats="KV_STAT_"):
     """The compiled programs and their maps. ``programs=False`` opens just the maps (pinned ones
-    when the deployment has a pin directory), for tools that only read or edit them."""
+    when the deployment has a pin directory) and the cache's slot writer (xdp/kvwrite.c), for
+    tools that only read or edit them."""
 
     def __init__(self, deployment: Deployment, programs: bool = True):
         try:
@@ -117,20 +118,20 @@ class DataPlane(Program, source="kvswitch.c", header="kvswitch.h", stats="KV_STA
             self._check_pins_match(deployment)
         self.ingress = self.egress = self.devmap = None
         if programs:
-            self.bpf, fns = load_xdp(xdp.source("kvswitch.c"), ("kv_ingress",),
-                                     deployment.cflags(), devmap_egress=("kv_egress",))
+            self.bpf, fns = load_xdp(xdp.source("kvswitch.c"), ("kv_ingress", "kv_write"),
+                                     deployment.cflags(), devmap_egress=("kv_egress",),
+                                     append=(xdp.source("kvwrite.c"),))
             self.ingress, self.egress = fns["kv_ingress"], fns["kv_egress"]
+            self.writer = fns["kv_write"]
             table = self.bpf.get_table(b"kv_crc_table")
             table[table.Key(0)] = table.Leaf((ctypes.c_uint32 * 256)(*crc32_table()))
             self.devmap = self.bpf.get_table(b"kv_devmap")
         else:
-            try:
-                self.bpf = bcc.BPF(text=b'#include "kvmaps.h"\n', cflags=deployment.cflags())
-            except Exception as exc:
-                raise SwitchError(f"compiling kvmaps.h failed: {exc}") from None
-        (self.cache, self.admit, self.ports, self.stats, self.settings, self.pending,
-         self.waiters, self.sketch, self.recent, self.ns_stats, self.port_ns, self.ns_low,
-         self.src_macs, self.src_ips) = (self.bpf.get_table(n.encode()) for n in MAP_NAMES)
+            self.bpf, fns = load_xdp(xdp.source("kvwrite.c"), ("kv_write",), deployment.cflags())
+            self.writer = fns["kv_write"]
+        (self.cache, self.blocks, self.admit, self.ports, self.stats, self.settings,
+         self.pending, self.waiters, self.sketch, self.recent, self.ns_stats, self.port_ns,
+         self.ns_low, self.src_macs, self.src_ips) = (self.bpf.get_table(n.encode()) for n in MAP_NAMES)
         self.attached: dict[str, int] = {}
 
     @staticmethod

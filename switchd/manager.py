@@ -30,9 +30,10 @@ def default_headroom(entries: int) -> int:
 class CacheManager:
     def __init__(self, dp: DataPlane, policy: str = "prefix",
                  quotas: dict[int, int] | None = None, fill_headroom: int | None = None):
-        self.dp, self.cache, self.popularity = dp, Cache(dp), Popularity(dp)
         chunk, total = dp.deployment.chunk_size, dp.deployment.cache_entries
         headroom = default_headroom(total) if fill_headroom is None else fill_headroom
+        self.dp, self.popularity = dp, Popularity(dp)
+        self.cache = Cache(dp, region=max(1, default_headroom(total)))
         self.quota_chunks = {ns: max(1, q // chunk) for ns, q in (quotas or {}).items()}
         try:
             self.loop = AdmissionLoop(policy, total, headroom, self.quota_chunks, unit="chunks")
@@ -63,7 +64,7 @@ class CacheManager:
         return Observation(
             now, misses={b: m for b, (m, _n) in snap.candidates.items()}, hits=hits,
             cached={b: (cb.nchunks, cb.speculative) for b, cb in snap.cached.items()},
-            admitted=admitted, sizes={b: n for b, (_m, n) in snap.candidates.items() if n})
+            admitted=admitted, sizes=self.sizes())
 
     def step(self, now: float | None = None) -> Snapshot:
         now_ns = monotonic_ns()
@@ -78,9 +79,17 @@ class CacheManager:
             log.info("evicted ns=%d key=%s", ns, key.hex())
         for ns, key in decisions.admit:
             self.cache.admit(ns, key)
+        self.cache.place_admitted(self.sizes())
+        # what the data plane may carve for blocks it learns first: what the policies left
+        self.cache.slots.ensure_region(max(int(decisions.spec_budget), self.cache.region))
         if self.loop.headroom:
             self.dp.set("spec_fill", int(decisions.spec_budget))
         return self.snapshot
+
+    def sizes(self) -> dict[BlockId, int]:
+        """Chunk counts known for blocks: from pool replies seen (the recently missed ones)."""
+        snap = self.snapshot
+        return {b: n for b, (_m, n) in snap.candidates.items() if n} if snap else {}
 
     def usage(self) -> dict[int, dict[str, int]]:
         """Per namespace: chunks cached, quota in chunks (0: shared)."""

@@ -8,10 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
-
-from .cache import SPECULATIVE
 from .dataplane import CONSTANTS, DataPlane
+from .slots import Slots
 from .sketch import CountMinSketch
 
 DEPTH, WIDTH = CONSTANTS["KV_SKETCH_DEPTH"], CONSTANTS["KV_SKETCH_WIDTH"]
@@ -73,15 +71,9 @@ class Popularity:
             misses = sketch.estimate(sketch_x(*block))
             if misses:
                 candidates[block] = (misses, nchunks)
-        cached: dict[BlockId, CachedBlock] = {}
-        entries = 0
-        for k, v in self.dp.cache.items():
-            entries += 1
-            b = cached.setdefault((k.ns, bytes(k.key)), CachedBlock(v.nchunks))
-            b.chunks += 1
-            b.speculative |= bool(v.flags & SPECULATIVE)
-            if k.chunk == 0:
-                b.hits = v.hits
+        blocks, entries = Slots.of(self.dp).summary()
+        cached = {b: CachedBlock(s.nchunks, s.chunks, s.hits, s.speculative)
+                  for b, s in blocks.items()}
         return Snapshot(candidates, cached, self.ns_counters(), entries)
 
     def ns_counters(self) -> dict[int, dict[str, int]]:

@@ -116,7 +116,7 @@ def test_a_nack_reaches_every_waiter_and_is_never_learned(sw):
     verdict, out = run(sw, nack, port="pool")
     assert verdict == XDP.REDIRECT and out[8:] == nack
     assert int.from_bytes(out[:8], "little") == gen
-    assert len(sw.pending) == 0 and len(sw.cache) == 0
+    assert len(sw.pending) == 0 and len(sw.blocks) == 0
     assert moved(sw, before).get("nack_closed") == 1
 
 

@@ -44,4 +44,5 @@ def test_cache_value_is_header_plus_chunk(chunk):
     dp = DataPlane(Deployment(chunk_size=chunk, cache_entries=16, pin_dir=None), programs=False)
     assert ctypes.sizeof(dp.cache.Leaf) == CACHE_VAL_HEADER + chunk
     assert dp.cache.Leaf.data.offset == CACHE_VAL_HEADER
-    assert ctypes.sizeof(dp.cache.Key) == 24
+    assert ctypes.sizeof(dp.pending.Key) == 24             # struct kv_cache_key
+    assert ctypes.sizeof(dp.blocks.Leaf) == 16             # struct kv_block

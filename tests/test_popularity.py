@@ -20,7 +20,8 @@ def loaded(ports_namespace):
 
 @pytest.fixture
 def dp(loaded):
-    for table in (loaded.cache, loaded.admit, loaded.recent, loaded.ns_stats, loaded.ns_low):
+    for table in (loaded.cache, loaded.blocks, loaded.admit, loaded.recent, loaded.ns_stats,
+                  loaded.ns_low):
         table.clear()
     Popularity(loaded).read_sketch()  # zeroes it
     loaded.set("spec_fill", 0)

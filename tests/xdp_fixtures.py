@@ -72,6 +72,8 @@ class Case:
                                                   # secured, bound to nothing yet)
     counters: dict = field(default_factory=dict)  # counter -> expected increase
     cache_unchanged: bool = True
+    writing: tuple = ()               # (ns, key, chunk) of cached chunks whose slot a writer
+                                      # holds (sequence word odd, kvslot.h) as the frame arrives
 
 
 def _with_udp_checksum(value: int | None) -> bytes:
@@ -156,6 +158,11 @@ CASES = [
          switch_reply(), cache_unchanged=False),
     Case("miss passes unchanged", bytes(get_frame()), XDP.PASS, cached=(),
          counters={"get_miss": 1}),
+    Case("a slot mid-write is not served", bytes(get_frame()), XDP.PASS,
+         writing=((5, KEY, 3),), counters={"reused": 1, "get_miss": 1, "get_hit": 0}),
+    Case("a neighbour's slot mid-write does not stop a hit", bytes(get_frame()), XDP.TX,
+         switch_reply(), cached=CACHED + ((5, KEY, 4, PAYLOAD, 9),), writing=((5, KEY, 4),),
+         counters={"get_hit": 1, "reused": 0}, cache_unchanged=False),
     Case("other namespace is a miss", bytes(get_frame(ns=6)), XDP.PASS),
     Case("other chunk is a miss", bytes(get_frame(chunk=4)), XDP.PASS),
     Case("other key is a miss", bytes(get_frame(key=KEY[:-1] + b"\x00")), XDP.PASS),

@@ -13,7 +13,8 @@ does for its tools. switchd, the fetch engine, the pool's XDP server and the tes
 
     kvproto.h   the wire format (every endpoint)       parse.h      bounds-checked frame parsing
     verifier.h  helpers the verifier needs             kvswitch.c   the switch (kvswitch.h layouts,
-    kvfetch.c   the fetch engine (kvfetch.h, kvfetch_maps.h)         kvmaps.h maps, reply.h)
+    kvfetch.c   the fetch engine (kvfetch.h, kvfetch_maps.h)         kvmaps.h maps, reply.h,
+    kvwrite.c   switchd's cache-slot writer                          kvslot.h its slot protocol)
     kvserve.c   a pool node's XDP GET server (kvserve.h layouts, kvserve_maps.h maps)
 
 ``NoXdp`` is the one "XDP cannot be used here" error; its message says why in one line.

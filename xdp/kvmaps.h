@@ -8,12 +8,19 @@
 
 #ifdef KV_PIN_DIR
 #define KV_MAP(type, k, v, name, n) BPF_TABLE_PINNED(type, k, v, name, n, KV_PIN_DIR "/" #name)
+#define KV_FMAP(type, k, v, name, n, f) \
+    BPF_TABLE_PINNED(type, k, v, name, n, KV_PIN_DIR "/" #name, f)
 #else
 #define KV_MAP(type, k, v, name, n) BPF_TABLE(type, k, v, name, n)
+#define KV_FMAP(type, k, v, name, n, f) BPF_F_TABLE(type, k, v, name, n, f)
 #endif
 
-/* chunk cache: (ns, chunk, key) -> payload; switchd evicts by deleting */
-KV_MAP("hash", struct kv_cache_key, struct kv_cache_val, kv_cache, KV_CACHE_ENTRIES);
+/* chunk cache: slots written in place under kvslot.h's protocol, mmapped by switchd to read */
+KV_FMAP("array", __u32, struct kv_cache_val, kv_cache, KV_CACHE_ENTRIES, BPF_F_MMAPABLE);
+/* where each cached block's slots are: (ns, key) -> base, nchunks, gen; switchd evicts a block
+ * by deleting its entry (its slots are then no block's: never served, reused by a later one) */
+KV_FMAP("hash", struct kv_block_key, struct kv_block, kv_blocks, KV_BLOCK_ENTRIES,
+        BPF_F_NO_PREALLOC);
 /* admit set: blocks whose passing pool replies are copied into kv_cache */
 KV_MAP("hash", struct kv_block_key, struct kv_admit_val, kv_admit, KV_ADMIT_ENTRIES);
 /* port roles by ifindex; a port without an entry is an inference-node port */

@@ -1,7 +1,7 @@
 /* kvswitch.c - the switch's ingress XDP program, attached to every switch port.
  *
  *  - GET whose chunk is cached: the request is rewritten in place into the reply (payload from
- *    kv_cache, room trimmed, addresses swapped, KV_F_FROM_SWITCH set) and sent back with XDP_TX.
+ *    its kv_cache slot, found through the block index kv_blocks; room trimmed, addresses swapped, KV_F_FROM_SWITCH set) and sent back with XDP_TX.
  *  - GET miss: goes on to the pool node and opens a pending round (an outstanding request). With
  *    coalescing on, GETs for the same chunk from other ports while the round is open are held
  *    (dropped here, remembered in kv_waiters); a waiting port asking again once the reply is due
@@ -10,9 +10,11 @@
  *    is asked again and keeps its waiters, and until a reply for its chunk passes nobody more is
  *    held for it (KV_RF_PROBATION). A GET the pool's kernel would drop (reply.h: its UDP
  *    checksum) is forwarded, never held or answered; one from UDP port 0 is dropped.
- *  - GET_REPLY from a pool-node port that answers an open round: copied into kv_cache if its
- *    payload matches its CRC and its block is admitted (or switchd's speculative-fill budget
- *    has room: switchd then keeps or evicts it at its next step); if several ports wait for it, broadcast
+ *  - GET_REPLY from a pool-node port that answers an open round: written into its block's
+ *    kv_cache slot (kvslot.h's protocol) if its payload matches its CRC and its block is
+ *    admitted (or switchd's speculative-fill budget has room: switchd then keeps or evicts it
+ *    at its next step); a block with no slots yet gets them from the fill region switchd
+ *    granted (carve); if several ports wait for it, broadcast
  *    through kv_devmap, where kv_egress rewrites each copy for the waiter on its port and drops
  *    the copies for ports that did not ask. A NACK closing a round reaches its waiters the same
  *    way (never learned).
@@ -30,11 +32,11 @@
 #include <linux/if_arp.h>
 #include <linux/ipv6.h>
 #include "kvmaps.h"
+#include "kvslot.h"
 #include "parse.h"
 #define KV_REPLY_MAX KV_CHUNK_MAX
 #include "reply.h"
 
-BPF_PERCPU_ARRAY(kv_fill_scratch, struct kv_cache_val, 1);
 /* every switch port, with kv_egress as its egress program (filled by switchd) */
 BPF_XDP_REDIRECT_MAP("devmap", struct kv_devport, kv_devmap, KV_DEVMAP_SLOTS);
 
@@ -114,6 +116,12 @@ static __always_inline void sketch_add(__u32 row, __u64 a, __u64 b, __u64 x)
     }
 }
 
+static __always_inline void block_key(struct kv_block_key *bk, const struct kv_cache_key *k)
+{
+    bk->ns = k->ns;
+    __builtin_memcpy(bk->key, k->key, sizeof(bk->key));
+}
+
 /* A miss: demand for the block goes into the sketch (once per fetch: on chunk 0). */
 static __always_inline void count_miss(struct kv_cache_key *k)
 {
@@ -129,8 +137,7 @@ static __always_inline void count_miss(struct kv_cache_key *k)
     sketch_add(2, KV_SKETCH_A2, KV_SKETCH_B2, x);
     sketch_add(3, KV_SKETCH_A3, KV_SKETCH_B3, x);
     struct kv_block_key bk = {};
-    bk.ns = k->ns;
-    __builtin_memcpy(bk.key, k->key, sizeof(bk.key));
+    block_key(&bk, k);
     struct kv_recent *rec = kv_recent.lookup(&bk);
     if (rec) {
         rec->last_ns = bpf_ktime_get_ns();
@@ -141,33 +148,40 @@ static __always_inline void count_miss(struct kv_cache_key *k)
     }
 }
 
-/* Whether the entry `v` (found under `k`) still holds k's chunk; see kv_cache_val.owner. */
-static __always_inline int owned_by(const struct kv_cache_val *v, const struct kv_cache_key *k)
+/* k's slot, if its block has slots and the one for k holds k's chunk, finished (kvslot.h);
+ * *seq: the slot's sequence word as read, for the check after the copy. */
+static __always_inline struct kv_cache_val *cached(struct kv_cache_key *k, __u64 *seq)
 {
-    const __u64 *a = (const __u64 *)&v->owner, *b = (const __u64 *)k;
-    return a[0] == b[0] && a[1] == b[1] && a[2] == b[2];
-}
-
-/* k's entry in the cache, if there is one that still holds k's chunk. */
-static __always_inline struct kv_cache_val *cached(struct kv_cache_key *k)
-{
-    struct kv_cache_val *v = kv_cache.lookup(k);
-    if (v && !owned_by(v, k)) {
-        count(KV_STAT_REUSED, 1);
+    struct kv_block_key bk = {};
+    block_key(&bk, k);
+    struct kv_block *b = kv_blocks.lookup(&bk);
+    if (!b)
         return 0;
+    __u32 gen = b->gen, idx = b->base + k->chunk;
+    if (k->chunk >= b->slots)
+        return 0;
+    struct kv_cache_val *v = kv_cache.lookup(&idx);
+    if (!v)
+        return 0;
+    __u64 q = kv_slot_seq(v);
+    if (!kv_slot_holds(v, q, gen, k)) {
+        if ((q & 1) || (v->gen == gen && v->len))  /* being written, or for another chunk */
+            count(KV_STAT_REUSED, 1);
+        return 0;                  /* else not filled yet: a plain miss */
     }
+    *seq = q;
     return v;
 }
 
-/* Turn the GET in ctx into the reply carrying `v`, found under `k` and owned by it. Returns the
- * XDP verdict. */
+/* Turn the GET in ctx into the reply carrying slot `v`, found for `k` at sequence `seq`.
+ * Returns the XDP verdict. */
 static __always_inline int answer_get(struct xdp_md *ctx, struct kv_cache_val *v,
-                                      struct kv_cache_key *k, __u32 room)
+                                      struct kv_cache_key *k, __u64 seq, __u32 room)
 {
     __u32 ns = k->ns;
     __u32 len = v->len;
     if (len == 0 || len > KV_CHUNK_MAX)
-        return XDP_PASS;           /* never happens for entries we wrote; be safe */
+        return XDP_PASS;           /* never happens for slots we wrote; be safe */
     if (len > room) {
         count(KV_STAT_NO_ROOM, 1);
         return XDP_PASS;
@@ -176,7 +190,7 @@ static __always_inline int answer_get(struct xdp_md *ctx, struct kv_cache_val *v
                               bpf_htons(KV_F_FROM_SWITCH));
     if (r != XDP_TX)
         return r;
-    if (!owned_by(v, k)) {         /* evicted and refilled for another chunk while we copied */
+    if (kv_slot_seq(v) != seq) {   /* written again (for another chunk?) while we copied */
         count(KV_STAT_REUSED, 1);
         return XDP_DROP;           /* the asker retransmits */
     }
@@ -348,9 +362,10 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
     if (!p) {
         /* No round open: maybe one just closed on another CPU, whose reply was learned before
          * the round was deleted. Look again rather than send a needless request upstream. */
-        struct kv_cache_val *v = cached(k);
+        __u64 seq;
+        struct kv_cache_val *v = cached(k, &seq);
         if (v)
-            return answer_get(ctx, v, k, f->payload_len);
+            return answer_get(ctx, v, k, seq, f->payload_len);
     }
     if (p && same_dest(p, f)) {
         /* A stale round: its reply did not come within the round timeout. This GET asks
@@ -546,21 +561,50 @@ static __always_inline int handle_get(struct xdp_md *ctx, struct kv_frame *f)
     }
     struct kv_cache_key k = {};
     chunk_key(&k, f->kv);
-    struct kv_cache_val *v = cached(&k);
+    __u64 seq;
+    struct kv_cache_val *v = cached(&k, &seq);
     if (!v)
         return hold_or_forward(ctx, f, &k);
-    return answer_get(ctx, v, &k, f->payload_len);
+    return answer_get(ctx, v, &k, seq, f->payload_len);
 }
 
-/* Copy a pool reply's payload into the cache if its block is admitted. Leaves the frame as it
+/* Slots for a block of n chunks that has none: n of them, or as many as are left (its first
+ * chunks: the ones every fetch starts with), from the fill region switchd granted (kv_settings
+ * KV_SET_FILL_NEXT..KV_SET_FILL_END), under a new data-plane generation. switchd owns the
+ * allocator: it grants the region, takes what was carved into its books from kv_blocks, and
+ * never hands out what the index or the region holds. If two CPUs carve for the same block,
+ * one index entry wins and the other range is left for switchd to take back. */
+static __always_inline struct kv_block *carve(struct kv_block_key *bk, __u32 n)
+{
+    __u32 ni = KV_SET_FILL_NEXT, ei = KV_SET_FILL_END, gi = KV_SET_DP_GEN;
+    __u64 *next = kv_settings.lookup(&ni), *end = kv_settings.lookup(&ei);
+    __u64 *gens = kv_settings.lookup(&gi);
+    if (!next || !end || !gens || n == 0 || n > KV_CACHE_ENTRIES)
+        return 0;
+    __u64 e = *(volatile __u64 *)end, at = *(volatile __u64 *)next;
+    if (at >= e)
+        return 0;                  /* the region is used up until switchd grants another */
+    __u64 want = e - at < n ? e - at : n;
+    __u64 base = __sync_fetch_and_add(next, want);
+    if (base + want > e)
+        return 0;                  /* another CPU carved it first */
+    struct kv_block nb = {};
+    nb.base = base;
+    nb.nchunks = n;
+    nb.slots = want;
+    nb.gen = KV_GEN_DATAPLANE | (__u32)__sync_fetch_and_add(gens, 1);
+    kv_blocks.insert(bk, &nb);
+    return kv_blocks.lookup(bk);
+}
+
+/* Write a pool reply's payload into its slot if its block is admitted. Leaves the frame as it
  * was, but invalidates packet pointers. */
 static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
                                         struct kv_cache_key *k)
 {
     struct kvhdr *kv = f->kv;
     struct kv_block_key bk = {};
-    bk.ns = k->ns;
-    __builtin_memcpy(bk.key, k->key, sizeof(bk.key));
+    block_key(&bk, k);
     struct kv_admit_val *a = kv_admit.lookup(&bk);
     __u16 flags = KV_CF_FILLED;
     if (a && a->expires_ns && a->expires_ns < bpf_ktime_get_ns())
@@ -576,36 +620,41 @@ static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
         flags |= KV_CF_SPECULATIVE;
     }
     __u64 len = kv_opaque_len(f->payload_len);
+    __u32 nchunks = bpf_ntohl(kv->nchunks), csum = bpf_ntohl(kv->csum);
+    struct kv_block *b = kv_blocks.lookup(&bk);
+    if (!b)
+        b = carve(&bk, nchunks);
+    if (!b || len < 1 || len > KV_CHUNK_MAX || b->nchunks != nchunks || k->chunk >= b->slots) {
+        count(KV_STAT_FILL_FAIL, 1);
+        return;
+    }
+    __u32 gen = b->gen, idx = b->base + k->chunk;
+    struct kv_cache_val *s = kv_cache.lookup(&idx);
+    if (!s || !kv_slot_claim(s)) {     /* being written by someone else right now */
+        count(KV_STAT_FILL_FAIL, 1);
+        return;
+    }
+    s->len = 0;                        /* empty until the payload is in and checked */
     __u32 zero = 0;
-    struct kv_cache_val *s = kv_fill_scratch.lookup(&zero);
-    if (!s || len < 1 || len > KV_CHUNK_MAX) {
-        count(KV_STAT_FILL_FAIL, 1);
-        return;
-    }
-    s->len = len;
-    s->flags = flags;
-    s->csum = bpf_ntohl(kv->csum);
-    s->nchunks = bpf_ntohl(kv->nchunks);
-    s->reserved = 0;
-    s->hits = 0;
-    s->filled_ns = bpf_ktime_get_ns();
-    s->owner = *k;
-    if (bpf_xdp_load_bytes(ctx, KV_PAYLOAD_OFF, s->data, len)) {
-        count(KV_STAT_FILL_FAIL, 1);
-        return;
-    }
     struct kv_crc_table *tab = kv_crc_table.lookup(&zero);
-    if (!tab || crc32_ieee(tab, s->data, len) != s->csum) {
+    if (bpf_xdp_load_bytes(ctx, KV_PAYLOAD_OFF, s->data, len)) {
+        s->gen = 0;
+        kv_slot_release(s);
+        count(KV_STAT_FILL_FAIL, 1);
+        return;
+    }
+    if (!tab || crc32_ieee(tab, s->data, len) != csum) {
+        s->gen = 0;
+        kv_slot_release(s);
         count(KV_STAT_FILL_CORRUPT, 1);  /* never cache bytes that fail their own checksum */
         return;
     }
-    if (kv_cache.update(k, s)) {
-        count(KV_STAT_FILL_FAIL, 1);
-        return;
-    }
-    count(KV_STAT_FILL, 1);
-    if (s->flags & KV_CF_SPECULATIVE)  /* not `flags`: a register live across the CRC loop
+    kv_slot_label(s, gen, len, flags, csum, nchunks, k, bpf_ktime_get_ns());
+    __u16 stored = s->flags;           /* not `flags`: a register live across the CRC loop
                                           would double the states the verifier walks */
+    kv_slot_release(s);
+    count(KV_STAT_FILL, 1);
+    if (stored & KV_CF_SPECULATIVE)
         count(KV_STAT_SPEC_FILL, 1);
 }
 
@@ -654,8 +703,7 @@ static __always_inline int handle_reply(struct xdp_md *ctx, struct kv_frame *f)
     }
     if (k.chunk == 0) {            /* tell switchd how large a recently missed block is */
         struct kv_block_key bk = {};
-        bk.ns = k.ns;
-        __builtin_memcpy(bk.key, k.key, sizeof(bk.key));
+        block_key(&bk, &k);
         struct kv_recent *rec = kv_recent.lookup(&bk);
         if (rec)
             rec->nchunks = bpf_ntohl(kv->nchunks);

@@ -35,22 +35,51 @@ struct kv_cache_key {              /* a chunk: key of the cache */
     __u8  key[16];                 /* as on the wire */
 };
 
+/* The cache is an array of chunk slots (kv_cache) indexed through a small hash of blocks
+ * (kv_blocks): chunk i of a block is slot base + i. A slot is written in place, under the slot
+ * protocol of kvslot.h (seq), by the data plane's fill path and by switchd's writer program
+ * (kvwrite.c) only; it is served only if it was written for the block's current allocation
+ * (gen) and names the very chunk asked for (owner). */
 struct kv_cache_val {
-    __u16 len;                     /* payload bytes held, 1..KV_CHUNK_MAX */
+    __u64 seq;                     /* kvslot.h: odd while a writer holds the slot (64 bits: the
+                                      compare-and-swap BCC's instruction set has) */
+    __u32 gen;                     /* kv_block.gen of the allocation it was written for; 0: none */
+    __u16 len;                     /* payload bytes held, 1..KV_CHUNK_MAX (0: empty) */
     __u16 flags;                   /* KV_CF_* */
     __u32 csum;                    /* CRC-32 of data[0..len), as carried on the wire */
     __u32 nchunks;                 /* chunks in the block */
-    __u32 reserved;
-    __u64 hits;                    /* GETs answered from this entry (data plane adds) */
+    __u64 hits;                    /* GETs answered from this slot (data plane adds) */
     __u64 filled_ns;               /* bpf_ktime_get_ns() when it was learned (0: put) */
-    /* The chunk this value was written for, checked by the hit path before and after it copies
-     * the payload. A hash map reuses a deleted element at once, even while another CPU still
-     * reads it: without this, an eviction followed by a fill could send one chunk's bytes,
-     * with their valid CRC, as the reply for another. */
+    /* The chunk this slot was written for, checked by the hit path (with gen and seq) before it
+     * copies the payload: an index entry only says where to look. */
     struct kv_cache_key owner;
     __u8  data[KV_CHUNK_MAX];
 };
-#define KV_CACHE_VAL_HEADER 56     /* bytes of kv_cache_val before data[] */
+#define KV_CACHE_VAL_HEADER 64     /* bytes of kv_cache_val before data[] */
+
+struct kv_block {                  /* kv_blocks value: where a block's slots are */
+    __u32 base;                    /* slot of chunk 0 */
+    __u32 nchunks;                 /* chunks in the block */
+    __u32 gen;                     /* unique per allocation: switchd's below KV_GEN_DATAPLANE, the
+                                      data plane's (carved from the fill region) above */
+    __u32 slots;                   /* chunks 0..slots-1 have slots base..base+slots-1: all of
+                                      them, or a prefix the data plane carved from what was left */
+};
+#define KV_GEN_DATAPLANE 0x80000000
+/* Blocks the index holds: as many as slots (a block has at least one chunk). */
+#define KV_BLOCK_ENTRIES KV_CACHE_ENTRIES
+
+/* What switchd's writer program (kvwrite.c) is run on with BPF_PROG_TEST_RUN: the slot, the
+ * header it gets (seq ignored), then len payload bytes. len 0 empties the slot. */
+struct kv_write_cmd {
+    __u32 slot;
+    __u32 reserved;
+    struct kv_cache_val val;       /* only its first KV_CACHE_VAL_HEADER bytes are in the frame */
+};
+#define KV_WRITE_HEADER 72         /* bytes of a write command before the payload */
+#define KV_WRITE_DONE 2            /* verdicts: written (XDP_PASS), */
+#define KV_WRITE_BUSY 1            /* another writer holds the slot (XDP_DROP): try again, */
+#define KV_WRITE_BAD 0             /* bad command (XDP_ABORTED) */
 #define KV_CF_FILLED 1             /* learned from a passing pool reply (else put by switchd) */
 #define KV_CF_SPECULATIVE 2        /* filled for a block not (yet) admitted: switchd decides */
 
@@ -189,7 +218,11 @@ struct kv_ns_stats {
                                       upstream GET to its reply (RFC 6298's SRTT, rounds never
                                       retried only) */
 #define KV_SET_ROUND_VAR_NS 5      /* written by the data plane: its mean deviation (RTTVAR) */
-#define KV_SET_MAX 6
+#define KV_SET_FILL_NEXT 6         /* the fill region switchd grants the data plane: slots */
+#define KV_SET_FILL_END 7          /* [next, end) for blocks with no slots yet (kvswitch.c, carve) */
+#define KV_SET_DP_GEN 8            /* the data plane's allocation counter (KV_GEN_DATAPLANE | n) */
+#define KV_SET_GEN 9               /* switchd's allocation counter (under its allocator's lock) */
+#define KV_SET_MAX 10
 #define KV_ROUND_CAP 8             /* a round times out after max(pending, SRTT + 4 RTTVAR), at
                                       most this many pending timeouts: a reply queued behind a
                                       shaped link's backlog is late, not lost */
@@ -202,7 +235,8 @@ struct kv_ns_stats {
 #define KV_STAT_GET_MISS 4         /* GET forwarded to the pool node */
 #define KV_STAT_HIT_BYTES 5        /* payload bytes served by the switch */
 #define KV_STAT_FILL 6             /* chunks learned from passing replies */
-#define KV_STAT_FILL_FAIL 7        /* admitted reply that could not be stored (cache full) */
+#define KV_STAT_FILL_FAIL 7        /* admitted reply that could not be stored (no slot for it:
+                                      fill region used up; its slot being written) */
 #define KV_STAT_NO_ROOM 8          /* hit whose request carried too little room: forwarded */
 #define KV_STAT_OTHER_KV 9         /* other KV messages (PUT, ACK, ...) forwarded */
 #define KV_STAT_FORGED 10          /* no longer counted: replies from non-pool ports are dropped
@@ -222,9 +256,10 @@ struct kv_ns_stats {
 #define KV_STAT_DENIED 23          /* request for a namespace its port may not use: dropped */
 #define KV_STAT_UNSOLICITED 24     /* pool reply matching no outstanding request: never learned */
 #define KV_STAT_SPEC_FILL 25       /* of KV_STAT_FILL: chunks learned speculatively */
-#define KV_STAT_REUSED 26          /* a looked-up entry turned out rewritten for another chunk:
-                                      the GET was handled as a miss, or, if that happened while
-                                      its payload was copied, the half-made reply dropped */
+#define KV_STAT_REUSED 26          /* a looked-up slot was being written (kvslot.h) or holds
+                                      another chunk of the same allocation: the GET was handled
+                                      as a miss, or, if it was written while its payload was
+                                      copied, the half-made reply dropped */
 #define KV_STAT_SPOOFED 27         /* frame from a secured port with another source: dropped */
 #define KV_STAT_UNCHECKED 28       /* frame from a limited port the data plane cannot fully check
                                       (VLAN tag, IP options or fragment, IPv6 extension header,

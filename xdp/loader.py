@@ -55,12 +55,19 @@ def preflight(pin_dir: str | None = None) -> None:
 
 
 def load_xdp(source: str | Path, functions: tuple[str, ...], cflags: list[str] | None = None,
-             devmap_egress: tuple[str, ...] = ()):
+             devmap_egress: tuple[str, ...] = (), append: tuple[str | Path, ...] = ()):
     """Compile a C file with BCC and load XDP programs from it (``devmap_egress``: programs run
-    on devmap redirects). Returns the BPF object and the programs by name."""
+    on devmap redirects; ``append``: C files compiled as if pasted after it, one object and its
+    maps shared: BCC rewrites map calls in its main file only, not in included files). Returns
+    the BPF object and the programs by name."""
     bcc = import_bcc()
+    flags = xdp_cflags(*(cflags or []))
     try:
-        bpf = bcc.BPF(src_file=str(source).encode(), cflags=xdp_cflags(*(cflags or [])))
+        if append:
+            text = "\n".join(Path(p).read_text() for p in (source, *append))
+            bpf = bcc.BPF(text=text.encode(), cflags=flags)
+        else:
+            bpf = bcc.BPF(src_file=str(source).encode(), cflags=flags)
     except Exception as exc:
         raise NoXdp(f"compiling {Path(source).name} failed: {exc}") from None
     try:
