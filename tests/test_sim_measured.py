@@ -199,3 +199,24 @@ def test_reprice_follows_the_data_plane_cost():
     assert b["net_usd_per_hour"] == pytest.approx(3.0 - 1.0 - 2.4) and not b["pays"]
     assert new["repriced_from"] == {"ns_per_frame": 100.0}
     assert new["break_even"][0]["break_even_nodes"] is None
+
+
+def test_reprice_a_run_equals_running_it_at_that_cost(tmp_path):
+    """`testbed sim reprice` on a `sim run` result gives what the run priced at the new cost
+    would have (the benefit does not depend on it); a file that is no result is one line."""
+    from testbed.sim.sweep import reprice_file
+    common = ["sim", "run", "--trace", str(TRACE_HEAD), "--nodes", "8", "--requests", "400"]
+    for ns, name in ((100.0, "a.json"), (300.0, "b.json")):
+        r = CliRunner().invoke(main, [*common, "--xdp-ns-per-frame", str(ns),
+                                      "--json", str(tmp_path / name)])
+        assert r.exit_code == 0, r.output
+    was = json.loads((tmp_path / "a.json").read_text())
+    new = reprice_file(str(tmp_path / "a.json"), {"ns_per_frame": 300.0})
+    ref = json.loads((tmp_path / "b.json").read_text())
+    for k in ("xdp_cores", "cost_usd_per_hour", "net_usd_per_hour", "pays"):
+        assert new["switch_benefit"][k] == pytest.approx(ref["switch_benefit"][k], abs=2e-3)
+        assert new["point"][k] == pytest.approx(ref["point"][k], abs=2e-3)   # 3 decimals
+    assert new["switch_benefit"]["repriced_from"] == was["switch_benefit"]["xdp"]
+    assert json.loads((tmp_path / "a.json").read_text()) == new
+    r = CliRunner().invoke(main, ["sim", "reprice", str(TRACE_HEAD)])
+    assert r.exit_code == 2 and "not a result this model wrote" in r.output

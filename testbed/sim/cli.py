@@ -92,6 +92,29 @@ def sim_sweep(trace_path, nodes, switch_gib, sharing, skew_cases, requests_per_n
     click.echo(f"wrote {json_path} and {plot_path}")
 
 
+@sim.command("reprice")
+@click.argument("paths", nargs=-1, required=True,
+                type=click.Path(exists=True, dir_okay=False))
+@click.option("--throughput-json", default="bench/results/throughput.json", show_default=True,
+              help="`testbed bench throughput` result giving the data plane's ns per frame.")
+@click.option("--plot", "plot_path", help="With one sweep: redraw its break-even plot here.")
+def sim_reprice(paths, throughput_json, plot_path):
+    """Reprice `sim run` / `sim sweep` results at the data plane's cost measured now: the
+    benefit does not depend on it, the XDP cores scale with it (exact, no rerun)."""
+    from .config import SimConfig, xdp_frame_cost
+    from .sweep import reprice_file
+    if plot_path and len(paths) != 1:
+        raise click.BadParameter("--plot goes with one sweep result")
+    xdp = sim_errors(lambda: xdp_frame_cost(SimConfig(throughput_json=throughput_json)))
+    for path in paths:
+        try:
+            out = reprice_file(path, xdp, plot_path)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise click.BadParameter(f"{path}: not a result this model wrote ({exc})") from None
+        was = (out.get("repriced_from") or out["switch_benefit"]["repriced_from"])["ns_per_frame"]
+        click.echo(f"{path}: {was} -> {xdp['ns_per_frame']} ns/frame ({xdp['source']})")
+
+
 @sim.command("validate")
 @click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
               help="Mooncake-format JSONL trace (required; with --serve: bench serve's trace "

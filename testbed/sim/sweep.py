@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 from ..lab import write_json
 from .codec import kv_codec
@@ -131,6 +132,38 @@ def reprice(out: dict, xdp: dict, core_hour_usd: float) -> dict:
               if any(_case(p) == _case(c) and p["switch_gib"] == c["switch_gib"] for p in points)]
     return {**out, "xdp": xdp, "repriced_from": out["xdp"], "points": points,
             "break_even": curves}
+
+
+def reprice_run(out: dict, xdp: dict) -> dict:
+    """A `sim run` result priced at another data-plane cost per frame, as ``reprice`` does a
+    sweep's: its ``switch_benefit`` and its sweep-row ``point``."""
+    b, rate = out["switch_benefit"], out["config"]["core_hour_usd"]
+    f = xdp["ns_per_frame"] / b["xdp"]["ns_per_frame"]
+    cores = b["xdp_cores"] * f
+    cost = b["cost_usd_per_hour"] + (cores - b["xdp_cores"]) * rate
+    net = b["benefit_usd_per_hour"] - cost
+    new = {"xdp_cores": round(cores, 3), "xdp_cores_p99": round(b["xdp_cores_p99"] * f, 3),
+           "cost_usd_per_hour": round(cost, 4), "net_usd_per_hour": round(net, 4),
+           "pays": bool(net > 0)}
+    return {**out, "switch_benefit": {**b, **new, "xdp": xdp, "repriced_from": b["xdp"]},
+            "point": {**out["point"], **new}}
+
+
+def reprice_file(path: str, xdp: dict, plot_path: str | None = None) -> dict:
+    """Reprice the `sim run` or `sim sweep` result in ``path`` in place (and redraw a sweep's
+    plot at ``plot_path``); what it was priced at before is kept as ``repriced_from``."""
+    import json
+    out = json.loads(Path(path).read_text())
+    if "points" in out:
+        out = reprice(out, xdp, out["defaults"]["core_hour_usd"])
+        if plot_path:
+            plot(out, plot_path)
+    elif "switch_benefit" in out:
+        out = reprice_run(out, xdp)
+    else:
+        raise ValueError(f"{path} is neither a `sim run` nor a `sim sweep` result")
+    Path(path).write_text(json.dumps(out, indent=2) + "\n")
+    return out
 
 
 def plot(out: dict, path) -> None:
