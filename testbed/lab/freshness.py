@@ -51,7 +51,7 @@ MEASURES: list[tuple[str, list[str]]] = [
     ("soak.*", SWITCH + POOL + ["switchd", "testbed/bench/soak.py"]),
     ("fuzz.*", SWITCH + ["testbed/fuzz.py"]),
     ("security-stall.*", SWITCH + FETCH + ["testbed/security.py"]),
-    ("pool-put-abuse.*", POOL + ["testbed/security.py"]),
+    ("pool-put-abuse.*", POOL + ["tests/pool_abuse.py"]),
     ("policy-*", POLICY), ("replay-*", POLICY + ["testbed/sim/replay.py"]),
     ("sim-validate-serve*", ["testbed/sim", "testbed/bench/serve.py"]),
     ("sim-*", ["testbed/sim"]),
