@@ -13,7 +13,7 @@ from scapy.layers.l2 import ARP, Ether
 
 from hostagent.inference.fetch.crcfold import Folder
 from hostagent.inference.fetch.netpath import route_header
-from hostagent.inference.fetch.program import C, GEN_MASK, FetchProgram
+from hostagent.inference.fetch.program import C, GEN_MASK, SENDQ, FetchProgram
 from hostagent.inference.fetch.transfers import Route, Transfer
 from hostagent.inference.fetch.verify import verify
 from kvproto import PORT, Flag, Op, Status
@@ -141,6 +141,7 @@ def test_a_duplicate_never_rewrites_a_held_chunk(fp):
 
 class _Ring:
     cons = prod = 0
+    done_time = np.full(SENDQ, np.inf)              # no call has ended
 
     def sent_time(self, seq, queued):
         return queued

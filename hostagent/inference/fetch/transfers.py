@@ -4,29 +4,37 @@ congestion window per pool node, and loss recovery.
 Loss recovery is RACK-like: a chunk is presumed lost when a chunk asked for after it (send-ring
 order, first asks only: Karn) has come back on the pool's path (the pool node's reply or the
 switch's replica of one: replies keep their order on a path; a hit from the switch's cache
-overtakes a miss the switch holds for the pool's reply, so hits never mark a chunk lost) and it
-is older than the reordering window (a quarter of the least recent round trip, at least
-``reo_floor``); for a transfer the switch answers from its cache (at least 90% FROM_SWITCH
-replies) with a round trip under ``SYNC_RTT`` (its replies come back within the test-run call
-that sent the GET: no link queue in between) when its call has ended and nothing came back for
-``tail_wait`` or eight gaps between deliveries at the measured rate (first asks only); and always when nothing came back for the retransmission
-timeout (RFC 6298 per transfer, following the measured round trip as a link's queue grows, at
-least ``DRAIN_GAIN`` x the time the route's chunks in flight (every transfer's: they share the
-link's queue) take at the measured delivery rate; before a transfer's first reply at least
-``INITIAL_RTO``, or ``ACTIVE_FIRST_RTO`` once the route has delivered,
-restarted by every delivery, backing off per try; the oldest ``TIMEOUT_BATCH`` chunks per scan). Before a retransmission the candidates' slot
-words are read again: arrived but not yet verified is not lost.
+overtakes a miss the switch holds for the pool's reply, so on the pool's path hits never mark a
+chunk lost) and it is older than the reordering window (a quarter of the least recent round
+trip, at least ``reo_floor``). For a transfer the switch answers from its cache (at least 90%
+FROM_SWITCH replies) within the test-run call that sent the GET (``sync``: fewer than
+``LATE_MAX`` of its replies came after their call had ended and a look had not found them - no
+link queue in between, however long the engine's own batches make the round trip), a chunk is
+lost when a hit asked for after it came back (SACK-like: replies keep arriving, so this is
+loss, not a queue) and its call ended before the last look (a first ask) or ``tail_wait`` (or
+eight gaps between deliveries at the measured rate) ago, or when nothing came back for that
+long since its call; each try waits ``HIT_BACKOFF`` times longer (a miss held among hits is not
+asked again at every scan). Always when nothing came back for the
+retransmission timeout (RFC 6298 per transfer, following the measured round trip as a link's
+queue grows, at least ``DRAIN_GAIN`` x the time the route's chunks in flight (every transfer's:
+they share the link's queue) take at the measured delivery rate; before a transfer's first
+reply at least ``INITIAL_RTO``, or ``ACTIVE_FIRST_RTO`` once the route has delivered, restarted
+by every delivery, backing off per try; the oldest ``TIMEOUT_BATCH`` unverified chunks per
+scan). Before a retransmission the candidates' slot words are read again: arrived but not yet
+verified is not lost. Scans look at the unverified chunks only (a chunk lost twice keeps the
+lowest unverified one far behind).
 
 The window per pool node starts at ``INITIAL_WINDOW`` (at most ``start_window``), grows as
 TCP's (slow start, then congestion avoidance) and halves once per round trip on loss towards
 the pool node (a queue overflowed); loss where the switch answers from its cache leaves it
 alone. It is also held to ``BDP_GAIN`` x the measured delivery rate x the least round trip +
-``BDP_HEADROOM`` chunks (as BBR does), and to the rate x (``BDP_GAIN`` x the base round trip +
-``QUEUE_MAX``) + ``BDP_HEADROOM`` (the base round trip is a plain minimum over
-``BASE_RTT_WINDOW``, so a standing queue never raises it): over a shaped link the queue in
-front of it stays short
-instead of filling until it drops (a GET carries room for its reply, so GETs load the link
-towards the pool as much as the replies load the way back).
+``BDP_HEADROOM`` chunks (as BBR does; not for ``sync`` transfers, whose round trip is the
+engine's own batch: that bound shrank with the window it set, to ~130 chunks under 5 % loss),
+and to the rate x (``BDP_GAIN`` x the base round trip + ``QUEUE_MAX``) + ``BDP_HEADROOM`` (the
+base round trip is a plain minimum over ``BASE_RTT_WINDOW``, so a standing queue never raises
+it): over a shaped link the queue in front of it stays short instead of filling until it drops
+(a GET carries room for its reply, so GETs load the link towards the pool as much as the
+replies load the way back).
 Transfers are filled in the order they were submitted, each as far as the room goes, so a step
 verifies one or two transfers rather than all and a prefix of blocks is usable from its start.
 """
@@ -45,12 +53,13 @@ from .program import GEN_MASK, SENDQ
 INITIAL_RTO = 0.2                       # seconds, before a round trip was measured
 ACTIVE_FIRST_RTO = 0.05                 # seconds, the same once the route has delivered
 INITIAL_WINDOW = 64                     # chunks in flight per pool node before any reply
-SYNC_RTT = 0.002                        # seconds: a switch answering within the sending call
+LATE_MAX = 0.25                         # share of replies after their call ended: a queue
 BDP_GAIN, BDP_HEADROOM = 2.0, 64        # window <= gain x delivery rate x min RTT + headroom
 QUEUE_MAX = 0.015                       # and <= rate x (gain x base RTT + this) + headroom
 QUEUE_SIGNAL = 0.002                    # round trip above the base one: a link's queue
 BASE_RTT_WINDOW = 10.0                  # seconds a base (least) round trip is trusted (BBR's)
 DRAIN_GAIN = 2.0                        # timeout >= this x (chunks in flight / delivery rate)
+HIT_BACKOFF = 2.0                       # the tail rule's wait grows this much per try
 TIMEOUT_BATCH = 16                      # chunks presumed lost by a timeout per scan
 IDLE_CHUNKS, IDLE_MAX = 8, 0.002        # a step on a queued link sleeps ~8 deliveries, <= 2 ms
 
@@ -66,6 +75,7 @@ class Rtt:
         self.min_rtt = 1.0
         self.rto = INITIAL_RTO          # until there are samples
         self.reo = 0.001                # reordering window of loss detection
+        self.late = 1.0                 # share of replies that came after their call (EWMA)
 
     def sample(self, rtt: float, floor: float, reo_floor: float,
                least: float | None = None) -> None:
@@ -82,6 +92,17 @@ class Rtt:
         self.rto = min(1.0, max(floor, self.srtt + 4 * self.rttvar))
         if self.route is not None:
             self.route.rtt_sample(rtt, rtt if least is None else least)
+
+    def arrived(self, late: float) -> None:
+        """``late``: the share of a batch of replies that came after the test-run call that sent
+        their GETs had ended (a look after that call did not find them)."""
+        self.late = 0.5 * self.late + 0.5 * late
+
+    @property
+    def sync(self) -> bool:
+        """Whether replies come within the call that sent their GETs (the switch's XDP_TX, no
+        link queue in between), however long the engine's own batches make the round trip."""
+        return self.late < LATE_MAX
 
 
 class Route:
@@ -111,16 +132,19 @@ class Route:
         if least <= self.base_rtt or now - self._base_t > BASE_RTT_WINDOW:
             self.base_rtt, self._base_t = least, now
 
-    def window(self) -> int:
+    def window(self, sync: bool = False) -> int:
         """Chunks this route may have in flight: the congestion window, held to the measured
         bandwidth-delay product (times the gain, plus headroom), and to ``QUEUE_MAX`` of queue
         beyond the base one at the measured rate, once there is a rate. Where the round trip is
-        the engines' own processing (unshaped veths) the first bound follows it; where it is a
-        link's queue the second keeps that queue short."""
+        a link's queue the second keeps that queue short. ``sync``: the switch answers within
+        the sending call (no link in between), the round trip is the engine's own batch (a
+        smaller window makes a shorter one): only the second bound holds."""
         if self.bw <= 0:
             return int(self.cwnd)
-        return int(min(self.cwnd, BDP_GAIN * self.bw * self.min_rtt + BDP_HEADROOM,
-                       self.bw * (BDP_GAIN * self.base_rtt + QUEUE_MAX) + BDP_HEADROOM))
+        queue = self.bw * (BDP_GAIN * self.base_rtt + QUEUE_MAX) + BDP_HEADROOM
+        if sync:
+            return int(min(self.cwnd, queue))
+        return int(min(self.cwnd, BDP_GAIN * self.bw * self.min_rtt + BDP_HEADROOM, queue))
 
     def _deliveries(self, n: int, now: float) -> None:
         """A delivery-rate sample per round trip (at least 1 ms); a long pause is idle time,
@@ -153,7 +177,8 @@ def link_paced(t: "Transfer") -> bool:
     ``QUEUE_SIGNAL`` above the route's base one): they keep coming at the link's rate, and the
     engine may let a few gather between steps. Not on unshaped paths, nor in loss recovery
     there (the round trip stays near the base one)."""
-    return t.rtt.srtt is not None and t.rtt.srtt > t.route.base_rtt + QUEUE_SIGNAL
+    return (t.rtt.srtt is not None and t.rtt.srtt > t.route.base_rtt + QUEUE_SIGNAL
+            and not t.rtt.sync)
 
 
 def idle_wait(active: list["Transfer"], poll_interval: float) -> float:
@@ -219,9 +244,11 @@ class Transfer:
         self.next_new = 0                             # chunks never asked for start here
         self.lo = 0                                   # lowest unverified chunk
         self.max_recv_seq = -1                        # latest position answered (first asks)
+        self.max_hit_seq = -1                         # latest one answered from the cache
         self.last_delivery = time.monotonic()
         self.switched = False                         # the switch answers it (within the call)
         self.next_scan = 0.0
+        self.looked: float | None = None              # when verify last read the slot words
 
     @property
     def done(self) -> bool:
@@ -243,8 +270,7 @@ def _timers(t: Transfer) -> tuple[bool, float]:
     if t.seen_received:
         # answers within the call: a short round trip, and a measured delivery rate (its gaps
         # set the tail rule's wait, see _tail_wait); else a link queue is in between
-        sync = t.rtt.srtt is not None and t.rtt.srtt < SYNC_RTT and t.route.bw > 0
-        return t.switched and sync, rto
+        return t.switched and t.rtt.sync and t.route.bw > 0, rto
     # before a reply: the initial timeout, or a shorter one once the route has delivered (its
     # pool node answers; a GET the switch held and dropped is not waited for 200 ms)
     return False, max(rto, ACTIVE_FIRST_RTO if t.route.bw > 0 else INITIAL_RTO)
@@ -261,25 +287,36 @@ def _lost(t: Transfer, ring, meta: np.ndarray, now: float, tail_wait: float,
     """Chunks of ``t`` presumed lost (at most ``share``), by the rules in the module doc."""
     rtt, (fast, rto) = t.rtt, _timers(t)
     tail_wait = _tail_wait(t, tail_wait)
-    lo, hi = t.lo, t.next_new
-    seq = t.sent_seq[lo:hi]
-    sent = (seq >= 0) & (seq < ring.cons) & ~t.verified[lo:hi]
-    age = now - ring.sent_time(seq, t.sent_t[lo:hi])
-    backoff = np.exp2(np.minimum(t.tries[lo:hi] - 1, 6))
+    lo = t.lo                       # the chunks asked for and not verified, sent already
+    idx = lo + np.flatnonzero(~t.verified[lo:t.next_new])
+    seq = t.sent_seq[idx]
+    sent = (seq >= 0) & (seq < ring.cons)
+    idx, seq = idx[sent], seq[sent]
+    if not idx.size:
+        return idx
+    tries = t.tries[idx]
+    age = now - ring.sent_time(seq, t.sent_t[idx])
+    backoff = np.exp2(np.minimum(tries - 1, 6))
     timed_out = (age > rto * backoff) & (now - t.last_delivery > rto * backoff)
     # a timeout says little about which chunks are gone: the oldest few are asked again (their
     # replies restart the timer); a stall of the receiver itself must not resend a window
     timed_out[np.flatnonzero(timed_out)[TIMEOUT_BATCH:]] = False
     lost = ((seq < t.max_recv_seq) & (age > rtt.reo)) | timed_out
     if fast:            # no queue to wait for: a reply comes within the call that sent it
-        quiet = now - np.maximum(ring.done_time[seq % SENDQ], t.last_delivery)
-        # first asks only: a chunk the switch holds for a pool reply (a miss among hits)
-        # would otherwise be asked again at every scan; later tries wait for the timer
-        lost |= (quiet > tail_wait) & (t.tries[lo:hi] == 1)
-    idx = np.flatnonzero(sent & lost)
+        ended = now - ring.done_time[seq % SENDQ]
+        quiet = np.minimum(ended, now - t.last_delivery)
+        # a hole behind a later-asked hit whose call has ended is lost (SACK-like: replies
+        # keep coming, so loss, not a queue), as is one after which the transfer went quiet;
+        # each try waits HIT_BACKOFF times longer: a chunk the switch holds for a pool reply
+        # (a miss among hits) is not asked again at every scan
+        wait = tail_wait * np.power(HIT_BACKOFF, np.minimum(tries - 1, 6))
+        behind = seq < t.max_hit_seq
+        lost |= (behind & (ended > wait)) | (quiet > wait)
+        if t.looked is not None:        # a first ask whose call ended before the last look
+            lost |= behind & (tries == 1) & (ring.done_time[seq % SENDQ] < t.looked)
+    idx = idx[lost][:share]
     if not idx.size:
         return idx
-    idx = idx[:share] + lo
     words = meta[t.base + idx]                     # arrived since the last look: not lost
     return idx[((words >> np.uint64(32)) & np.uint64(GEN_MASK)) != t.gen]
 
@@ -294,6 +331,8 @@ def _scan_due(t: Transfer, ring, now: float, tail_wait: float) -> bool:
     rtt, (fast, rto) = t.rtt, _timers(t)
     tail_wait = _tail_wait(t, tail_wait)
     return (now >= t.next_scan or (first < t.max_recv_seq and now - t.sent_t[t.lo] > rtt.reo)
+            or (fast and first < t.max_hit_seq and
+                now - ring.done_time[first % SENDQ] > tail_wait)
             or (now - t.last_delivery > min(rto, tail_wait if fast else 1.0) and
                 now - ring.done_time[first % SENDQ] > (tail_wait if fast else 0)))
 
@@ -331,7 +370,8 @@ def fill(active: list[Transfer], ring, meta: np.ndarray, now: float, burst: int,
                 t.next_scan = now + max(_timers(t)[1] / 2, 0.002)
         left = t.nchunks - t.next_new
         if left > 0 and share > 0:
-            m = min(left, share, max(0, route.window() - inflight[route.index]))
+            m = min(left, share,
+                    max(0, route.window(_timers(t)[0]) - inflight[route.index]))
             if m > 0:
                 ring.queue(t, np.arange(t.next_new, t.next_new + m), now)
                 t.next_new += m

@@ -23,7 +23,7 @@ from kvproto import Flag, ProtocolError, Status
 
 from .block import Block
 from .crcfold import Folder, crc32
-from .program import C, GEN_MASK
+from .program import C, GEN_MASK, SENDQ
 from .transfers import Transfer
 
 _FROM_SWITCH, _REPLICA = int(Flag.FROM_SWITCH), int(Flag.REPLICA)
@@ -59,15 +59,16 @@ def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, 
            ring, rto_floor: float, reo_floor: float, max_window: int) -> int:
     """Verify the chunks of ``t`` that arrived since the last look; how many passed."""
     lo, hi, base, gen = t.lo, t.next_new, t.base, t.gen
+    prev, t.looked = t.looked, time.monotonic()  # before the slot words are read
     if hi <= lo:
         return 0
-    words = meta[base + lo:base + hi]
-    fresh = (((words >> _SHIFT_GEN) & np.uint64(GEN_MASK)) == gen) & ~t.verified[lo:hi]
-    idx = np.flatnonzero(fresh)
+    pend = lo + np.flatnonzero(~t.verified[lo:hi])   # asked for, not verified yet
+    words = meta[base + pend]
+    fresh = ((words >> _SHIFT_GEN) & np.uint64(GEN_MASK)) == gen
+    idx, words = pend[fresh], words[fresh]
     if not idx.size:
         return 0
-    crcs = (words[idx] & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    idx += lo
+    crcs = (words & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     # an authenticated block's tag covers every byte: its CRCs are read only to find damaged
     # chunks once the tag failed (authcheck.repair), not on the way
     bad = [] if getattr(t, "auth", None) is not None else _bad_chunks(
@@ -75,7 +76,8 @@ def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, 
     if bad:
         b = np.array(bad)
         ask_again(t, b, meta)
-        ok = np.setdiff1d(idx, b, assume_unique=True)
+        keep = ~np.isin(idx, b)
+        ok, words = idx[keep], words[keep]
     else:
         ok = idx
     if not ok.size:
@@ -86,7 +88,13 @@ def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, 
     t.last_delivery = now
     # who answered: the switch from its cache (FROM_SWITCH: within the call) or the pool node
     # (directly, or a REPLICA of its reply to a held miss: at the pool's pace)
-    src = (words[ok - lo] >> _SHIFT_FLAGS).astype(np.uint8)
+    src = (words >> _SHIFT_FLAGS).astype(np.uint8)
+    hits = ((src & _FROM_SWITCH) != 0) & ((src & _REPLICA) == 0)
+    if hits.any():                               # the switch's cache: within the call
+        t.max_hit_seq = max(t.max_hit_seq, int(t.sent_seq[ok[hits]].max()))
+    if prev is not None:                         # came after its call and our last look
+        ended = ring.done_time[t.sent_seq[ok] % SENDQ]
+        t.rtt.arrived(np.count_nonzero(ended < prev) / ok.size)
     first = t.tries[ok] == 1                     # Karn: unambiguous samples only
     clean = ok[first]
     if clean.size:
