@@ -62,12 +62,15 @@ def _set_bytes(field, data: bytes) -> None:
 class Cache:
     def __init__(self, dp: DataPlane, region: int | None = None):
         """``region``: slots the data plane may carve for blocks it learns before switchd
-        placed them (default: a sixteenth of the cache, as the speculative headroom)."""
+        placed them (default: the cache's whole size, i.e. the largest free run: an admitted
+        block is learned whole on its first pass while there is room, as with a hash map;
+        speculative fills of blocks not admitted are bounded by the policy's spec_fill budget,
+        not by the region, and switchd's placements take back what is not carved)."""
         self.dp = dp
         self.slots = Slots.of(dp)
         self.admit_table = dp.admit
         self.chunk_size = dp.deployment.chunk_size
-        self.region = max(1, dp.deployment.cache_entries // 16) if region is None else region
+        self.region = dp.deployment.cache_entries if region is None else region
         self.slots.ensure_region(self.region)
 
     def block_key(self, ns: int, key: bytes):

@@ -115,8 +115,9 @@ class Daemon:
         dp.set("pending_ns", int(s.pending_timeout * 1e9))
         dp.set("spec_fill", 0)           # until the policy says how much room it leaves
         manager = (CacheManager(dp, s.policy, s.quotas, s.fill_headroom) if s.policy else None)
-        if not manager:
-            Cache(dp)                    # grants the data plane its fill region
+        # without a policy, blocks admitted by hand still get their slots: a fill region kept
+        # open and a range for each once its size is known (the manager does both otherwise)
+        self.hand_cache = None if manager else Cache(dp)
         if s.metrics_port:
             serve_metrics(s.metrics_port, dp, manager)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -137,11 +138,14 @@ class Daemon:
             if port in s.ports:
                 print(f"switchd: port {port} bound to {mac} {ip}", flush=True)
         while not self.stop.wait(s.interval):
-            if manager:
-                try:
+            try:
+                if manager:
                     manager.step()
-                except Exception:  # the data plane keeps serving; say so and go on
-                    log.exception("policy step failed")
+                elif self.hand_cache:
+                    self.hand_cache.place_admitted({})
+                    self.hand_cache.slots.ensure_region(self.hand_cache.region)
+            except Exception:  # the data plane keeps serving; say so and go on
+                log.exception("policy step failed")
             if s.port_security or s.port_bindings:
                 now = dp.port_sources()
                 for port, (mac, ip) in now.items():

@@ -33,7 +33,7 @@ class CacheManager:
         chunk, total = dp.deployment.chunk_size, dp.deployment.cache_entries
         headroom = default_headroom(total) if fill_headroom is None else fill_headroom
         self.dp, self.popularity = dp, Popularity(dp)
-        self.cache = Cache(dp, region=max(1, default_headroom(total)))
+        self.cache = Cache(dp)
         self.quota_chunks = {ns: max(1, q // chunk) for ns, q in (quotas or {}).items()}
         try:
             self.loop = AdmissionLoop(policy, total, headroom, self.quota_chunks, unit="chunks")
