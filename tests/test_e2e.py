@@ -143,8 +143,9 @@ def test_four_readers_one_upstream_request_per_chunk():
         lab4.put("h1", NS, key, block)
         lab4.switchd("cache", "admit", "--ns", str(NS), "--key", key.hex())
         gets_before = lab4.pool_counters().get("rx_get", 0)
-        # start late enough that all four have their fetch engine loaded (a first compile)
-        results = lab4.get_many(["h1", "h2", "h3", "h4"], NS, key, start_delay=8.0)
+        # start late enough that all four have their fetch engine loaded (a first compile; on
+        # a loaded box 8 s was sometimes not enough: the readers then ran one after another)
+        results = lab4.get_many(["h1", "h2", "h3", "h4"], NS, key, start_delay=12.0)
         upstream = lab4.pool_counters()["rx_get"] - gets_before
         counters = lab4.stats()
     assert not namespaces_of(prefix)

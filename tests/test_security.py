@@ -147,8 +147,8 @@ def test_gets_the_pool_cannot_answer_do_not_stall_another_hosts_fetch(lab, how):
     frames/s) the code before the fix failed one fetch in three and took 0.9-1.6 s for the
     others (bench/results/security-stall.json).
     Now the switch holds none of them: h1's fetch of that block (never cached: no policy here)
-    takes at most twice as long as without the attack (the best of three under attack against
-    the median of three before and three after)."""
+    takes at most twice as long as without the attack, or 0.25 s (the best of three under
+    attack against the median of three before and three after)."""
     chunks = 1024
     key, data = os.urandom(16), os.urandom(chunks * 1024)
     lab.put("h1", VICTIM_NS, key, data)
@@ -178,9 +178,11 @@ def test_gets_the_pool_cannot_answer_do_not_stall_another_hosts_fetch(lab, how):
     moved = {k: after[k] - before[k] for k in after if after[k] != before[k]}
     assert stalled["frames"] > 100 * chunks and moved[counter] > 20 * chunks, (stalled, moved)
     assert moved.get("coalesced", 0) == 0, moved                    # nobody was held
-    # the best of three: the machine's other load makes single fetches of ~40 ms noisy; a
-    # stall (issue 26) delays every one of them by seconds
-    assert min(attacked) <= 2 * statistics.median(quiet), (attacked, quiet, moved)
+    # the best of three: the machine's other load makes single fetches noisy; a stall (issue
+    # 26) delays every one of them by 0.9 s or more. A quiet fetch now takes ~8 ms, and the
+    # attacker's ~15,000 frames/s share the same two cores: a bound of twice that would measure
+    # the CPU the flood takes, so the bound is twice quiet or 0.25 s, whichever is larger
+    assert min(attacked) <= max(2 * statistics.median(quiet), 0.25), (attacked, quiet, moved)
     print(f"{how}: quiet {quiet}, under attack {attacked} ({retransmits} retransmissions), "
           f"{stalled}")
 
