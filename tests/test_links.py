@@ -6,6 +6,7 @@ import json
 import os
 import statistics
 import subprocess
+import time
 
 import pytest
 
@@ -55,10 +56,18 @@ def test_a_4mib_fetch_takes_block_over_rate_from_the_pool_and_from_the_switch():
         # stack traffic, both directions through the same link
         server = lab.topo.popen("p1", ["iperf3", "-s", "-1"], stdout=subprocess.DEVNULL)
         try:
+            listening = time.monotonic() + 20   # the client must not race the server's start
+            while not lab.topo.run("p1", ["ss", "-ltnH", "sport = :5201"], check=False).stdout:
+                assert time.monotonic() < listening, "iperf3 -s never listened"
+                time.sleep(0.1)
             r = lab.topo.run("h1", ["iperf3", "-c", lab.pool_addrs[0], "-t", "3", "-J", "-R"],
                              timeout=60)
         finally:
-            server.wait(10)
+            try:
+                server.wait(10)                 # -1: it ends after its one client
+            except subprocess.TimeoutExpired:   # the client failed: say that, not this
+                server.kill()
+                server.wait()
         bps = json.loads(r.stdout)["end"]["sum_received"]["bits_per_second"]
         assert 0.9 * GBIT * 1e9 <= bps <= 1.02 * GBIT * 1e9, bps
     assert not namespaces_of(prefix)
