@@ -114,19 +114,23 @@ def run_sweep(trace_path, nodes, switch_gib, cases, requests_per_node=REQUESTS_P
     return out
 
 
+def _repriced(p: dict, f: float, core_hour_usd: float) -> dict:
+    """A point's (or a run's switch_benefit's) cores, cost, net and verdict with the data
+    plane's cost per frame scaled by ``f``: the benefit stays, the XDP cores scale."""
+    cores = p["xdp_cores"] * f
+    cost = p["cost_usd_per_hour"] + (cores - p["xdp_cores"]) * core_hour_usd
+    net = p["benefit_usd_per_hour"] - cost
+    return {"xdp_cores": round(cores, 3), "xdp_cores_p99": round(p["xdp_cores_p99"] * f, 3),
+            "cost_usd_per_hour": round(cost, 4), "net_usd_per_hour": round(net, 4),
+            "pays": bool(net > 0)}
+
+
 def reprice(out: dict, xdp: dict, core_hour_usd: float) -> dict:
     """A sweep's result priced at another data-plane cost per frame (``xdp``, as
     ``xdp_frame_cost`` gives it): the benefit does not depend on it, the cost's XDP cores scale
     with it, so every point's cost, net and cores, and the break-even, follow exactly."""
     f = xdp["ns_per_frame"] / out["xdp"]["ns_per_frame"]
-    points = []
-    for p in out["points"]:
-        cores, p99 = p["xdp_cores"] * f, p["xdp_cores_p99"] * f
-        cost = p["cost_usd_per_hour"] + (cores - p["xdp_cores"]) * core_hour_usd
-        net = p["benefit_usd_per_hour"] - cost
-        points.append({**p, "xdp_cores": round(cores, 3), "xdp_cores_p99": round(p99, 3),
-                       "cost_usd_per_hour": round(cost, 4), "net_usd_per_hour": round(net, 4),
-                       "pays": bool(net > 0)})
+    points = [{**p, **_repriced(p, f, core_hour_usd)} for p in out["points"]]
     cases = [tuple(c) for c in out.get("cases", [[s, 0.0] for s in out["sharing"]])]
     curves = [c for c in break_even_curves(points, cases, out["switch_gib"])
               if any(_case(p) == _case(c) and p["switch_gib"] == c["switch_gib"] for p in points)]
@@ -137,14 +141,9 @@ def reprice(out: dict, xdp: dict, core_hour_usd: float) -> dict:
 def reprice_run(out: dict, xdp: dict) -> dict:
     """A `sim run` result priced at another data-plane cost per frame, as ``reprice`` does a
     sweep's: its ``switch_benefit`` and its sweep-row ``point``."""
-    b, rate = out["switch_benefit"], out["config"]["core_hour_usd"]
-    f = xdp["ns_per_frame"] / b["xdp"]["ns_per_frame"]
-    cores = b["xdp_cores"] * f
-    cost = b["cost_usd_per_hour"] + (cores - b["xdp_cores"]) * rate
-    net = b["benefit_usd_per_hour"] - cost
-    new = {"xdp_cores": round(cores, 3), "xdp_cores_p99": round(b["xdp_cores_p99"] * f, 3),
-           "cost_usd_per_hour": round(cost, 4), "net_usd_per_hour": round(net, 4),
-           "pays": bool(net > 0)}
+    b = out["switch_benefit"]
+    new = _repriced(b, xdp["ns_per_frame"] / b["xdp"]["ns_per_frame"],
+                    out["config"]["core_hour_usd"])
     return {**out, "switch_benefit": {**b, **new, "xdp": xdp, "repriced_from": b["xdp"]},
             "point": {**out["point"], **new}}
 
