@@ -207,6 +207,12 @@ class Cache:
                 except SwitchError:
                     pass               # full: the policy's next evictions make room
 
+    def tend(self, sizes: dict[tuple[int, bytes], int], room: int = 0) -> None:
+        """Each interval, policy or not: admitted blocks of known size get their ranges and the
+        data plane a fill region of at least ``room`` (the cache's region if larger)."""
+        self.place_admitted(sizes)
+        self.slots.ensure_region(max(room, self.region))
+
     def admit(self, ns: int, key: bytes, ttl: float | None = None, pinned: bool = False) -> None:
         """Add a block to the admit set; ``pinned`` ones are never evicted by the policy (until
         ``ttl`` seconds have passed, when given)."""

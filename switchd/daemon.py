@@ -142,8 +142,7 @@ class Daemon:
                 if manager:
                     manager.step()
                 elif self.hand_cache:
-                    self.hand_cache.place_admitted({})
-                    self.hand_cache.slots.ensure_region(self.hand_cache.region)
+                    self.hand_cache.tend({})
             except Exception:  # the data plane keeps serving; say so and go on
                 log.exception("policy step failed")
             if s.port_security or s.port_bindings:

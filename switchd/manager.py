@@ -79,9 +79,8 @@ class CacheManager:
             log.info("evicted ns=%d key=%s", ns, key.hex())
         for ns, key in decisions.admit:
             self.cache.admit(ns, key)
-        self.cache.place_admitted(self.sizes())
         # what the data plane may carve for blocks it learns first: what the policies left
-        self.cache.slots.ensure_region(max(int(decisions.spec_budget), self.cache.region))
+        self.cache.tend(self.sizes(), int(decisions.spec_budget))
         if self.loop.headroom:
             self.dp.set("spec_fill", int(decisions.spec_budget))
         return self.snapshot
