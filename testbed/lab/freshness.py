@@ -111,13 +111,10 @@ def code_lines(text: str, path: str) -> Counter:
     return Counter(" ".join(ln.split()) for ln in lines if ln.strip())
 
 
-def source_files(root: Path, paths: list[str]) -> list[str]:
-    out = []
-    for p in paths:
-        q = root / p
-        files = sorted(q.rglob("*")) if q.is_dir() else [q] if q.exists() else []
-        out += [str(f.relative_to(root)) for f in files if f.suffix in (".py", ".c", ".h")]
-    return out
+def source_files(root: Path, commit: str, paths: list[str]) -> list[str]:
+    """The Python and C files under ``paths`` in ``commit``'s tree."""
+    return [p for p in git(root, "ls-tree", "-r", "--name-only", commit, "--", *paths).split()
+            if p.endswith((".py", ".c", ".h"))]
 
 
 @lru_cache(maxsize=None)
@@ -142,12 +139,9 @@ def changes_since(root: Path, commit: str, head: str,
     between the files count nothing), and the files the added lines are in now or the removed
     ones were in then. The code then is the files under ``paths`` at ``commit`` and wherever
     today's files were then (renames followed)."""
-    tracked = set(git(root, "ls-files").splitlines())
-    files = [p for p in source_files(root, paths) if p in tracked]
+    files = source_files(root, head, paths)
     then = renamed_from(root, commit, head)
-    were = {then.get(f, f) for f in files} | {
-        p for p in git(root, "ls-tree", "-r", "--name-only", commit, "--", *paths).splitlines()
-        if p.endswith((".py", ".c", ".h"))}
+    were = {then.get(f, f) for f in files} | set(source_files(root, commit, paths))
     now = {f: lines_at(root, head, f) for f in files}
     before = {f: lines_at(root, commit, f) for f in were}
     new, old = sum(now.values(), Counter()), sum(before.values(), Counter())
