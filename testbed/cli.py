@@ -429,14 +429,17 @@ def replay(trace_path, capacity, limit, speedup, interval, policy, fill_headroom
 @click.option("--root", default=".", show_default=True, help="The checkout to check.")
 def results_check(root):
     """Every result file README and docs cite: present, and newer than the code it measures."""
-    from .lab.freshness import check
+    from .lab.freshness import DATED, check
     findings = check(root)
     for f in findings:
-        where = (f" {f.changed_lines} lines in {', '.join(f.changed_files)}"
+        where = (f" {DATED[f.name]}" if f.status == "dated" else
+                 f" {f.changed_lines} lines in {', '.join(f.changed_files)}"
                  if f.changed_lines else "")
         click.echo(f"{f.status:8} {f.name:34} {f.result_commit or '-':10}{where}")
-    bad = [f for f in findings if f.status != "fresh"]
-    click.echo(f"{len(findings) - len(bad)} of {len(findings)} cited result files are fresh"
+    bad = [f for f in findings if f.status not in ("fresh", "dated")]
+    dated = sum(f.status == "dated" for f in findings)
+    click.echo(f"{len(findings) - len(bad) - dated} of {len(findings) - dated} cited result "
+               f"files are fresh ({dated} dated: history)"
                + (f"; not: {', '.join(f.name for f in bad)}" if bad else ""))
     fail_unless(not bad)
 

@@ -50,3 +50,8 @@ def test_a_result_is_stale_only_when_a_statement_it_measures_changed(tmp_path):
     assert f.changed_files == ["hostagent/pool/server.py", "hostagent/pool/util.py"]
     (tmp_path / "docs/a.md").write_text("see fetch.json and bench/results/missing.json\n")
     assert {f.name: f.status for f in check(tmp_path)}["missing.json"] == "missing"
+    # a before/after kept as history is dated, whatever changed since
+    commit(tmp_path, {"bench/results/serve-burst-ab.json": "{}",
+                      "docs/a.md": "see fetch.json and serve-burst-ab.json\n"}, "dated")
+    commit(tmp_path, {"hostagent/pool/util.py": "def helper():\n    return 5\n"}, "again")
+    assert {f.name: f.status for f in check(tmp_path)}["serve-burst-ab.json"] == "dated"
