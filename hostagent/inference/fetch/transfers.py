@@ -17,7 +17,8 @@ long since its call; each try waits ``HIT_BACKOFF`` times longer (a miss held am
 asked again at every scan). Always when nothing came back for the
 retransmission timeout (RFC 6298 per transfer, following the measured round trip as a link's
 queue grows, at least ``DRAIN_GAIN`` x the time the route's chunks in flight (every transfer's:
-they share the link's queue) take at the measured delivery rate; before a transfer's first
+they share the link's queue) take at the measured delivery rate, at most ``MAX_RTO`` before
+backing off; before a transfer's first
 reply at least ``INITIAL_RTO``, or ``ACTIVE_FIRST_RTO`` once the route has delivered, restarted
 by every delivery, backing off per try; the oldest ``TIMEOUT_BATCH`` unverified chunks per
 scan). Before a retransmission the candidates' slot words are read again: arrived but not yet
@@ -59,6 +60,7 @@ QUEUE_MAX = 0.015                       # and <= rate x (gain x base RTT + this)
 QUEUE_SIGNAL = 0.002                    # round trip above the base one: a link's queue
 BASE_RTT_WINDOW = 10.0                  # seconds a base (least) round trip is trusted (BBR's)
 DRAIN_GAIN = 2.0                        # timeout >= this x (chunks in flight / delivery rate)
+MAX_RTO = 1.0                           # seconds, before backoff: RFC 6298's own bound here
 HIT_BACKOFF = 2.0                       # the tail rule's wait grows this much per try
 TIMEOUT_BATCH = 16                      # chunks presumed lost by a timeout per scan
 IDLE_CHUNKS, IDLE_MAX = 8, 0.002        # a step on a queued link sleeps ~8 deliveries, <= 2 ms
@@ -89,7 +91,7 @@ class Rtt:
         # the least round trip seen lately (drifting up slowly); a quarter of it is the window
         self.min_rtt = min(rtt, self.min_rtt + (rtt - self.min_rtt) / 64)
         self.reo = max(reo_floor, self.min_rtt / 4)
-        self.rto = min(1.0, max(floor, self.srtt + 4 * self.rttvar))
+        self.rto = min(MAX_RTO, max(floor, self.srtt + 4 * self.rttvar))
         if self.route is not None:
             self.route.rtt_sample(rtt, rtt if least is None else least)
 
@@ -265,8 +267,12 @@ def _timers(t: Transfer) -> tuple[bool, float]:
     a miss may wait for a pool node's fill (a Mooncake read: tens of milliseconds): no tail
     rule, and a timeout of at least the initial one."""
     rto = t.rtt.rto
-    if t.route.bw > 0:                  # what is in flight takes this long at the measured rate
-        rto = max(rto, DRAIN_GAIN * max(t.inflight, t.route.inflight) / t.route.bw)
+    if t.route.bw > 0:                  # what is in flight takes this long at the measured rate,
+        # up to MAX_RTO: a transfer starved behind others on a full link measures a rate of a
+        # few chunks a second, and its timeout grew past the deadline (16 readers on one
+        # 50 Mbit/s pool link over a bridge: a reader left 1,361 chunks unasked for 30 s)
+        rto = max(rto, min(MAX_RTO, DRAIN_GAIN * max(t.inflight, t.route.inflight)
+                           / t.route.bw))
     if t.seen_received:
         # answers within the call: a short round trip, and a measured delivery rate (its gaps
         # set the tail rule's wait, see _tail_wait); else a link queue is in between
