@@ -134,3 +134,24 @@ def test_pool_side_on_a_store_demotes_into_an_empty_disk(tmp_path, demote, found
         return n
 
     assert asyncio.run(go()) == found
+
+
+def test_the_benchmarks_pool_side_hears_every_fetch_the_server_sees():
+    """attach() hooks the pool side to the store's on_get, which the server calls for every GET
+    of a chunk 0, staged hits included (test_tiers_store checks the server's side of it); the
+    handle() patch it replaced never saw the staged hits, so `value` ordered by PUTs alone."""
+    from hostagent.common.tier_policy import PoolSide
+    from hostagent.pool.store import MemoryStore
+    from testbed.bench.serve_tiers import staged_bytes
+    from testbed.bench.serve_tiers_pool import attach
+
+    bb = block_bytes_for(0.025)
+    cfg = PolicyConfig(demote="value", costs=scaled_costs(0.025))
+    store, side = MemoryStore(10 * staged_bytes(bb)), PoolSide(cfg)
+    attach(store, side, cfg)
+    hot, cold = b"h" * 16, b"c" * 16
+    for key in (hot, cold):
+        side.put(1, key, bb)
+    for _ in range(3):
+        store.on_get(1, hot)
+    assert side.value_fn(1, hot, bb) > side.value_fn(1, cold, bb)

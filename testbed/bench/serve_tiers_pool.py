@@ -23,13 +23,15 @@ def policy_config(d: dict):
 
 
 def attach(store, side, cfg) -> None:
-    """Plug the policy's pool side into ``store``: its eviction order and demotion gate, and
-    every stored PUT counted (a block's first use)."""
+    """Plug the policy's pool side into ``store``: its eviction order and demotion gate, every
+    stored PUT counted (a block's first use) and every fetch the server sees (``on_get``: a GET
+    of chunk 0, staged hits included, which the server answers without ``handle``)."""
     def demote_fn(ns: int, key: bytes, nbytes: int) -> bool:
         d = store.disk
         free = d.capacity - d.used if d is not None else 0     # (an empty tier is falsy)
         return side.demote_fn(ns, key, nbytes, free)
 
+    store.on_get = side.get
     by_value = cfg.demote == "value"
     store.set_policy("value" if by_value else "lru", side.value_fn if by_value else None,
                      demote_fn)
@@ -49,7 +51,6 @@ def main(argv: list[str] | None = None) -> None:
     cfg = policy_config(json.loads(argv.pop(0)))
     os.environ["HOSTAGENT_XDP_SERVE"] = "0"
     from hostagent import cli
-    from hostagent.pool import server
     from hostagent.common.tier_policy import PoolSide
     side = PoolSide(cfg)
     make_store = cli._make_store
@@ -60,14 +61,6 @@ def main(argv: list[str] | None = None) -> None:
         return store
 
     cli._make_store = make
-    handle = server.PoolServer.handle
-
-    def counted(self, msg, addr):
-        if msg.op == server._GET and msg.chunk == 0:
-            side.get(msg.ns, msg.key)
-        return handle(self, msg, addr)
-
-    server.PoolServer.handle = counted
     cli.main(["serve", *argv])
 
 
