@@ -154,8 +154,10 @@ def _tiers(b, cfg: SimConfig, in_hbm, in_dram, pool_has) -> SimpleNamespace:
         dram_t=np.where(src == DRAM, b.nbytes / (cfg.pcie_gbps * 1e9 / 8), 0.0))
 
 
-def simulate(wl: Workload, cfg: SimConfig, log=None) -> dict:
-    """Run the model on a workload; returns the result dict (pool on and off)."""
+def simulate(wl: Workload, cfg: SimConfig, log=None, xdp: dict | None = None) -> dict:
+    """Run the model on a workload; returns the result dict (pool on and off). ``xdp``: the
+    data plane's cost per frame as the caller resolved it (``xdp_frame_cost``), so that what a
+    result records is what priced it; None: resolved here."""
     t_start = time.perf_counter()
     b = _blocks(wl, cfg)
     key, t, node, nbytes, span = b.key, b.t, b.node, b.nbytes, b.span
@@ -210,7 +212,7 @@ def simulate(wl: Workload, cfg: SimConfig, log=None) -> dict:
             "remote_bytes_saved": int(nodrop["remote_bytes"] - base["remote_bytes"]),
             "ttft_p50_without": nodrop["ttft_s"]["p50"],
             "ttft_p50_with": base["ttft_s"]["p50"]}
-    res["switch_benefit"] = _benefit(cfg, base, on, span)
+    res["switch_benefit"] = _benefit(cfg, base, on, span, xdp or xdp_frame_cost(cfg))
     res["wall_seconds"] = round(time.perf_counter() - t_start, 2)
     return res
 
@@ -388,14 +390,13 @@ def _serve(cfg, b, tiers, sampled, switch: bool, light: bool = False) -> dict:
     return out
 
 
-def _benefit(cfg: SimConfig, off: dict, on: dict, span: float) -> dict:
+def _benefit(cfg: SimConfig, off: dict, on: dict, span: float, xdp: dict) -> dict:
     """What the switch pool saves and costs per hour of this workload, in dollars. The data
-    plane's CPU is charged for the frames it handles on average; ``xdp_cores_p99`` is what a
-    switch needs in its busiest 1% of seconds."""
+    plane's CPU (``xdp``: its cost per frame) is charged for the frames it handles on average;
+    ``xdp_cores_p99`` is what a switch needs in its busiest 1% of seconds."""
     hours = span / 3600
     gpu_s = off["gpu_s_total"] - on["gpu_s_total"]
     benefit = gpu_s / 3600 * cfg.gpu_hour_usd / hours
-    xdp = xdp_frame_cost(cfg)
     per_core = 1e9 / xdp["ns_per_frame"]
     xdp_cores = on["switch"].get("frames_per_s", 0.0) / per_core
     cost = (cfg.switch_gib * cfg.switch_gib_hour_usd
@@ -443,7 +444,7 @@ def summary(res: dict) -> dict:
 
 
 def point(trace: Trace, cfg: SimConfig, requests: int | None = None, sharing: float = 0.0,
-          log=None) -> dict:
+          log=None, xdp: dict | None = None) -> dict:
     """One point of the model, as ``sim run`` and every point of ``sim sweep`` compute it:
     ``requests`` resampled from the trace with ``sharing`` (None: ``default_requests``, 200 per
     node up to 200,000; 0: the trace's own requests, at the cluster's arrival rate), simulated
@@ -452,9 +453,10 @@ def point(trace: Trace, cfg: SimConfig, requests: int | None = None, sharing: fl
     remote_bytes, ttft_s p50/p99/mean, prefill_gpu_s_saved, gpu_s_waiting_for_kv, gpu_s_total,
     pool_link utilisation, incast degree at pool nodes, switch sampling and frames), demotion
     (what value recovery saves), switch_benefit (break-even terms), sharing, point (``summary``),
-    wall_seconds (including the workload)."""
+    wall_seconds (including the workload). ``xdp``: the data plane's cost per frame a sweep
+    resolved once for all its points (None: resolved here, before any work)."""
     t0 = time.perf_counter()
-    xdp = xdp_frame_cost(cfg)               # fail before any work if it cannot be priced
+    xdp = xdp or xdp_frame_cost(cfg)        # fail before any work if it cannot be priced
     codec = kv_codec(cfg)
     if log:
         log(f"data plane: {xdp['ns_per_frame']} ns/frame from {xdp['source']}"
@@ -466,7 +468,7 @@ def point(trace: Trace, cfg: SimConfig, requests: int | None = None, sharing: fl
     if log:
         log(f"workload: {wl.n} requests, {len(wl.hash_ids)} block requests "
             f"({time.perf_counter() - t0:.1f}s)")
-    res = simulate(wl, cfg, log)
+    res = simulate(wl, cfg, log, xdp)
     res["sharing"] = sharing
     res["wall_seconds"] = round(time.perf_counter() - t0, 2)
     res["point"] = {**summary(res), "wall_seconds": res["wall_seconds"]}

@@ -90,8 +90,10 @@ def run_sweep(trace_path, nodes, switch_gib, cases, requests_per_node=REQUESTS_P
         for mem in switch_gib:
             for n in nodes:
                 cfg = SimConfig(nodes=n, switch_gib=mem, skew=k, **cfg_kw)
+                # every point priced at the cost the header records (not read again per
+                # point: a throughput.json rewritten mid-sweep would price points unlike it)
                 points.append(point(trace, cfg, min(max_requests, requests_per_node * n),
-                                    s)["point"])
+                                    s, xdp=xdp)["point"])
                 p = points[-1]
                 log(f"sharing {s} skew {k} switch {mem} GiB nodes {n}: switch hits "
                     f"{p['switch_hit_ratio']:.3f}, egress saved {p['pool_egress_saved']:.3f}, "
