@@ -108,7 +108,7 @@ def _blocks(wl: Workload, cfg: SimConfig) -> SimpleNamespace:
     b.span = max(float(wl.time[-1] - wl.time[0]), 1e-3)
     b.node = np.repeat(route(wl, cfg), lens)
     # on the wire, in the switch and the pool nodes: coded (16-bit bytes / the codec's ratio)
-    codec = kv_codec(cfg)
+    b.codec = codec = kv_codec(cfg)
     b.ratio = codec["ratio"]
     b.coded = b.nbytes if b.ratio == 1 else b.nbytes / b.ratio
     b.chunks = np.full(nb, float(np.ceil(cfg.block_bytes / b.ratio / cfg.chunk_bytes)))
@@ -192,7 +192,7 @@ def simulate(wl: Workload, cfg: SimConfig, log=None, xdp: dict | None = None) ->
     # the switch tier runs on windows of the run when its stream is too long (sample.py)
     sampled = time_windows(wl.time, b.t[tiers.ri], b.nsec, cfg.switch_budget)
     res = {"config": asdict(cfg), "model": asdict(MODELS[cfg.model]),
-           "kv_codec": kv_codec(cfg), "requests": int(wl.n),
+           "kv_codec": b.codec, "requests": int(wl.n),
            "block_requests": int(b.nb), "distinct_blocks": distinct,
            "seconds_simulated": round(span, 3), "resampled": wl.resampled}
     base = _serve(cfg, b, tiers, sampled, switch=False)
