@@ -137,8 +137,12 @@ def test_switchd_environment_errors(tmp_path):
 def test_four_readers_one_upstream_request_per_chunk():
     prefix = f"c{os.getpid() % 100000}"
     n = 1024                       # chunks: long enough a transfer for the four to overlap
-    # a generous round timeout: on a loaded 2-core box a reply can take tens of milliseconds
-    with Lab(prefix, hosts=4, pools=1, switchd_args=("--pending-timeout-ms", "1000")) as lab4:
+    # a generous round timeout: on a loaded 2-core box a reply can take tens of milliseconds.
+    # The pool node's link is 100 Mbit/s, as a link to a storage node is busy in an incast:
+    # unshaped on a quiet box its replies came within microseconds, the four readers rarely
+    # asked for a chunk while its round was open, and nothing was held (half the runs)
+    with Lab(prefix, hosts=4, pools=1, switchd_args=("--pending-timeout-ms", "1000"),
+             pool_link_gbit=0.1) as lab4:
         key, block = os.urandom(16), os.urandom(n * 1024)
         lab4.put("h1", NS, key, block)
         lab4.switchd("cache", "admit", "--ns", str(NS), "--key", key.hex())
