@@ -61,11 +61,13 @@ def test_a_64mib_block_through_the_switch_byte_exact(lab):
         first = e.get_block(NS, key)                 # size unknown: chunk 0, then a larger arena
         assert first.tobytes() == data and first.nchunks == n and e.stats.rebuilds == 1
         assert first.stats.from_pool == n            # learned by the switch on the way
+        asked_again = first.stats.retransmits        # a GET asked twice may be answered twice
         first.release()
         second = e.get_block(NS, key, n)
         try:
             assert second.numpy().tobytes() == data
             assert second.stats.from_switch == n and second.stats.checksum_errors == 0
+            asked_again += second.stats.retransmits
             t = second.torch()                       # zero-copy views of the arena
             assert t.numel() == len(data) and bytes(t[-64:].numpy()) == data[-64:]
         finally:
@@ -76,7 +78,8 @@ def test_a_64mib_block_through_the_switch_byte_exact(lab):
         assert c["malformed"] == c["wrong_block"] == c["load_fail"] == 0
     after = lab.stats()
     assert on(lab, "h1") == "xdp_pass"               # put back on close
-    assert after["get_hit"] - before["get_hit"] == n
+    hits = after["get_hit"] - before["get_hit"]
+    assert n <= hits <= n + asked_again, (hits, n, asked_again)   # exactly n with no re-asks
     assert after["bad_udp_csum"] == before["bad_udp_csum"] and after["spoofed"] == 0
 
 
