@@ -22,7 +22,8 @@ fetch of the same round) are measured in interleaved rounds (the engine
 
 steps aside with suspend()/resume() while the generator's counter holds h1's interface; the loss
 conditions rotate), so load from other work falls on all alike; ratios are medians of per-round
-ratios. The other paths follow once. switchd runs with --no-coalesce --policy off (the cache
+ratios. The other paths follow once (the engine from the pool node: ``rounds`` fetches, their
+median). switchd runs with --no-coalesce --policy off (the cache
 holds what the benchmark put there). Writes JSON and a plot.
 """
 from __future__ import annotations
@@ -301,9 +302,9 @@ def bench_chunk(cs: int, sizes_mib: list[int], rounds: int, reps: int, losses: l
                     f"{_rate(m * MIB, runs[(m, 0.0)][-1]['seconds']):.2f}"
                     f" with auth {_rate(m * MIB, runs[(m, 'auth')][-1]['seconds']):.2f}"
                     for m in sizes_mib) + " GB/s")
-            pool = {m: _engine(e, blocks[m][0], nch[m], blocks[m][2], 1, no_cache=True)
+            pool = {m: _engine(e, blocks[m][0], nch[m], blocks[m][2], rounds, no_cache=True)
                     for m in sizes_mib}
-            apool = {m: _engine(e, akeys[m], nch[m], blocks[m][2], 1, no_cache=True,
+            apool = {m: _engine(e, akeys[m], nch[m], blocks[m][2], rounds, no_cache=True,
                                 ns=NS_AUTH) for m in sizes_mib}
         finally:
             e.close()
