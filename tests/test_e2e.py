@@ -4,7 +4,9 @@ program attached, switchd's lifecycle and its command-line errors."""
 import os
 import random
 import re
+import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -301,3 +303,23 @@ def test_blocks_arrive_byte_exact_over_lossy_links(lab):
     finally:
         attach_loss(nodes, 0)
     assert cold["retransmits"] + warm["retransmits"] > 0, "5% loss and no retransmission?"
+
+
+def test_a_terminated_testbed_program_removes_its_namespaces():
+    # `timeout` and a cancelled CI job send SIGTERM; its default action skipped every teardown
+    # and left the namespaces behind
+    prefix = f"t{os.getpid() % 100000}"
+    code = ("import sys, time\nfrom testbed.lab.topology import Topology\n"
+            f"with Topology({prefix!r}, hosts=1, pools=1):\n"
+            "    print('up', flush=True)\n    time.sleep(60)\n")
+    with leaves_no_namespaces(prefix):
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "up"
+            assert namespaces_of(prefix)
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(30) == 143
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -16,10 +16,11 @@ import contextlib
 import functools
 import os
 import shutil
-import socket
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,12 +113,15 @@ class Topology:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def up(self) -> Topology:
-        """Build the topology from scratch (removing leftovers of the same name first)."""
+        """Build the topology from scratch (removing leftovers of the same name first). While
+        it is up, SIGTERM unwinds the program (``_SigtermUnwinds``) so its ``with`` blocks
+        remove it."""
         down(self.prefix)
+        _SIGTERM.hold(self)
         try:
             self._build()
         except BaseException:
-            down(self.prefix)
+            self.down()
             raise
         return self
 
@@ -146,6 +150,7 @@ class Topology:
 
     def down(self) -> None:
         down(self.prefix)
+        _SIGTERM.release(self)
 
     def __enter__(self) -> Topology:
         return self.up()
@@ -261,6 +266,40 @@ def namespaces_of(prefix: str) -> list[str]:
     r = sh("ip", "netns", "list", check=False)
     names = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
     return [n for n in names if n.startswith(f"{prefix}-")]
+
+
+class _SigtermUnwinds:
+    """SIGTERM's default action ends a process at once, without its ``finally`` blocks: a
+    benchmark stopped by ``timeout`` or a cancelled CI job left its namespaces behind. While any
+    topology of this process is up, SIGTERM raises SystemExit(143) in the main thread instead,
+    so every ``with Topology``/``with Lab`` around it tears down, and the process still exits
+    143. Only where SIGTERM had its default action (a program's own handler is left alone), and
+    only from the main thread (the one Python delivers signals to)."""
+
+    def __init__(self):
+        self.holders: set[int] = set()
+        self.installed = False
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise SystemExit(128 + signum)
+
+    def hold(self, topo: Topology) -> None:
+        self.holders.add(id(topo))
+        if (not self.installed and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
+            signal.signal(signal.SIGTERM, self._raise)
+            self.installed = True
+
+    def release(self, topo: Topology) -> None:
+        self.holders.discard(id(topo))
+        if (self.installed and not self.holders
+                and threading.current_thread() is threading.main_thread()):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self.installed = False
+
+
+_SIGTERM = _SigtermUnwinds()
 
 
 def down(prefix: str) -> list[str]:
