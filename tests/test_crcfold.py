@@ -39,10 +39,30 @@ def test_bad_chunks_finds_exactly_the_corrupted_ones():
     f = Folder(chunk, span=16)
     data = bytearray(random.Random(2).randbytes(chunk * 40))
     crcs = np.array([zlib.crc32(data[i * chunk:(i + 1) * chunk]) for i in range(40)], np.uint32)
-    assert f.bad_chunks(memoryview(data), crcs, fold_from=4) == []
+    assert f.bad_chunks(memoryview(data), crcs) == []
     data[3 * chunk + 10] ^= 1
     data[39 * chunk] ^= 0x80
-    for fold_from in (4, 1000):                     # folded and chunk by chunk
-        assert f.bad_chunks(memoryview(data), crcs, fold_from=fold_from) == [3, 39]
+    assert f.bad_chunks(memoryview(data), crcs) == [3, 39]      # runs of 16, 16 and 8
     crcs[17] ^= 1                                    # a wrong CRC is a bad chunk too
-    assert f.bad_chunks(memoryview(data), crcs, fold_from=4) == [3, 17, 39]
+    assert f.bad_chunks(memoryview(data), crcs) == [3, 17, 39]
+    assert Folder(chunk).bad_chunks(memoryview(data), crcs) == [3, 17, 39]   # one run of 40
+
+
+def test_bad_chunks_checks_runs_with_holes_between_them():
+    """A lossy round leaves runs of every length (single chunks too) with holes between them;
+    each chunk is checked against its own CRC whatever run it falls in."""
+    chunk = 512
+    f = Folder(chunk, span=8)
+    rng = random.Random(5)
+    data = bytearray(rng.randbytes(chunk * 60))
+    crcs = np.array([zlib.crc32(data[i * chunk:(i + 1) * chunk]) for i in range(60)], np.uint32)
+    for trial in range(20):
+        idx = np.array(sorted(rng.sample(range(60), rng.randint(1, 60))), np.int64)
+        assert f.bad_chunks(memoryview(data), crcs[idx], idx) == []
+        broken = sorted(rng.sample(idx.tolist(), min(3, idx.size)))
+        for b in broken:
+            data[b * chunk + rng.randrange(chunk)] ^= 1 << rng.randrange(8)
+        assert f.bad_chunks(memoryview(data), crcs[idx], idx) == broken
+        for b in broken:
+            data[b * chunk:(b + 1) * chunk] = bytes(chunk)
+            crcs[b] = zlib.crc32(bytes(chunk))

@@ -158,13 +158,13 @@ def test_a_bad_crc_is_never_accepted_and_its_chunk_is_taken_again(fp):
         bad = i == 1
         run(fp, reply(i, payload=chunk(9) if bad else None, csum=zlib.crc32(chunk(1)) if bad
                       else None))
-    ok = verify(t, fp.xfers[IDX], fp.meta, fp.arena_mv, CS, Folder(CS), 2, _Ring(), 0.001,
+    ok = verify(t, fp.xfers[IDX], fp.meta, fp.arena_mv, CS, Folder(CS), _Ring(), 0.001,
                 0.0001, 1024)
     assert ok == NCHUNKS - 1 and t.stats.checksum_errors == 1
     assert t.verified.tolist() == [True, False, True, True] and t.bypass[1]
     assert fp.meta[BASE + 1] == 0, "the bad chunk's slot word is cleared"
     assert run(fp, reply(1))[0] == XDP.DROP
-    assert verify(t, fp.xfers[IDX], fp.meta, fp.arena_mv, CS, Folder(CS), 2, _Ring(), 0.001,
+    assert verify(t, fp.xfers[IDX], fp.meta, fp.arena_mv, CS, Folder(CS), _Ring(), 0.001,
                   0.0001, 1024) == 1
     assert bytes(fp.arena[BASE * CS:(BASE + 4) * CS - CS + TAIL]) == b"".join(
         chunk(i, TAIL if i == 3 else CS) for i in range(4))

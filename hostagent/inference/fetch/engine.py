@@ -10,7 +10,9 @@ switch answers), then verify what arrived (``verify``) and finish or fail transf
 (the default where the process may run on more than one CPU) a sender thread makes the test-run
 calls (they release the GIL) while the stepping thread verifies: on this 2-core machine 1.35-1.63
 GB/s against 1.13-1.22 in one thread (64 MiB, 3072-byte chunks, from the switch); on a machine
-whose other core is busy one thread can win (every wake-up waits for a time slice).
+whose other core is busy one thread can win (every wake-up waits for a time slice). A few GETs
+(at most ``batch_size``: a round of retransmissions) the stepping thread sends itself while the
+sender thread is idle, sparing a hand-off that cost more than the call.
 
 A block of unknown size is fetched in two steps: a one-slot probe transfer asks for chunk 0
 (the program then accepts only chunk 0 and records the reply's chunk count), then a contiguous
@@ -46,6 +48,9 @@ from .verify import crc_damaged, finish, status_error, verify
 
 log = logging.getLogger("hostagent.fetch")
 _NO_CACHE = int(Flag.NO_CACHE)
+# while the sender thread is in a call, the stepping thread looks this often: what arrived is
+# verified while the rest of a long call runs (a 2 MiB block is one 683-frame call of ~0.6 ms)
+CALL_LOOK = 0.0002
 
 
 class NoReply(TransferTimeout):
@@ -65,7 +70,7 @@ class FetchEngine:
                  arena_bytes: int = 256 << 20, max_arena_bytes: int = 2 << 30,
                  deadline: float = 30.0, burst: int = 1024, batch_size: int = 64,
                  start_window: int = 1024, max_window: int = 16384, rto_floor: float = 0.001,
-                 reo_floor: float = 0.0001, tail_wait: float = 0.0002, fold_from: int = 64,
+                 reo_floor: float = 0.0001, tail_wait: float = 0.0002,
                  call_frames: int = 1024, poll_interval: float = 50e-6, threaded: bool | None = None,
                  first_reply_timeout: float = 2.0, auth=auth_mod.DEFAULT):
         self.pools = [parse_addr(p) if isinstance(p, str) else tuple(p) for p in pools]
@@ -77,7 +82,7 @@ class FetchEngine:
         self.deadline, self.burst, self.batch_size = deadline, burst, batch_size
         self.start_window, self.max_window = start_window, max_window
         self.rto_floor, self.reo_floor, self.poll_interval = rto_floor, reo_floor, poll_interval
-        self.tail_wait, self.fold_from, self.call_frames = tail_wait, fold_from, call_frames
+        self.tail_wait, self.call_frames = tail_wait, call_frames
         if threaded is None:
             threaded = len(os.sched_getaffinity(0)) > 1
         self.threaded, self.first_reply_timeout = threaded, first_reply_timeout
@@ -312,17 +317,17 @@ class FetchEngine:
         n = transfers.fill(active, self._ring, self.prog.meta, time.monotonic(), self.burst,
                            self.tail_wait, 2 * self.burst) if active else 0
         self.stats.frames += n
-        if n and self.threaded:
-            self._sender.kick()
-        elif n:                                       # one thread: send a call's worth here
+        if n and not self.threaded:                   # one thread: send a call's worth here
             self._sender.send()
+        elif n and not self._sender.send_few(self.batch_size):
+            self._sender.kick()
         got = self._collect()
         if not n and not got and self._active:
             t0 = time.monotonic()
             if self._ring.queued and not self.threaded:
                 self._sender.send()
-            elif self._ring.queued:                   # the sender is at work: its next call
-                self._sender.wait()
+            elif self._ring.queued:                   # the sender is at work: look again
+                self._sender.wait(CALL_LOOK)          # soon, or when its call ends
             else:
                 time.sleep(transfers.idle_wait(active, self.poll_interval))
             self.stats.idle_seconds += time.monotonic() - t0
@@ -347,8 +352,7 @@ class FetchEngine:
             if received != t.seen_received:
                 t.seen_received = received
                 got += verify(t, x, prog.meta, prog.arena_mv, self.chunk_size, self.folder,
-                              self.fold_from, self._ring, self.rto_floor, self.reo_floor,
-                              self.max_window)
+                              self._ring, self.rto_floor, self.reo_floor, self.max_window)
                 try:
                     authcheck.advance(t, prog.arena_mv, self.chunk_size, int(x["tail_len"]))
                 except auth_mod.AuthError as exc:
@@ -422,7 +426,7 @@ class FetchEngine:
         """A tag check failed: chunks failing their CRC are asked again, else the block is
         fetched once more past the switch's cache, then refused (authcheck)."""
         p, cs = self.prog, self.chunk_size
-        bad = crc_damaged(t, p.xfers[t.idx], p.meta, p.arena_mv, cs, self.folder, self.fold_from)
+        bad = crc_damaged(t, p.xfers[t.idx], p.meta, p.arena_mv, cs, self.folder)
         if authcheck.repair(t, bad, p.meta, self.keyring, cs):
             return
         final = authcheck.retry(t, exc, self.keyring, cs)

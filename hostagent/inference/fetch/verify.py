@@ -2,11 +2,10 @@
 
 A step looks at every transfer whose received count moved: its slot words (numpy, in the range
 asked for but not verified) say which chunks arrived for this generation and with which CRC.
-The block's last chunk (which may be short) is checked alone; runs of consecutive full chunks
-are checked with one CRC call per run (``crcfold``) when there are ``fold_from`` or more of them,
-else one call per chunk. A bad chunk's slot word is cleared (one aligned 64-bit store: the only
-write Python makes to a slot word, never a read-modify-write shared with XDP), so the program
-takes it again, and it is asked for again at once with KV_F_NO_CACHE (counted in
+The block's last chunk (which may be short) is checked alone; the others with one CRC call per
+run of consecutive chunks (``crcfold``). A bad chunk's slot word is cleared (one aligned 64-bit
+store: the only write Python makes to a slot word, never a read-modify-write shared with XDP), so
+the program takes it again, and it is asked for again at once with KV_F_NO_CACHE (counted in
 ``checksum_errors``). Verified chunks feed the round-trip estimator (first asks only) and the
 route's window. A finished transfer becomes a ``Block`` over its slots, with where its chunks
 came from read from the slot words' reply flags.
@@ -31,7 +30,7 @@ _SHIFT_GEN, _SHIFT_FLAGS = np.uint64(32), np.uint64(56)
 
 
 def _bad_chunks(t: Transfer, idx: np.ndarray, crcs: np.ndarray, x, arena_mv, cs: int,
-                folder: Folder, fold_from: int) -> list[int]:
+                folder: Folder) -> list[int]:
     base = t.base
     n = t.nchunks if t.known else int(x["seen_nchunks"])
     bad = []
@@ -40,23 +39,10 @@ def _bad_chunks(t: Transfer, idx: np.ndarray, crcs: np.ndarray, x, arena_mv, cs:
         if not 1 <= tail <= cs or crc32(arena_mv[off:off + tail]) != crcs[-1]:
             bad.append(n - 1)
         idx, crcs = idx[:-1], crcs[:-1]
-    if idx.size >= fold_from:                    # runs of consecutive full chunks
-        cuts = np.flatnonzero(np.diff(idx) != 1) + 1
-        for a, b in zip(np.concatenate(([0], cuts)).tolist(),
-                        np.concatenate((cuts, [idx.size])).tolist()):
-            first = int(idx[a])
-            off = (base + first) * cs
-            bad += [first + i for i in folder.bad_chunks(arena_mv[off:off + (b - a) * cs],
-                                                         crcs[a:b], fold_from)]
-    elif idx.size:                               # one CRC call per chunk
-        offs = ((idx + base) * cs).tolist()
-        bad += [i for i, o, c in zip(idx.tolist(), offs, crcs.tolist())
-                if crc32(arena_mv[o:o + cs]) != c]
-    return bad
+    return bad + folder.bad_chunks(arena_mv[base * cs:], crcs, idx)
 
 
-def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, fold_from: int,
-           ring, rto_floor: float, reo_floor: float, max_window: int) -> int:
+def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, ring, rto_floor: float, reo_floor: float, max_window: int) -> int:
     """Verify the chunks of ``t`` that arrived since the last look; how many passed."""
     lo, hi, base, gen = t.lo, t.next_new, t.base, t.gen
     prev, t.looked = t.looked, time.monotonic()  # before the slot words are read
@@ -72,7 +58,7 @@ def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, 
     # an authenticated block's tag covers every byte: its CRCs are read only to find damaged
     # chunks once the tag failed (authcheck.repair), not on the way
     bad = [] if getattr(t, "auth", None) is not None else _bad_chunks(
-        t, idx, crcs, x, arena_mv, cs, folder, fold_from)
+        t, idx, crcs, x, arena_mv, cs, folder)
     if bad:
         b = np.array(bad)
         ask_again(t, b, meta)
@@ -122,14 +108,14 @@ def ask_again(t: Transfer, b: np.ndarray, meta: np.ndarray) -> None:
     t.stats.checksum_errors += b.size
 
 
-def crc_damaged(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder,
-                fold_from: int) -> np.ndarray:
+def crc_damaged(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int,
+                folder: Folder) -> np.ndarray:
     """The verified chunks of ``t`` whose bytes fail the CRC their reply carried."""
     idx = np.flatnonzero(t.verified)
     if not idx.size:
         return idx
     crcs = (meta[t.base + idx] & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    return np.array(_bad_chunks(t, idx, crcs, x, arena_mv, cs, folder, fold_from), np.int64)
+    return np.array(_bad_chunks(t, idx, crcs, x, arena_mv, cs, folder), np.int64)
 
 
 def finish(t: Transfer, x, meta: np.ndarray, arena: np.ndarray, cs: int, release,
