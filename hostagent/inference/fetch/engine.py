@@ -48,9 +48,6 @@ from .verify import crc_damaged, finish, status_error, verify
 
 log = logging.getLogger("hostagent.fetch")
 _NO_CACHE = int(Flag.NO_CACHE)
-# while the sender thread is in a call, the stepping thread looks this often: what arrived is
-# verified while the rest of a long call runs (a 2 MiB block is one 683-frame call of ~0.6 ms)
-CALL_LOOK = 0.0002
 
 
 class NoReply(TransferTimeout):
@@ -326,8 +323,8 @@ class FetchEngine:
             t0 = time.monotonic()
             if self._ring.queued and not self.threaded:
                 self._sender.send()
-            elif self._ring.queued:                   # the sender is at work: look again
-                self._sender.wait(CALL_LOOK)          # soon, or when its call ends
+            elif self._ring.queued:                   # the sender is at work: its next call
+                self._sender.wait()
             else:
                 time.sleep(transfers.idle_wait(active, self.poll_interval))
             self.stats.idle_seconds += time.monotonic() - t0
