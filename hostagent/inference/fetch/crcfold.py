@@ -10,9 +10,9 @@ where X_n is a fixed 32x32 bit matrix (zlib's crc32_combine). So the CRCs of m c
 chunks fold into the CRC their concatenation must have (``Folder.fold``: one precomputed operator
 per position, four byte tables each, so a fold is four numpy gathers and one XOR reduction), and
 one CRC call over the whole run checks them all. Chunks with holes between them (what a lossy
-fetch has after a round) are runs: every run's fold in one numpy pass, one CRC call per run (a
-Python call per chunk made a 2 MiB fetch under 5 % loss spend ~0.5 ms more verifying). A run that
-does not match is checked chunk by chunk to find the bad ones.
+fetch has after a round) are runs: every run's fold in one numpy pass, one CRC call per run
+(650 chunks with 35 holes: 0.1 ms, half what a Python CRC call per chunk of each short run took).
+A run that does not match is checked chunk by chunk to find the bad ones.
 
 ``crc32`` is ISA-L's (PyPI ``isal``, a dependency: 6.8 GB/s on 3 KB slices here), else
 zlib-ng's if installed, else zlib's (2.0 GB/s).
