@@ -14,16 +14,15 @@ lost when a hit asked for after it came back (SACK-like: replies keep arriving, 
 loss, not a queue) and its call ended before the last look (the first ``FAST_TRIES`` asks) or
 ``tail_wait`` (or eight gaps between deliveries at the measured rate) ago, or when nothing came
 back for that long since its call; each try after those waits ``HIT_BACKOFF`` times longer (a
-miss held among hits is asked once more at once, not again at every scan). Always when nothing came back for the
-retransmission timeout (RFC 6298 per transfer, following the measured round trip as a link's
-queue grows, at least ``DRAIN_GAIN`` x the time the route's chunks in flight (every transfer's:
-they share the link's queue) take at the measured delivery rate, at most ``MAX_RTO`` before
-backing off; before a transfer's first
-reply at least ``INITIAL_RTO``, or ``ACTIVE_FIRST_RTO`` once the route has delivered, restarted
-by every delivery, backing off per try; the oldest ``TIMEOUT_BATCH`` unverified chunks per
-scan). Before a retransmission the candidates' slot words are read again: arrived but not yet
-verified is not lost. Scans look at the unverified chunks only (a chunk lost twice keeps the
-lowest unverified one far behind).
+miss held among hits is asked once more at once, not again at every scan). Always when nothing
+came back for the retransmission timeout (RFC 6298 per transfer, following the measured round
+trip as a link's queue grows, at least ``DRAIN_GAIN`` x the time the route's chunks in flight
+(every transfer's: they share the link's queue) take at the measured delivery rate, at most
+``MAX_RTO`` before backing off; before a transfer's first reply at least ``INITIAL_RTO``, or
+``ACTIVE_FIRST_RTO`` once the route has delivered, restarted by every delivery, backing off per
+try; the oldest ``TIMEOUT_BATCH`` unverified chunks per scan). Before a retransmission the
+candidates' slot words are read again: arrived but not yet verified is not lost. Scans look at
+the unverified chunks only (a chunk lost twice keeps the lowest unverified one far behind).
 
 The window per pool node starts at ``INITIAL_WINDOW`` (at most ``start_window``), grows as
 TCP's (slow start, then congestion avoidance) and halves once per round trip on loss towards

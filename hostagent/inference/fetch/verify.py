@@ -42,7 +42,8 @@ def _bad_chunks(t: Transfer, idx: np.ndarray, crcs: np.ndarray, x, arena_mv, cs:
     return bad + folder.bad_chunks(arena_mv[base * cs:], crcs, idx)
 
 
-def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, ring, rto_floor: float, reo_floor: float, max_window: int) -> int:
+def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, ring,
+           rto_floor: float, reo_floor: float, max_window: int) -> int:
     """Verify the chunks of ``t`` that arrived since the last look; how many passed."""
     lo, hi, base, gen = t.lo, t.next_new, t.base, t.gen
     prev, t.looked = t.looked, time.monotonic()  # before the slot words are read
