@@ -61,15 +61,19 @@ class Deployment:
         return flags
 
 
-def crc32_table() -> list[int]:
-    """The byte-at-a-time table of CRC-32 (IEEE, reflected), as the data plane's kv_crc_table."""
-    table = []
+def crc32_tables(slices: int = CONSTANTS["KV_CRC_SLICES"]) -> list[int]:
+    """The data plane's kv_crc_table: ``slices`` tables of CRC-32 (IEEE, reflected), 256 entries
+    each, one after the other. Table 0 is the byte-at-a-time table; table k is table k-1 taken
+    one zero byte further (slicing-by-N: N bytes a step)."""
+    tables = [[]]
     for n in range(256):
         c = n
         for _ in range(8):
             c = (c >> 1) ^ (0xEDB88320 if c & 1 else 0)
-        table.append(c)
-    return table
+        tables[0].append(c)
+    for _ in range(1, slices):
+        tables.append([(c >> 8) ^ tables[0][c & 0xFF] for c in tables[-1]])
+    return [c for table in tables for c in table]
 
 
 def pinned_deployment(pin_dir: str) -> Deployment:
@@ -123,8 +127,8 @@ class DataPlane(Program, source="kvswitch.c", header="kvswitch.h", stats="KV_STA
                                      append=(xdp.source("kvwrite.c"),))
             self.ingress, self.egress = fns["kv_ingress"], fns["kv_egress"]
             self.writer = fns["kv_write"]
-            table = self.bpf.get_table(b"kv_crc_table")
-            table[table.Key(0)] = table.Leaf((ctypes.c_uint32 * 256)(*crc32_table()))
+            crc, table = crc32_tables(), self.bpf.get_table(b"kv_crc_table")
+            table[table.Key(0)] = table.Leaf((ctypes.c_uint32 * len(crc))(*crc))
             self.devmap = self.bpf.get_table(b"kv_devmap")
         else:
             self.bpf, fns = load_xdp(xdp.source("kvwrite.c"), ("kv_write",), deployment.cflags())

@@ -168,6 +168,40 @@ def test_speculative_fill_still_learns_only_solicited_pool_replies(dp, cache, ca
     assert cache.get(5, KEY, 3) is None and dp.get("spec_fill") == 100
 
 
+def _pattern(length: int) -> bytes:
+    return bytes((i * 13 + length) & 0xFF for i in range(length))
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 700, 1008, 1009, 1023, 1024])
+def test_replies_of_every_length_are_learned_with_their_crc(dp, cache, length):
+    """kv_crc_table's CRC takes 16-byte steps, then the rest a byte at a time: lengths around
+    the step and the entry size (1024 here) all check."""
+    cache.admit(5, KEY)
+    data = _pattern(length)
+    run(dp, get_frame())
+    raw = bytes(reply_frame(payload=data))
+    assert run(dp, raw, port="pool") == (XDP.PASS, raw)
+    entry, payload = cache.get(5, KEY, 3)
+    assert payload == data and entry.csum == checksum(data)
+
+
+@pytest.mark.parametrize("length,at", [(1024, 0), (1024, 1023), (1024, 1008), (1023, 1015),
+                                       (1009, 1008), (17, 16), (15, 14), (700, 350)])
+def test_a_reply_failing_its_crc_in_any_byte_is_passed_not_learned(dp, cache, length, at):
+    cache.admit(5, KEY)
+    data = _pattern(length)
+    bad = bytearray(data)
+    bad[at] ^= 0x40
+    run(dp, get_frame())
+    frame = reply_frame(payload=bytes(bad))
+    frame[KV].csum = checksum(data)
+    raw = bytes(frame)
+    before = dp.counters()["fill_corrupt"]
+    assert run(dp, raw, port="pool") == (XDP.PASS, raw)      # the reader checks it too
+    assert cache.get(5, KEY, 3) is None
+    assert dp.counters()["fill_corrupt"] - before == 1
+
+
 def test_reply_larger_than_a_cache_entry_is_not_learned(dp, cache):
     cache.admit(5, KEY)
     run(dp, get_frame())

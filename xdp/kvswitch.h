@@ -14,6 +14,7 @@
 #ifndef KV_CACHE_ENTRIES
 #define KV_CACHE_ENTRIES 65536
 #endif
+#define KV_CRC_SLICES 16           /* kv_crc_table: CRC-32 tables, 256 entries each */
 #define KV_ADMIT_ENTRIES 65536
 #define KV_PORT_ENTRIES 256
 #define KV_PORT_NS_INLINE 8        /* namespaces a port's config holds itself */
