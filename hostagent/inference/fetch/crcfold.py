@@ -149,6 +149,7 @@ class Folder:
             first = int(idx[0])
             if crc32(buf[first * cs:(first + n) * cs]) == self.fold(crcs):
                 return []
+            return self._one_by_one(buf, crcs, idx)
         pos = np.arange(n)
         new = np.ones(n, bool)
         new[1:] = np.diff(idx) != 1                  # a hole: a run starts

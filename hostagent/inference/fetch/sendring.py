@@ -132,7 +132,12 @@ class Sender:
 
     def send(self) -> None:
         """One call's worth, from the calling thread."""
-        with self._calling, self.ns:
+        with self._calling:
+            self._send_here()
+
+    def _send_here(self) -> None:
+        """A call from the calling thread, which holds ``_calling``; what it raised is raised."""
+        with self.ns:
             err = self.ring.send(*self._call)
         if err is not None:
             raise err
@@ -143,12 +148,9 @@ class Sender:
         if self.ring.queued > most or not self._calling.acquire(blocking=False):
             return False
         try:
-            with self.ns:
-                err = self.ring.send(*self._call)
+            self._send_here()
         finally:
             self._calling.release()
-        if err is not None:
-            raise err
         return True
 
     def kick(self) -> None:
