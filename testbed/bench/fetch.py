@@ -5,8 +5,12 @@ every path measured in one run, on one testbed per chunk size (h1 reads, p1 hold
                 (the CRC of every chunk, and compared here), loss-free and under 1% and 5% loss of
                 the KV frames h1 receives (the engine's stand-in for the testbed's loss injector);
   xdp/pool      the engine past the switch (KV_F_NO_CACHE), answered by `hostagent serve`;
+  xdp/pool-learned  a first reader's fetch: the switch holds none of the block but admits it,
+                so every chunk comes from the pool node and the switch learns it (its CRC
+                checked in XDP) as the reply passes (the cold fetch a deployment sees);
   asyncio       today's asyncio client (hostagent.inference.client.KVClient) from the switch's
-  cache; mooncake      Mooncake Store's TCP get (get_into a registered buffer) of the same bytes
+                cache;
+  mooncake      Mooncake Store's TCP get (get_into a registered buffer) of the same bytes
                 from a segment on p1, with the switch's program detached (a plain bridge) and
                 attached; its master (testbed.lab.mooncake) runs in the topology's m1;
   switch hit    the switch's hit rate as `bench throughput` measures it (live-frames GET
@@ -91,7 +95,7 @@ def _row(path: str, source: str, cs: int, nbytes: int, seconds: list[float], exa
 def _engine(e: FetchEngine, key: bytes, n: int, expect: bytes, reps: int,
             no_cache: bool = False, loss: float = 0.0, ns: int = NS) -> dict:
     out = {"seconds": [], "retransmits": 0, "checksum_errors": 0, "exact": True, "cpu": 0.0,
-           "timeouts": 0}
+           "timeouts": 0, "from_pool": 0}
     e.loss_ppm = int(loss * 1e6)
     try:
         for _ in range(reps):
@@ -105,6 +109,7 @@ def _engine(e: FetchEngine, key: bytes, n: int, expect: bytes, reps: int,
             out["seconds"].append(b.stats.seconds)
             out["retransmits"] += b.stats.retransmits
             out["checksum_errors"] += b.stats.checksum_errors
+            out["from_pool"] += b.stats.from_pool
             out["exact"] &= b.numpy().tobytes() == expect
             out["cpu"] += e.stats.step_cpu - cpu0
             b.release()
@@ -118,6 +123,7 @@ def _merge(parts: list[dict]) -> dict:
     return {"seconds": seconds, "exact": all(p["exact"] for p in parts),
             "retransmits": sum(p["retransmits"] for p in parts),
             "checksum_errors": sum(p["checksum_errors"] for p in parts),
+            "from_pool": sum(p["from_pool"] for p in parts),
             "cpu_ms_per_fetch": round(sum(p["cpu"] for p in parts) / max(1, len(seconds)) * 1e3,
                                       2),
             "timeouts": sum(p.get("timeouts", 0) for p in parts),
@@ -141,6 +147,26 @@ def asyncio_get(pools: list[str], cs: int, key_hex: str, n: int, reps: int) -> d
 
     res = asyncio.run(go())
     return {"seconds": [s for s, _ in res], "exact": all(ok for _, ok in res)}
+
+
+def _learned(e: FetchEngine, lab: Lab, block: tuple, fetches: int) -> dict:
+    """A deployment's first reader of a block: the switch holds none of it but admits it, so
+    every chunk comes from the pool node and the switch learns it (its CRC checked) as the
+    reply passes. The block is dropped from the cache before each fetch; a last fetch checks
+    that the switch then answers all of it."""
+    key, n, data = block
+    dp = DataPlane(pinned_deployment(lab.topo.pin_dir), programs=False)
+    parts = []
+    try:
+        cache = Cache(dp)
+        for _ in range(fetches):
+            cache.evict(NS, key)
+            cache.admit(NS, key)
+            parts.append(_engine(e, key, n, data, 1))
+        then = _engine(e, key, n, data, 1)
+    finally:
+        dp.bpf.cleanup()
+    return {**_merge(parts), "then_from_switch": then["from_pool"] == 0 and then["exact"]}
 
 
 def _hit_path(gen: Generator, lab: Lab, key: bytes, n: int, cs: int, seconds: float) -> dict:
@@ -306,6 +332,7 @@ def bench_chunk(cs: int, sizes_mib: list[int], rounds: int, reps: int, losses: l
                     for m in sizes_mib}
             apool = {m: _engine(e, akeys[m], nch[m], blocks[m][2], rounds, no_cache=True,
                                 ns=NS_AUTH) for m in sizes_mib}
+            learned = {m: _learned(e, lab, blocks[m], rounds) for m in sizes_mib}
         finally:
             e.close()
         for m in sizes_mib:
@@ -338,11 +365,17 @@ def bench_chunk(cs: int, sizes_mib: list[int], rounds: int, reps: int, losses: l
             s = _merge([apool[m]])
             rows.append(_row("xdp-auth", "pool", cs, nbytes, s["seconds"], s["exact"], loss=0.0,
                              retransmits=s["retransmits"]))
+            s, bypass = learned[m], rows[-2]["gbytes_per_s"]
+            rows.append(_row("xdp", "pool-learned", cs, nbytes, s["seconds"], s["exact"],
+                             loss=0.0, retransmits=s["retransmits"], from_pool=s["from_pool"],
+                             then_from_switch=s["then_from_switch"]))
+            rows[-1]["vs_pool_bypass"] = (round(rows[-1]["gbytes_per_s"] / bypass, 3)
+                                          if rows[-1]["gbytes_per_s"] and bypass else None)
             a = lab.task("h1", f"{__name__}:asyncio_get", lab.pool_addrs, cs, key.hex(), n,
                          3 if nbytes <= 8 * MIB else 1)
             rows.append(_row("asyncio", "switch", cs, nbytes, a["seconds"], a["exact"],
                              loss=0.0))
-            for r in rows[-(len(conds) + 4):]:
+            for r in rows[-(len(conds) + 5):]:
                 log(f"  {cs} B, {m} MiB: {r['path']}/{r['source']} loss {r['loss']:g}: "
                     f"{r['gbytes_per_s'] or 0:.3f} GB/s, byte-exact {r['byte_exact']}")
         if mooncake:
@@ -412,7 +445,8 @@ SERIES = [("switch hit path (ceiling)", None), ("xdp engine, switch", ("xdp", "s
           ("mooncake TCP, plain bridge", ("mooncake", "mooncake", "detached")),
           ("mooncake TCP, switch attached", ("mooncake", "mooncake", "attached")),
           ("asyncio client, switch", ("asyncio", "switch", None)),
-          ("xdp engine, pool node", ("xdp", "pool", None))]
+          ("xdp engine, pool node", ("xdp", "pool", None)),
+          ("xdp engine, pool node, switch learning", ("xdp", "pool-learned", None))]
 
 
 def plot_fetch(out: dict, path: str) -> None:
