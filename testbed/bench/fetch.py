@@ -278,7 +278,10 @@ def bench_chunk(cs: int, sizes_mib: list[int], rounds: int, reps: int, losses: l
     nch = {m: -(-(m * MIB) // cs) for m in sizes_mib}
     conds = [0.0] + list(losses)
     lab = Lab(PREFIX, hosts=1, pools=1, chunk_size=cs, pool_capacity="1GiB",
-              cache_entries=max(65536, 1 << (2 * sum(nch.values()) + 1).bit_length()),
+              # every block and its sealed twin placed, and a fill region the largest can be
+              # learned into whole (xdp/pool-learned)
+              cache_entries=max(65536, 1 << (2 * sum(nch.values()) + max(nch.values()))
+                                .bit_length()),
               switchd_args=("--no-coalesce", "--policy", "off"))
     lab.topo = Topology(PREFIX, 1, 1, mtu=lab.topo.mtu, master=mooncake)   # + m1, the master
     rows, hits = [], []
