@@ -1,9 +1,10 @@
-"""When the fetch engine presumes a chunk lost on a transfer the switch answers from its cache
-within the sending call (hostagent.inference.fetch.transfers): a hole behind a later hit, in a
-call that ended before the engine last looked, is asked again at once for the first
-``FAST_TRIES`` asks, and only after a growing wait beyond them (a miss the switch holds for a
-pool node's reply is not asked again at every scan). Pure Python: the send ring over a plain
-array, no BPF."""
+"""When the fetch engine presumes a chunk lost (hostagent.inference.fetch.transfers): on a
+transfer the switch answers from its cache within the sending call, a hole behind a later hit,
+in a call that ended before the engine last looked, is asked again at once for the first
+``FAST_TRIES`` asks and never by that rule after them (it may be a miss the switch holds for a
+pool node's reply; the timeout still applies), with at most ``FAST_OUT`` such asks out at once;
+and before a route has a delivery rate the timeout is at least ``ACTIVE_FIRST_RTO``. Pure
+Python: the send ring over a plain array, no BPF."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,37 +12,44 @@ import pytest
 
 from hostagent.inference.fetch.program import SENDQ
 from hostagent.inference.fetch.sendring import SendRing
-from hostagent.inference.fetch.transfers import FAST_TRIES, Route, Transfer, fill
+from hostagent.inference.fetch.transfers import (ACTIVE_FIRST_RTO, FAST_OUT, FAST_TRIES,
+                                                 TIMEOUT_BATCH, Route, Transfer, fill)
 
 KEY = bytes(range(16))
 NOW = 100.0
 TAIL_WAIT = 0.0002
 
 
-def lossy_round(tries: int) -> tuple[Transfer, SendRing]:
-    """Four chunks asked in one call that ended 10 us ago; chunks 0, 2 and 3 came back from the
-    switch's cache and were verified 5 us ago, chunk 1 (asked ``tries`` times) did not."""
+def lossy_round(tries: int, n: int = 4, hits: tuple[int, ...] = (0, 2, 3),
+                bw: float = 300_000.0) -> tuple[Transfer, SendRing]:
+    """``n`` chunks asked in one call that ended 10 us ago; chunks ``hits`` came back from the
+    switch's cache and were verified 5 us ago, the others (asked ``tries`` times) did not."""
     route = Route(0, ("198.18.0.101", 19286), 64)
-    route.bw, route.min_rtt, route.base_rtt = 300_000.0, 0.0003, 0.0003
-    t = Transfer(route, 1, KEY, 4, False, 30.0)
+    route.bw, route.min_rtt, route.base_rtt = bw, 0.0003, 0.0003
+    t = Transfer(route, 1, KEY, n, False, 30.0)
     t.idx, t.gen, t.base = 0, 1, 0
     t.rtt.srtt, t.rtt.late = 0.0003, 0.0                 # answered within the call
-    t.seen_received, t.switched = 3, True
+    t.seen_received, t.switched = len(hits), True
     ring = SendRing(SimpleNamespace(sendq=np.zeros(SENDQ, np.uint64)))
-    ring.prod = ring.cons = 4
-    ring.pos_time[:4], ring.done_time[:4] = NOW - 20e-6, NOW - 10e-6
-    t.sent_seq[:], t.sent_t[:], t.tries[:] = np.arange(4), NOW - 20e-6, 1
-    t.tries[1] = tries
-    t.verified[:] = [True, False, True, True]
-    t.nverified, t.next_new, t.lo, t.max_hit_seq = 3, 4, 1, 3
+    ring.prod = ring.cons = n
+    ring.pos_time[:n], ring.done_time[:n] = NOW - 20e-6, NOW - 10e-6
+    t.sent_seq[:], t.sent_t[:], t.tries[:] = np.arange(n), NOW - 20e-6, tries
+    t.verified[list(hits)] = True
+    t.tries[list(hits)] = 1
+    t.nverified, t.next_new, t.max_hit_seq = len(hits), n, max(hits)
+    t.lo = int(np.argmin(t.verified))
     t.looked = t.last_delivery = NOW - 5e-6
     return t, ring
 
 
 def retransmitted(t: Transfer, ring: SendRing, now: float) -> list[int]:
     before = ring.prod
-    fill([t], ring, np.zeros(4, np.uint64), now, burst=64, tail_wait=TAIL_WAIT, max_ahead=64)
-    return [int(e) & 0xFFFFFFFF for e in ring.prog.sendq[before:ring.prod]]
+    fill([t], ring, np.zeros(t.nchunks, np.uint64), now, burst=1024, tail_wait=TAIL_WAIT,
+         max_ahead=1024)
+    asked = [int(e) & 0xFFFFFFFF for e in ring.prog.sendq[before:ring.prod]]
+    seqs = np.arange(ring.cons, ring.prod) % SENDQ        # sent in a call that ended at once
+    ring.pos_time[seqs], ring.done_time[seqs], ring.cons = now, now, ring.prod
+    return asked
 
 
 @pytest.mark.parametrize("tries", range(1, FAST_TRIES + 1))
@@ -51,10 +59,34 @@ def test_a_hole_behind_a_later_hit_is_asked_again_at_the_next_look(tries):
     assert t.tries[1] == tries + 1 and t.stats.retransmits == 1
 
 
-def test_past_the_fast_tries_a_hole_waits_for_the_backed_off_tail_wait():
-    tries = FAST_TRIES + 1
-    t, ring = lossy_round(tries)
-    assert retransmitted(t, ring, NOW) == []
-    wait = TAIL_WAIT * 2.0 ** (tries - 1)                # HIT_BACKOFF per try
+def test_past_the_fast_tries_a_hole_waits_for_the_timeout():
+    t, ring = lossy_round(FAST_TRIES + 1)
+    t.rtt.rto = 0.002
+    backoff = 2.0 ** FAST_TRIES                          # per try, past the first
+    for later in (0.0, 0.001, 0.002 * backoff * 0.9):    # replies kept coming until NOW
+        t.next_scan = 0.0
+        assert retransmitted(t, ring, NOW + later) == [], later
     t.next_scan = 0.0
-    assert retransmitted(t, ring, NOW - 10e-6 + wait * 1.1) == [1]
+    assert retransmitted(t, ring, NOW + 0.002 * backoff * 1.1) == [1]
+
+
+def test_the_tail_rule_keeps_at_most_fast_out_asks_again_out_at_once():
+    n = 3 * FAST_OUT                # a block the switch is learning: its first chunks held
+    t, ring = lossy_round(1, n=n, hits=(n - 1,))
+    assert retransmitted(t, ring, NOW) == list(range(FAST_OUT))
+    t.next_scan = 0.0
+    assert retransmitted(t, ring, NOW + 0.0001) == []    # none of them back yet
+    t.verified[:16] = True                               # 16 came back
+    t.nverified, t.lo = 17, 16
+    t.next_scan = 0.0
+    assert retransmitted(t, ring, NOW + 0.0002) == list(range(FAST_OUT, FAST_OUT + 16))
+
+
+def test_before_a_delivery_rate_the_timeout_waits_for_the_rest_of_the_window():
+    """Two hits came back at once, 64 chunks wait behind a slow link: not timed out after
+    1.5 ms (the round trip of the two was 0.3 ms), only after ``ACTIVE_FIRST_RTO``."""
+    t, ring = lossy_round(1, n=66, hits=(0, 1), bw=0.0)
+    t.rtt.rto, t.switched = 0.001, False
+    assert retransmitted(t, ring, NOW + 0.0015) == []
+    t.next_scan = 0.0
+    assert retransmitted(t, ring, NOW + ACTIVE_FIRST_RTO * 1.1) == list(range(2, 2 + TIMEOUT_BATCH))

@@ -13,13 +13,17 @@ link queue in between, however long the engine's own batches make the round trip
 lost when a hit asked for after it came back (SACK-like: replies keep arriving, so this is
 loss, not a queue) and its call ended before the last look (the first ``FAST_TRIES`` asks) or
 ``tail_wait`` (or eight gaps between deliveries at the measured rate) ago, or when nothing came
-back for that long since its call; each try after those waits ``HIT_BACKOFF`` times longer (a
-miss held among hits is asked once more at once, not again at every scan). Always when nothing
+back for that long since its call (a second try's wait ``HIT_BACKOFF`` times longer). That
+rule takes a chunk for lost for its first ``FAST_TRIES`` asks only, and keeps at most
+``FAST_OUT`` chunks asked again out at once: a hole may be a miss the switch holds for a pool
+node's reply (a block it is still learning), which then waits for that reply or the timeout,
+rather than every hole being asked again at every scan. Always when nothing
 came back for the retransmission timeout (RFC 6298 per transfer, following the measured round
 trip as a link's queue grows, at least ``DRAIN_GAIN`` x the time the route's chunks in flight
 (every transfer's: they share the link's queue) take at the measured delivery rate, at most
 ``MAX_RTO`` before backing off; before a transfer's first reply at least ``INITIAL_RTO``, or
-``ACTIVE_FIRST_RTO`` once the route has delivered, restarted by every delivery, backing off per
+``ACTIVE_FIRST_RTO`` once the route has delivered, and that until the route has a delivery rate;
+restarted by every delivery, backing off per
 try; the oldest ``TIMEOUT_BATCH`` unverified chunks per scan). Before a retransmission the
 candidates' slot words are read again: arrived but not yet verified is not lost. Scans look at
 the unverified chunks only (a chunk lost twice keeps the lowest unverified one far behind).
@@ -65,9 +69,14 @@ BASE_RTT_WINDOW = 10.0                  # seconds a base (least) round trip is t
 DRAIN_GAIN = 2.0                        # timeout >= this x (chunks in flight / delivery rate)
 MAX_RTO = 1.0                           # seconds, before backoff: RFC 6298's own bound here
 HIT_BACKOFF = 2.0                       # the tail rule's wait grows this much per try
-FAST_TRIES = 2                          # asks lost at the first look after their call: a
-#                                         retransmission lost too (1 in 20 at 5 % loss) is not
-#                                         held 0.4 ms; a miss held among hits is asked twice
+FAST_TRIES = 2                          # asks the tail rule takes for lost: a retransmission
+#                                         lost too (1 in 20 at 5 % loss) is not held 0.4 ms; a
+#                                         miss the switch holds among hits is asked twice, then
+#                                         waits for its reply (or the timeout)
+FAST_OUT = 64                           # chunks asked again and not back, most the tail rule
+#                                         adds to: the holes of a block the switch is still
+#                                         learning are held misses, and 600 asked again at once
+#                                         filled a 50 Mbit/s link's queue and were dropped
 TIMEOUT_BATCH = 16                      # chunks presumed lost by a timeout per scan
 IDLE_CHUNKS, IDLE_MAX = 8, 0.002        # a step on a queued link sleeps ~8 deliveries, <= 2 ms
 
@@ -285,6 +294,11 @@ def _timers(t: Transfer) -> tuple[bool, float]:
         # 50 Mbit/s pool link over a bridge: a reader left 1,361 chunks unasked for 30 s)
         rto = max(rto, min(MAX_RTO, DRAIN_GAIN * max(t.inflight, t.route.inflight)
                            / t.route.bw))
+    elif t.seen_received:
+        # no delivery rate yet: the first replies can be hits or a queue's head, and the rest
+        # of the window wait behind a slow link (4 readers of a 10 Mbit/s pool node: 16 chunks
+        # of a reader's first 66 timed out 1.4 ms after 2 hits)
+        rto = max(rto, ACTIVE_FIRST_RTO)
     if t.seen_received:
         # answers within the call: a short round trip, and a measured delivery rate (its gaps
         # set the tail rule's wait, see _tail_wait); else a link queue is in between
@@ -327,11 +341,19 @@ def _lost(t: Transfer, ring, meta: np.ndarray, now: float, tail_wait: float,
         # keep coming, so loss, not a queue), as is one after which the transfer went quiet;
         # each try waits HIT_BACKOFF times longer: a chunk the switch holds for a pool reply
         # (a miss among hits) is not asked again at every scan
-        wait = tail_wait * np.power(HIT_BACKOFF, np.minimum(tries - 1, 6))
+        wait = tail_wait * np.power(HIT_BACKOFF, tries - 1)
         behind = seq < t.max_hit_seq
-        lost |= (behind & (ended > wait)) | (quiet > wait)
+        tail = (behind & (ended > wait)) | (quiet > wait)
         if t.looked is not None:        # an early ask whose call ended before the last look
-            lost |= behind & (tries <= FAST_TRIES) & (ring.done_time[seq % SENDQ] < t.looked)
+            tail |= behind & (ring.done_time[seq % SENDQ] < t.looked)
+        # a hole can be a miss the switch holds for a pool node's reply rather than a lost hit
+        # (no reply says which): each chunk is taken for lost this way FAST_TRIES times at
+        # most, and at most FAST_OUT asked again are out at once
+        tail &= (tries <= FAST_TRIES) & ~lost
+        out = t.tries[lo:t.next_new][~t.verified[lo:t.next_new]] > 1   # queued ones too
+        room = max(0, FAST_OUT - int(np.count_nonzero(out)))
+        tail[np.flatnonzero(tail)[room:]] = False
+        lost |= tail
     idx = idx[lost][:share]
     if not idx.size:
         return idx
