@@ -149,23 +149,18 @@ def asyncio_get(pools: list[str], cs: int, key_hex: str, n: int, reps: int) -> d
     return {"seconds": [s for s, _ in res], "exact": all(ok for _, ok in res)}
 
 
-def _learned(e: FetchEngine, lab: Lab, block: tuple, fetches: int) -> dict:
+def _learned(e: FetchEngine, cache: Cache, block: tuple, fetches: int) -> dict:
     """A deployment's first reader of a block: the switch holds none of it but admits it, so
     every chunk comes from the pool node and the switch learns it (its CRC checked) as the
     reply passes. The block is dropped from the cache before each fetch; a last fetch checks
     that the switch then answers all of it."""
     key, n, data = block
-    dp = DataPlane(pinned_deployment(lab.topo.pin_dir), programs=False)
     parts = []
-    try:
-        cache = Cache(dp)
-        for _ in range(fetches):
-            cache.evict(NS, key)
-            cache.admit(NS, key)
-            parts.append(_engine(e, key, n, data, 1))
-        then = _engine(e, key, n, data, 1)
-    finally:
-        dp.bpf.cleanup()
+    for _ in range(fetches):
+        cache.evict(NS, key)
+        cache.admit(NS, key)
+        parts.append(_engine(e, key, n, data, 1))
+    then = _engine(e, key, n, data, 1)
     return {**_merge(parts), "then_from_switch": then["from_pool"] == 0 and then["exact"]}
 
 
@@ -335,12 +330,16 @@ def bench_chunk(cs: int, sizes_mib: list[int], rounds: int, reps: int, losses: l
                     for m in sizes_mib}
             apool = {m: _engine(e, akeys[m], nch[m], blocks[m][2], rounds, no_cache=True,
                                 ns=NS_AUTH) for m in sizes_mib}
-            learned = {m: _learned(e, lab, blocks[m], rounds) for m in sizes_mib}
+            dp = DataPlane(pinned_deployment(lab.topo.pin_dir), programs=False)
+            try:
+                learned = {m: _learned(e, Cache(dp), blocks[m], rounds) for m in sizes_mib}
+            finally:
+                dp.bpf.cleanup()
         finally:
             e.close()
         for m in sizes_mib:
             key, n, data = blocks[m]
-            nbytes = n * cs
+            nbytes, first = n * cs, len(rows)
             hr = [h["gbps"] for h in hit[m]]
             hits.append({"chunk_bytes": cs, "block_bytes": nbytes, "rounds": [round(h, 3) for h
                                                                               in hr],
@@ -368,17 +367,17 @@ def bench_chunk(cs: int, sizes_mib: list[int], rounds: int, reps: int, losses: l
             s = _merge([apool[m]])
             rows.append(_row("xdp-auth", "pool", cs, nbytes, s["seconds"], s["exact"], loss=0.0,
                              retransmits=s["retransmits"]))
-            s, bypass = learned[m], rows[-2]["gbytes_per_s"]
+            s = learned[m]
             rows.append(_row("xdp", "pool-learned", cs, nbytes, s["seconds"], s["exact"],
                              loss=0.0, retransmits=s["retransmits"], from_pool=s["from_pool"],
                              then_from_switch=s["then_from_switch"]))
-            rows[-1]["vs_pool_bypass"] = (round(rows[-1]["gbytes_per_s"] / bypass, 3)
-                                          if rows[-1]["gbytes_per_s"] and bypass else None)
+            rows[-1]["vs_pool_bypass"] = _median_ratio(
+                [_rate(nbytes, s["seconds"])], [_rate(nbytes, pool[m]["seconds"])])
             a = lab.task("h1", f"{__name__}:asyncio_get", lab.pool_addrs, cs, key.hex(), n,
                          3 if nbytes <= 8 * MIB else 1)
             rows.append(_row("asyncio", "switch", cs, nbytes, a["seconds"], a["exact"],
                              loss=0.0))
-            for r in rows[-(len(conds) + 5):]:
+            for r in rows[first:]:
                 log(f"  {cs} B, {m} MiB: {r['path']}/{r['source']} loss {r['loss']:g}: "
                     f"{r['gbytes_per_s'] or 0:.3f} GB/s, byte-exact {r['byte_exact']}")
         if mooncake:
