@@ -1,10 +1,12 @@
 """When the fetch engine presumes a chunk lost (hostagent.inference.fetch.transfers): on a
 transfer the switch answers from its cache within the sending call, a hole behind a later hit,
 in a call that ended before the engine last looked, is asked again at once for the first
-``FAST_TRIES`` asks and never by that rule after them (it may be a miss the switch holds for a
-pool node's reply; the timeout still applies), with at most ``FAST_OUT`` such asks out at once;
-and before a route has a delivery rate the timeout is at least ``ACTIVE_FIRST_RTO``. Pure
-Python: the send ring over a plain array, no BPF."""
+``FAST_TRIES`` asks, and after a growing wait beyond them; once a reply of the transfer came on
+the pool's path (the switch forwards its misses, so a hole may be a miss it holds), or while
+most of the chunks asked are missing, the tail rule stops at ``FAST_TRIES`` asks (the timeout
+still applies) and keeps at most ``FAST_OUT`` asks out at once; and before a route has a
+delivery rate the timeout is at least ``ACTIVE_FIRST_RTO``. Pure Python: the send ring over a
+plain array, no BPF."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -59,9 +61,18 @@ def test_a_hole_behind_a_later_hit_is_asked_again_at_the_next_look(tries):
     assert t.tries[1] == tries + 1 and t.stats.retransmits == 1
 
 
-def test_past_the_fast_tries_a_hole_waits_for_the_timeout():
+def test_past_the_fast_tries_a_hole_waits_for_the_backed_off_tail_wait():
+    tries = FAST_TRIES + 1
+    t, ring = lossy_round(tries)
+    assert retransmitted(t, ring, NOW) == []
+    wait = TAIL_WAIT * 2.0 ** (tries - 1)                # HIT_BACKOFF per try
+    t.next_scan = 0.0
+    assert retransmitted(t, ring, NOW - 10e-6 + wait * 1.1) == [1]
+
+
+def test_where_misses_go_to_the_pool_a_hole_past_the_fast_tries_waits_for_the_timeout():
     t, ring = lossy_round(FAST_TRIES + 1)
-    t.rtt.rto = 0.002
+    t.pool_path, t.rtt.rto = True, 0.002
     backoff = 2.0 ** FAST_TRIES                          # per try, past the first
     for later in (0.0, 0.001, 0.002 * backoff * 0.9):    # replies kept coming until NOW
         t.next_scan = 0.0
@@ -70,9 +81,10 @@ def test_past_the_fast_tries_a_hole_waits_for_the_timeout():
     assert retransmitted(t, ring, NOW + 0.002 * backoff * 1.1) == [1]
 
 
-def test_the_tail_rule_keeps_at_most_fast_out_asks_again_out_at_once():
+def test_where_misses_go_to_the_pool_at_most_fast_out_asks_again_are_out_at_once():
     n = 3 * FAST_OUT                # a block the switch is learning: its first chunks held
     t, ring = lossy_round(1, n=n, hits=(n - 1,))
+    t.pool_path = True
     assert retransmitted(t, ring, NOW) == list(range(FAST_OUT))
     t.next_scan = 0.0
     assert retransmitted(t, ring, NOW + 0.0001) == []    # none of them back yet
@@ -80,6 +92,21 @@ def test_the_tail_rule_keeps_at_most_fast_out_asks_again_out_at_once():
     t.nverified, t.lo = 17, 16
     t.next_scan = 0.0
     assert retransmitted(t, ring, NOW + 0.0002) == list(range(FAST_OUT, FAST_OUT + 16))
+
+
+def test_where_only_hits_came_back_every_hole_is_asked_again_at_once():
+    n = 8 * FAST_OUT                # loss on the hit path: a quarter of the chunks
+    holes = list(range(0, n, 4))
+    t, ring = lossy_round(1, n=n, hits=tuple(sorted(set(range(n)) - set(holes))))
+    assert retransmitted(t, ring, NOW) == holes
+
+
+def test_where_most_of_the_asked_chunks_are_missing_they_are_taken_for_held():
+    """Before any reply on the pool's path: a later reader of a block the switch is learning
+    gets hits for the chunks others asked for first, while its own wait in the pool's queue."""
+    n = 3 * FAST_OUT
+    t, ring = lossy_round(1, n=n, hits=(n - 1,))
+    assert retransmitted(t, ring, NOW) == list(range(FAST_OUT))
 
 
 def test_before_a_delivery_rate_the_timeout_waits_for_the_rest_of_the_window():

@@ -13,11 +13,13 @@ link queue in between, however long the engine's own batches make the round trip
 lost when a hit asked for after it came back (SACK-like: replies keep arriving, so this is
 loss, not a queue) and its call ended before the last look (the first ``FAST_TRIES`` asks) or
 ``tail_wait`` (or eight gaps between deliveries at the measured rate) ago, or when nothing came
-back for that long since its call (a second try's wait ``HIT_BACKOFF`` times longer). That
-rule takes a chunk for lost for its first ``FAST_TRIES`` asks only, and keeps at most
-``FAST_OUT`` chunks asked again out at once: a hole may be a miss the switch holds for a pool
-node's reply (a block it is still learning), which then waits for that reply or the timeout,
-rather than every hole being asked again at every scan. Always when nothing
+back for that long since its call; each try after those waits ``HIT_BACKOFF`` times longer.
+Once a reply of the transfer came on the pool's path, or while more than ``HELD_SHARE`` of the
+chunks asked are missing, a hole may be a miss the switch holds for a pool node's reply (a
+block it is still learning) rather than a lost hit: that rule then takes a chunk for lost for
+its first ``FAST_TRIES`` asks only and keeps at most ``FAST_OUT`` chunks asked again out at
+once, and a held miss waits for its reply or the timeout (every hole asked again at every
+scan overfilled a shaped link's queue). Always when nothing
 came back for the retransmission timeout (RFC 6298 per transfer, following the measured round
 trip as a link's queue grows, at least ``DRAIN_GAIN`` x the time the route's chunks in flight
 (every transfer's: they share the link's queue) take at the measured delivery rate, at most
@@ -69,14 +71,16 @@ BASE_RTT_WINDOW = 10.0                  # seconds a base (least) round trip is t
 DRAIN_GAIN = 2.0                        # timeout >= this x (chunks in flight / delivery rate)
 MAX_RTO = 1.0                           # seconds, before backoff: RFC 6298's own bound here
 HIT_BACKOFF = 2.0                       # the tail rule's wait grows this much per try
-FAST_TRIES = 2                          # asks the tail rule takes for lost: a retransmission
-#                                         lost too (1 in 20 at 5 % loss) is not held 0.4 ms; a
-#                                         miss the switch holds among hits is asked twice, then
-#                                         waits for its reply (or the timeout)
+FAST_TRIES = 2                          # asks lost at the first look after their call: a
+#                                         retransmission lost too (1 in 20 at 5 % loss) is not
+#                                         held 0.4 ms; where a hole may be a held miss, the
+#                                         only asks the tail rule takes for lost
 FAST_OUT = 64                           # chunks asked again and not back, most the tail rule
 #                                         adds to: the holes of a block the switch is still
 #                                         learning are held misses, and 600 asked again at once
 #                                         filled a 50 Mbit/s link's queue and were dropped
+HELD_SHARE = 0.5                        # or more of the chunks asked and not back: held,
+#                                         not lost (and if lost, not to be asked again at once)
 TIMEOUT_BATCH = 16                      # chunks presumed lost by a timeout per scan
 IDLE_CHUNKS, IDLE_MAX = 8, 0.002        # a step on a queued link sleeps ~8 deliveries, <= 2 ms
 
@@ -268,6 +272,7 @@ class Transfer:
         self.lo = 0                                   # lowest unverified chunk
         self.max_recv_seq = -1                        # latest position answered (first asks)
         self.max_hit_seq = -1                         # latest one answered from the cache
+        self.pool_path = False                        # a reply came on the pool's path
         self.last_delivery = time.monotonic()
         self.switched = False                         # the switch answers it (within the call)
         self.next_scan = 0.0
@@ -341,18 +346,20 @@ def _lost(t: Transfer, ring, meta: np.ndarray, now: float, tail_wait: float,
         # keep coming, so loss, not a queue), as is one after which the transfer went quiet;
         # each try waits HIT_BACKOFF times longer: a chunk the switch holds for a pool reply
         # (a miss among hits) is not asked again at every scan
-        wait = tail_wait * np.power(HIT_BACKOFF, tries - 1)
+        wait = tail_wait * np.power(HIT_BACKOFF, np.minimum(tries - 1, 6))
         behind = seq < t.max_hit_seq
         tail = (behind & (ended > wait)) | (quiet > wait)
         if t.looked is not None:        # an early ask whose call ended before the last look
-            tail |= behind & (ring.done_time[seq % SENDQ] < t.looked)
-        # a hole can be a miss the switch holds for a pool node's reply rather than a lost hit
-        # (no reply says which): each chunk is taken for lost this way FAST_TRIES times at
-        # most, and at most FAST_OUT asked again are out at once
-        tail &= (tries <= FAST_TRIES) & ~lost
-        out = t.tries[lo:t.next_new][~t.verified[lo:t.next_new]] > 1   # queued ones too
-        room = max(0, FAST_OUT - int(np.count_nonzero(out)))
-        tail[np.flatnonzero(tail)[room:]] = False
+            tail |= behind & (tries <= FAST_TRIES) & (ring.done_time[seq % SENDQ] < t.looked)
+        if t.pool_path or idx.size > HELD_SHARE * (t.next_new - lo):
+            # the switch forwards misses of this block, or most of what was asked is missing:
+            # a hole can be a miss it holds for a pool node's reply rather than a lost hit (no
+            # reply says which), so each chunk is taken for lost this way FAST_TRIES times at
+            # most, at most FAST_OUT out at once
+            tail &= (tries <= FAST_TRIES) & ~lost
+            out = t.tries[lo:t.next_new][~t.verified[lo:t.next_new]] > 1   # queued ones too
+            room = max(0, FAST_OUT - int(np.count_nonzero(out)))
+            tail[np.flatnonzero(tail)[room:]] = False
         lost |= tail
     idx = idx[lost][:share]
     if not idx.size:

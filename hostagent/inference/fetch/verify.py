@@ -79,6 +79,7 @@ def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, 
     hits = ((src & _FROM_SWITCH) != 0) & ((src & _REPLICA) == 0)
     if hits.any():                               # the switch's cache: within the call
         t.max_hit_seq = max(t.max_hit_seq, int(t.sent_seq[ok[hits]].max()))
+    t.pool_path |= not hits.all()
     if prev is not None:                         # came after its call and our last look
         ended = ring.done_time[t.sent_seq[ok] % SENDQ]
         t.rtt.arrived(np.count_nonzero(ended < prev) / ok.size)
