@@ -10,25 +10,24 @@ trip, at least ``reo_floor``). For a transfer the switch answers from its cache 
 FROM_SWITCH replies) within the test-run call that sent the GET (``sync``: fewer than
 ``LATE_MAX`` of its replies came after their call had ended and a look had not found them - no
 link queue in between, however long the engine's own batches make the round trip), a chunk is
-lost when a hit asked for after it came back (SACK-like: replies keep arriving, so this is
-loss, not a queue) and its call ended before the last look (the first ``FAST_TRIES`` asks) or
+lost when a hit asked for after it came back (SACK-like: replies keep arriving, so this is loss,
+not a queue) and its call ended before the last look (the first ``FAST_TRIES`` asks) or
 ``tail_wait`` (or eight gaps between deliveries at the measured rate) ago, or when nothing came
-back for that long since its call; each try after those waits ``HIT_BACKOFF`` times longer.
-Once a reply of the transfer came on the pool's path, or while more than ``HELD_SHARE`` of the
-chunks asked are missing, a hole may be a miss the switch holds for a pool node's reply (a
-block it is still learning) rather than a lost hit: that rule then takes a chunk for lost for
-its first ``FAST_TRIES`` asks only and keeps at most ``FAST_OUT`` chunks asked again out at
-once, and a held miss waits for its reply or the timeout (every hole asked again at every
-scan overfilled a shaped link's queue). Always when nothing
-came back for the retransmission timeout (RFC 6298 per transfer, following the measured round
-trip as a link's queue grows, at least ``DRAIN_GAIN`` x the time the route's chunks in flight
-(every transfer's: they share the link's queue) take at the measured delivery rate, at most
-``MAX_RTO`` before backing off; before a transfer's first reply at least ``INITIAL_RTO``, or
-``ACTIVE_FIRST_RTO`` once the route has delivered, and that until the route has a delivery rate;
-restarted by every delivery, backing off per
-try; the oldest ``TIMEOUT_BATCH`` unverified chunks per scan). Before a retransmission the
-candidates' slot words are read again: arrived but not yet verified is not lost. Scans look at
-the unverified chunks only (a chunk lost twice keeps the lowest unverified one far behind).
+back for that long since its call; each try after those waits ``HIT_BACKOFF`` times longer. Once
+a reply of the transfer came on the pool's path, or while more than ``HELD_SHARE`` of the chunks
+asked are missing, a hole may be a miss the switch holds for a pool node's reply (a block it is
+still learning) rather than a lost hit: that rule then takes a chunk for lost for its first
+``FAST_TRIES`` asks only and keeps at most ``FAST_OUT`` chunks asked again out at once, and a
+held miss waits for its reply or the timeout (every hole asked again at every scan overfilled a
+shaped link's queue). Always when nothing came back for the retransmission timeout (RFC 6298 per
+transfer, following the measured round trip as a link's queue grows, at least ``DRAIN_GAIN`` x
+the time the route's chunks in flight (every transfer's: they share the link's queue) take at
+the measured delivery rate, at most ``MAX_RTO`` before backing off; before a transfer's first
+reply at least ``INITIAL_RTO``, or ``ACTIVE_FIRST_RTO`` once the route has delivered, and that
+until the route has a delivery rate; restarted by every delivery, backing off per try; the
+oldest ``TIMEOUT_BATCH`` unverified chunks per scan). Before a retransmission the candidates'
+slot words are read again: arrived but not yet verified is not lost. Scans look at the
+unverified chunks only (a chunk lost twice keeps the lowest unverified one far behind).
 
 The window per pool node starts at ``INITIAL_WINDOW`` (at most ``start_window``), grows as
 TCP's (slow start, then congestion avoidance) and halves once per round trip on loss towards
@@ -79,8 +78,8 @@ FAST_OUT = 64                           # chunks asked again and not back, most 
 #                                         adds to: the holes of a block the switch is still
 #                                         learning are held misses, and 600 asked again at once
 #                                         filled a 50 Mbit/s link's queue and were dropped
-HELD_SHARE = 0.5                        # or more of the chunks asked and not back: held,
-#                                         not lost (and if lost, not to be asked again at once)
+HELD_SHARE = 0.5                        # more than this share of the chunks asked missing:
+#                                         held, not lost (if lost, not to be asked again at once)
 TIMEOUT_BATCH = 16                      # chunks presumed lost by a timeout per scan
 IDLE_CHUNKS, IDLE_MAX = 8, 0.002        # a step on a queued link sleeps ~8 deliveries, <= 2 ms
 
