@@ -218,7 +218,8 @@ def _render_counters(counters: dict[str, int], dep: Deployment, used: int) -> No
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@click.option("--watch", type=float, metavar="SECS", help="Refresh every SECS seconds.")
+@click.option("--watch", type=click.FloatRange(min=0, min_open=True), metavar="SECS",
+              help="Refresh every SECS seconds.")
 @pass_ctx
 def stats(obj: Context, as_json, watch):
     """Counters of the running switch, read from its pinned maps."""

@@ -22,7 +22,7 @@ from .lab.lab import STORES
 from .sim.cli import sim as sim_group
 from .sim.config import MODELS as SIM_MODELS
 from .lab.topology import TestbedError, Topology, down, namespaces_of
-from .options import (capacity_value, cpu_list, fail_unless, float_list,
+from .options import (capacity_value, chunk_list, cpu_list, fail_unless, float_list,
                       int_list, json_opt, link_options, link_spec, numbers, percent_list,
                       policy_list, trace_opt)
 
@@ -196,7 +196,7 @@ bench.add_command(compress_command())
 
 
 @bench.command()
-@click.option("--chunk-sizes", default="256,1024,3072", show_default=True, callback=int_list,
+@click.option("--chunk-sizes", default="256,1024,3072", show_default=True, callback=chunk_list,
               help="Chunk payload sizes (the veth MTU follows the chunk size).")
 @click.option("--seconds", type=click.FloatRange(0.1, 30), default=2.0, show_default=True,
               help="Measuring time of each scenario (after 0.3 s of warm-up).")
@@ -210,11 +210,13 @@ bench.add_command(compress_command())
               help="Chunks swept per scenario.")
 @click.option("--hit-ratios", default="0,25,50,75,100", show_default=True,
               callback=percent_list, help="Hit percentages of the sweep (empty: skip).")
-@click.option("--sweep-chunk", type=int, default=1024, show_default=True,
-              help="Chunk size of the hit-ratio sweep and the TCP measurement.")
+@click.option("--sweep-chunk", type=int,
+              help="Chunk size of the hit-ratio sweep and the TCP measurement, one of "
+                   "--chunk-sizes  [default: 1024 if among them, else the smallest]")
 @click.option("--scaling", default="1000,10000,100000,1000000", show_default=True,
+              callback=lambda c, p, v: int_list(c, p, v) if v.strip() else [],
               help="Cache sizes (entries) of the lookup-cost series (empty: skip).")
-@click.option("--scaling-chunk", default="64,3072", show_default=True, callback=int_list,
+@click.option("--scaling-chunk", default="64,3072", show_default=True, callback=chunk_list,
               help="Chunk sizes of the cache-size series (one series each; a million entries "
                    "of 3 KiB take 3.3 GB).")
 @click.option("--tcp-runs", type=click.IntRange(0, 20), default=5, show_default=True,
@@ -230,10 +232,15 @@ def throughput(chunk_sizes, seconds, windows, cores, rate, keys, hit_ratios, swe
     """GET replies/s: XDP_TX ceiling, switch hits, pool server, memcached; hit ratios, cache
     size, TCP."""
     from .bench.throughput import run_throughput
-    sizes = numbers(scaling, int, 1) if scaling.strip() else []
+    if sweep_chunk is None:
+        sweep_chunk = 1024 if 1024 in chunk_sizes else chunk_sizes[0]
+    if sweep_chunk not in chunk_sizes:
+        given = ",".join(map(str, chunk_sizes))
+        raise click.BadParameter(f"{sweep_chunk} is not one of --chunk-sizes {given}",
+                                 param_hint="--sweep-chunk")
     plot_path = plot_path or str(Path(json_path).with_suffix(".png"))
     out = run_throughput(chunk_sizes, seconds, windows, cores, keys, rate, hit_ratios,
-                         sweep_chunk, sizes, scaling_chunk, tcp_runs, tcp_seconds,
+                         sweep_chunk, scaling, scaling_chunk, tcp_runs, tcp_seconds,
                          memcached_threads, json_path, plot_path)
     click.echo(json.dumps(out["targets"], indent=2))
     click.echo(f"wrote {json_path} and {plot_path}")
@@ -318,7 +325,7 @@ def loss(losses, block_mib, reps, json_path):
 
 
 @bench.command()
-@click.option("--chunk-sizes", default="3072,1024", show_default=True, callback=int_list)
+@click.option("--chunk-sizes", default="3072,1024", show_default=True, callback=chunk_list)
 @click.option("--sizes-mib", default="2,64", show_default=True, callback=int_list)
 @click.option("--rounds", type=click.IntRange(1, 50), default=5, show_default=True)
 @click.option("--mooncake/--no-mooncake", default=True, show_default=True)

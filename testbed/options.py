@@ -27,6 +27,15 @@ def int_list(ctx, param, value: str) -> list[int]:
     return numbers(value, int, 1)
 
 
+def chunk_list(ctx, param, value: str) -> list[int]:
+    """'1024,3072' -> chunk sizes the switch takes (multiples of 8, 8..MAX_CHUNK)."""
+    from switchd.dataplane import MAX_CHUNK
+    sizes = numbers(value, int, 8, MAX_CHUNK)
+    if any(s % 8 for s in sizes):
+        raise click.BadParameter(f"give multiples of 8 (the switch's chunk sizes), got {value}")
+    return sizes
+
+
 def float_list(hi=None):
     return lambda ctx, param, value: numbers(value, float, 0, hi)
 

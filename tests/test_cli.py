@@ -43,6 +43,31 @@ def test_switchd_option_errors(args, message):
     assert message in _one_line_error("switchd", "run", "--port", "h1", *args)
 
 
+def test_switchd_stats_refresh_must_be_positive():
+    assert "not in the range x>0" in _one_line_error("switchd", "stats", "--watch", "-1", code=2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--chunk-sizes", "99999"], "give numbers in [8, 3424]"),
+    (["--chunk-sizes", "1001"], "give multiples of 8"),
+    (["--scaling-chunk", "12"], "give multiples of 8"),
+    (["--scaling", "0"], "'--scaling': give numbers in [1, inf]"),
+    (["--sweep-chunk", "-1"], "-1 is not one of --chunk-sizes 256,1024,3072"),
+    (["--chunk-sizes", "3072", "--sweep-chunk", "1024"], "1024 is not one of --chunk-sizes 3072"),
+])
+def test_testbed_bench_throughput_option_errors(tmp_path, args, message):
+    """Refused before any testbed is made (a bench runs for minutes, then writes its result)."""
+    out = tmp_path / "t.json"
+    assert message in _one_line_error("testbed", "bench", "throughput", *args, "--json", str(out),
+                                      code=2)
+    assert not out.exists()
+
+
+def test_testbed_bench_fetch_chunk_sizes_are_the_switchs():
+    assert "give multiples of 8" in _one_line_error("testbed", "bench", "fetch", "--chunk-sizes",
+                                                    "1001", "--json", "/dev/null", code=2)
+
+
 @pytest.mark.parametrize("args, message", [
     (["get", "--pool", "999.1.1.1", "--key", "00" * 16], "'999.1.1.1' is not an IPv4 address"),
     (["get", "--pool", "10.0.0.1:99999", "--key", "00" * 16], "bad port"),
