@@ -30,15 +30,21 @@ def _frames(kind: str, mac: str, dst_mac: str, src: str, dst: str, sport: int,
     return [Ether(src=mac, dst=dst_mac) / datagram]
 
 
-def _answers(sock: socket.socket, seconds: float, ns: int) -> list[Message]:
-    """The KV messages for namespace ``ns`` that reach ``sock`` within ``seconds``."""
-    out, end = [], time.monotonic() + seconds
+def _received(sock: socket.socket, seconds: float):
+    """What reaches ``sock`` within ``seconds``, a datagram (or frame) at a time."""
+    end = time.monotonic() + seconds
     while (left := end - time.monotonic()) > 0:
         sock.settimeout(left)
         try:
-            data = sock.recv(65536)
+            yield sock.recv(65536)
         except socket.timeout:
-            break
+            return
+
+
+def _answers(sock: socket.socket, seconds: float, ns: int) -> list[Message]:
+    """The KV messages for namespace ``ns`` that reach ``sock`` within ``seconds``."""
+    out = []
+    for data in _received(sock, seconds):
         try:
             msg = Message.decode(data)
         except ProtocolError:
@@ -176,15 +182,7 @@ def sniff_marked(seconds: float) -> dict:
     (seen by a packet tap, behind the node's own XDP program)."""
     sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
     sock.bind(("eth0", 0))
-    frames, end = 0, time.monotonic() + seconds
-    while (left := end - time.monotonic()) > 0:
-        sock.settimeout(left)
-        try:
-            data = sock.recv(65536)
-        except socket.timeout:
-            break
-        if MARKER in data:
-            frames += 1
+    frames = sum(MARKER in data for data in _received(sock, seconds))
     sock.close()
     return {"marked": frames}
 

@@ -3,6 +3,7 @@ BPF_PROG_TEST_RUN) and `e2e` (a veth/namespace testbed with real traffic). The b
 never skip: when something they need is missing they fail and say what to install."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -40,6 +41,28 @@ def _kernel_tier_requirements(request):
         for chunk_size in (1024, 3072):
             bytecode(chunk_size)
         _warm.update((1024, 3072))
+
+
+@contextlib.asynccontextmanager
+async def local_pool(capacity: int = 64 << 20, store=None):
+    """A pool node (hostagent.pool.server.serve) in this event loop on 127.0.0.1, at a port of
+    its own: yields its protocol (``proto.sock.getsockname()`` is its address) and stops it on
+    exit. A server that fails to start raises here rather than leave the wait hanging."""
+    from hostagent.pool.server import serve
+    ready, stop, handle = asyncio.Event(), asyncio.Event(), {}
+    task = asyncio.create_task(serve("127.0.0.1", 0, capacity, ready, stop, handle,
+                                     **({"store": store} if store is not None else {})))
+    waiting = asyncio.create_task(ready.wait())
+    await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        waiting.cancel()
+        task.result()
+        raise RuntimeError("the pool node stopped before it was ready")
+    try:
+        yield handle["protocol"]
+    finally:
+        stop.set()
+        await task
 
 
 @contextlib.contextmanager

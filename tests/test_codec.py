@@ -109,7 +109,7 @@ def test_a_reader_of_another_codec_misses_in_a_pool():
 
     from hostagent.inference.client import KVClient
     from hostagent.inference.hf_connector import KVConnector
-    from hostagent.pool.server import serve
+    from conftest import local_pool
     layout = _layout()
     kv = _random_kv(layout, blocks=3)
     cache = DynamicCache([(torch.cat(list(kv[:, i, 0]), 1)[None],
@@ -117,22 +117,13 @@ def test_a_reader_of_another_codec_misses_in_a_pool():
     tokens = list(range(3 * layout.block_tokens + 1))
 
     async def body():
-        ready, stop, handle = asyncio.Event(), asyncio.Event(), {}
-        server = asyncio.create_task(serve("127.0.0.1", 0, 64 << 20, ready, stop, handle))
-        await ready.wait()
-        addr = handle["protocol"].transport.get_extra_info("sockname")
-        try:
-            async with KVClient([addr], chunk_size=512, window=16, deadline=10) as client:
-                out = {}
-                put = await KVConnector(client, 3, layout, "m", kv_codec="int8").save(
-                    tokens, cache)
-                for spec in ("int8", "int4", "int4h", "none"):
-                    out[spec] = await KVConnector(client, 3, layout, "m",
-                                                  kv_codec=spec).load(tokens)
-                return put, out
-        finally:
-            stop.set()
-            await server
+        async with local_pool() as proto, KVClient([proto.sock.getsockname()], chunk_size=512,
+                                                   window=16, deadline=10) as client:
+            out = {}
+            put = await KVConnector(client, 3, layout, "m", kv_codec="int8").save(tokens, cache)
+            for spec in ("int8", "int4", "int4h", "none"):
+                out[spec] = await KVConnector(client, 3, layout, "m", kv_codec=spec).load(tokens)
+            return put, out
 
     put, out = asyncio.run(body())
     c8 = codec_for(layout, "int8")

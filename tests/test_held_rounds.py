@@ -2,7 +2,6 @@
 BPF_PROG_TEST_RUN. A round whose reply is late (a shaped link's queue) or lost keeps its waiters
 when it is asked again; a NACK reaches every waiter; a waiting port asking again once the reply
 is due goes upstream; the round timeout follows the replies' measured time (within a cap)."""
-import ctypes
 import socket
 import time
 
@@ -12,7 +11,7 @@ from kvproto import Op
 from switchd.cache import Cache
 from switchd.dataplane import ROLE_POOL, CONSTANTS, DataPlane, Deployment
 from testbed.lab.topology import scratch_ports
-from xdp_fixtures import KEY, get_frame, reply_frame
+from xdp_fixtures import get_frame, reply_frame, waiter_of
 
 from xdp.libbpf import xdp_test_run
 from kvproto.frames import XDP
@@ -51,13 +50,7 @@ def run(dp, frame, port="host"):
 
 
 def waiter(dp, port):
-    k = dp.waiters.Key()
-    k.chunk.ns, k.chunk.chunk, k.ifindex = 5, 3, PORTS[port]
-    ctypes.memmove(ctypes.addressof(k.chunk.key), KEY, 16)
-    try:
-        return dp.waiters[k]
-    except KeyError:
-        return None
+    return waiter_of(dp, PORTS[port])
 
 
 def the_round(dp):

@@ -13,10 +13,10 @@ except ImportError as exc:  # the pure-Python tier needs the inference extra
     pytest.fail(f"{exc}: install the inference extra (pip install -e '.[inference]', "
                 "or run 'make setup')", pytrace=False)
 
+from conftest import local_pool
 from hostagent.inference.client import KVClient
 from hostagent.inference.hf_connector import (BlockLayout, KVConnector, blocks_to_cache,
                                               cache_to_blocks, greedy, prefill)
-from hostagent.pool.server import serve
 
 BT = 16                              # tokens per block
 NS = 5
@@ -53,14 +53,8 @@ def _recompute(model, tokens):
 
 async def _with_pool(body):
     """Run ``body(addr)`` against a pool node served in-process on 127.0.0.1."""
-    ready, stop, handle = asyncio.Event(), asyncio.Event(), {}
-    server = asyncio.create_task(serve("127.0.0.1", 0, 64 << 20, ready, stop, handle))
-    await ready.wait()
-    try:
-        return await body(handle["protocol"].transport.get_extra_info("sockname"))
-    finally:
-        stop.set()
-        await server
+    async with local_pool() as proto:
+        return await body(proto.sock.getsockname())
 
 
 def test_blocks_have_the_documented_layout_and_round_trip_byte_exact(model):

@@ -3,6 +3,7 @@ tests/test_assembly.py), the staging arena and its LRU, the in-memory default, a
 writes, CRC checks, a master that goes away and comes back) against an in-process stand-in for
 the Mooncake client, with real pool servers and clients over loopback UDP."""
 import asyncio
+import contextlib
 import ctypes
 import os
 import subprocess
@@ -18,10 +19,10 @@ from hostagent.common.transfer import BlockNotFound, Refused
 from hostagent.inference.client import KVClient
 from hostagent.pool.mooncake_store import (MooncakeMissing, MooncakeStore, load_mooncake,
                                            parse_master)
-from hostagent.pool.server import serve
 from hostagent.pool.staging import Arena, StagingFull, Staging
 from hostagent.pool.store import UNAVAILABLE
 from kvproto import Status, checksum
+from conftest import local_pool
 from testbed.lab.topology import python_argv
 
 KEY = bytes(range(16))
@@ -135,19 +136,12 @@ def test_the_arena_hears_of_every_block_served_and_retracted():
 
 def test_memory_store_is_the_default_and_holds_whole_blocks():
     async def body():
-        ready, stop, handle = asyncio.Event(), asyncio.Event(), {}
-        task = asyncio.create_task(serve("127.0.0.1", 0, 1 << 20, ready, stop, handle))
-        await ready.wait()
-        proto = handle["protocol"]
-        addr = proto.transport.get_extra_info("sockname")
         data = os.urandom(10_000)
-        async with KVClient([addr], chunk_size=3000) as c:
+        async with local_pool(1 << 20) as proto, \
+                KVClient([proto.sock.getsockname()], chunk_size=3000) as c:
             await c.put_block(1, KEY, data)
             got, _ = await c.get_block(1, KEY)
-        stats = proto.stats()
-        stop.set()
-        await task
-        return got == data, stats
+            return got == data, proto.stats()
 
     exact, stats = asyncio.run(body())
     assert exact and stats["store"] == "memory" and stats["staged_blocks"] == 1
@@ -218,32 +212,27 @@ class FakeMaster:
         await self.server.wait_closed()
 
 
-async def _pool(cluster, master, **kw):
+def _store(cluster, master) -> MooncakeStore:
     store = MooncakeStore(8 << 20, f"127.0.0.1:{master.port}",
                           metadata=f"http://127.0.0.1:{master.port}/metadata",
-                          module=cluster.module, **kw)
+                          module=cluster.module)
     store.PROBE_INTERVAL = 0.05
-    ready, stop, handle = asyncio.Event(), asyncio.Event(), {}
-    task = asyncio.create_task(serve("127.0.0.1", 0, 0, ready, stop, handle, store=store))
-    await asyncio.wait_for(ready.wait(), 5)
-    addr = handle["protocol"].transport.get_extra_info("sockname")
-
-    async def close():
-        stop.set()
-        await task
-    return store, addr, handle["protocol"], close
+    return store
 
 
 def _with_pools(body, n=2):
+    """``body(cluster, master, pools)``, pools: n (store, address, protocol) of pool nodes on
+    Mooncake stores of one cluster."""
     async def run():
         cluster, master = FakeCluster(), FakeMaster()
         await master.start()
-        pools = [await _pool(cluster, master) for _ in range(n)]
-        try:
+        async with contextlib.AsyncExitStack() as stack:
+            pools = []
+            for _ in range(n):
+                store = _store(cluster, master)
+                proto = await stack.enter_async_context(local_pool(0, store))
+                pools.append((store, proto.sock.getsockname(), proto))
             return await body(cluster, master, pools)
-        finally:
-            for *_, close in pools:
-                await close()
     return asyncio.run(run())
 
 
@@ -251,7 +240,7 @@ def test_a_block_put_through_one_pool_node_is_served_by_another():
     data = os.urandom(200_000)
 
     async def body(cluster, master, pools):
-        (a, a_addr, _, _), (b, b_addr, b_proto, _) = pools
+        (a, a_addr, _), (b, b_addr, b_proto) = pools
         async with KVClient([a_addr], chunk_size=3072) as c:
             await c.put_block(5, KEY, data)
         assert list(cluster.objects) == [object_key(5, KEY)]     # one object per block
@@ -269,7 +258,7 @@ def test_missing_blocks_nack_quickly_and_corrupt_ones_are_refused():
     chunks = [os.urandom(1000) for _ in range(3)]
 
     async def body(cluster, master, pools):
-        _, addr, _, _ = pools[0]
+        _, addr, _ = pools[0]
         async with KVClient([addr], deadline=5) as c:
             t0 = time.monotonic()
             with pytest.raises(BlockNotFound):
@@ -288,7 +277,7 @@ def test_missing_blocks_nack_quickly_and_corrupt_ones_are_refused():
 
 def test_failed_writes_are_reported_and_not_kept():
     async def body(cluster, master, pools):
-        store, addr, _, _ = pools[0]
+        store, addr, _ = pools[0]
         cluster.put_rc = -200
         async with KVClient([addr], chunk_size=1000, deadline=5) as c:
             with pytest.raises(Refused) as e:
@@ -309,7 +298,7 @@ def test_master_down_answers_at_once_and_the_node_recovers(caplog):
             await asyncio.sleep(0.02)
 
     async def body(cluster, master, pools):
-        (a, a_addr, _, _), (b, b_addr, _, _) = pools
+        (a, a_addr, _), (b, b_addr, _) = pools
         async with KVClient([a_addr], chunk_size=1000, deadline=5) as ca, \
                 KVClient([b_addr], chunk_size=1000, deadline=5) as cb:
             await ca.put_block(1, KEY, data)

@@ -8,6 +8,7 @@ import pytest
 from hostagent.common.transfer import BlockNotFound, pool_for, parse_addr
 from hostagent.inference.client import KVClient
 from kvproto import Status, checksum
+from conftest import local_pool
 from hostagent.pool.server import PoolServer
 from hostagent.pool.store import BlockStore, StoreError
 
@@ -173,32 +174,26 @@ def test_gets_the_server_cannot_answer_are_refused_and_counted():
     socket over loopback (root)."""
     import socket
     import struct
-    from hostagent.pool.server import serve
     from kvproto import Message, Op
 
     async def body():
-        ready, stop, handle = asyncio.Event(), asyncio.Event(), {}
-        task = asyncio.create_task(serve("127.0.0.1", 0, 1 << 20, ready, stop, handle))
-        await ready.wait()
-        proto = handle["protocol"]
-        addr = proto.transport.get_extra_info("sockname")
-        data = os.urandom(5000)
-        async with KVClient([addr], chunk_size=1024) as c:
-            await c.put_block(1, KEY, data)
-        raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
-        get = Message(Op.GET, 1, KEY, 0, req_id=5, room=1024).encode()
-        csum_errors = _snmp_udp_csum_errors()
-        for sport, csum in ((0, 0), (0, 0), (40000, 0x1234)):     # (0: no checksum, valid)
-            raw.sendto(struct.pack("!HHHH", sport, addr[1], 8 + len(get), csum) + get,
-                       ("127.0.0.1", 0))
-        raw.close()
-        await asyncio.sleep(0.3)
-        stats = proto.stats()
-        async with KVClient([addr], chunk_size=1024) as c:
-            got, _ = await c.get_block(1, KEY)
-        stop.set()
-        await task
-        return stats, got == data, csum_errors
+        async with local_pool(1 << 20) as proto:
+            addr = proto.sock.getsockname()
+            data = os.urandom(5000)
+            async with KVClient([addr], chunk_size=1024) as c:
+                await c.put_block(1, KEY, data)
+            raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
+            get = Message(Op.GET, 1, KEY, 0, req_id=5, room=1024).encode()
+            csum_errors = _snmp_udp_csum_errors()
+            for sport, csum in ((0, 0), (0, 0), (40000, 0x1234)):   # (0: no checksum, valid)
+                raw.sendto(struct.pack("!HHHH", sport, addr[1], 8 + len(get), csum) + get,
+                           ("127.0.0.1", 0))
+            raw.close()
+            await asyncio.sleep(0.3)
+            stats = proto.stats()
+            async with KVClient([addr], chunk_size=1024) as c:
+                got, _ = await c.get_block(1, KEY)
+            return stats, got == data, csum_errors
 
     stats, exact, csum_errors = asyncio.run(body())
     assert stats["refused_port0"] == 2 and not stats.get("tx_errors"), stats

@@ -20,7 +20,6 @@ from hostagent.common.transfer import BlockNotFound
 from hostagent.inference.client import KVClient
 from hostagent.pool.disk_tier import DiskTier, file_name
 from hostagent.inference.node_tier import NodeTier, fetch
-from hostagent.pool.server import serve
 from hostagent.pool.store import MemoryStore
 from kvproto import checksum
 from testbed.lab.topology import python_argv
@@ -38,18 +37,9 @@ def payload(n: int, seed: int) -> bytes:
 
 # ---- node DRAM tier ---------------------------------------------------------------------------
 async def _with_pool(store, body):
-    ready, stop, handle = asyncio.Event(), asyncio.Event(), {}
-    task = asyncio.create_task(serve("127.0.0.1", 0, 0, ready, stop, handle, store=store))
-    await asyncio.wait([task, asyncio.create_task(ready.wait())],
-                       return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        task.result()
-    proto = handle["protocol"]
-    try:
+    from conftest import local_pool      # here: this module also runs as a task in a testbed node
+    async with local_pool(0, store) as proto:
         return await body(proto.sock.getsockname(), proto)
-    finally:
-        stop.set()
-        await task
 
 
 def test_a_node_tier_hit_needs_no_network_fetch():

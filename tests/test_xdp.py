@@ -1,7 +1,6 @@
 """The switch's XDP program on crafted frames through BPF_PROG_TEST_RUN: exact replies for hits,
 untouched frames for everything else, learning only what it should. No interface needed. The
 single-frame cases are a table (xdp_fixtures.CASES) run by one test; sequences follow it."""
-import ctypes
 import json
 import socket
 import subprocess
@@ -20,7 +19,8 @@ from switchd.ports import resolve
 from xdp.libbpf import xdp_test_run
 from testbed.lab.topology import scratch_ports
 from xdp_fixtures import (CASES, HOST_IP, HOST_MAC, KEY, OTHER_IP, OTHER_MAC,  # noqa: F401
-                          PAYLOAD, POOL_IP, POOL_MAC, Case, get_frame, put_frame, reply_frame)
+                          PAYLOAD, POOL_IP, POOL_MAC, Case, get_frame, put_frame, reply_frame,
+                          waiter_of)
 
 pytestmark = pytest.mark.bpf
 
@@ -222,13 +222,7 @@ def coalescing(dp, cache):
 
 
 def _waiter(dp, port):
-    k = dp.waiters.Key()
-    k.chunk.ns, k.chunk.chunk, k.ifindex = 5, 3, PORTS[port]
-    ctypes.memmove(ctypes.addressof(k.chunk.key), KEY, 16)
-    try:
-        return dp.waiters[k]
-    except KeyError:
-        return None
+    return waiter_of(dp, PORTS[port])
 
 
 def test_first_miss_goes_upstream_later_ones_are_held(coalescing):

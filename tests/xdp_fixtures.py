@@ -5,6 +5,7 @@ cache must stay as it was. tests/test_xdp.py runs every case with one parametriz
 sequences of frames (learning, coalescing) are tests of their own there."""
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 from scapy.layers.inet import IP, TCP, UDP
@@ -22,6 +23,17 @@ HOST_IP, POOL_IP = "198.18.0.1", "198.18.0.101"
 KEY = bytes.fromhex("00112233445566778899aabbccddeeff")
 PAYLOAD = bytes((i * 7) & 0xFF for i in range(700))
 CACHED = ((5, KEY, 3, PAYLOAD, 9),)          # (ns, key, chunk, payload, nchunks) preloaded
+
+
+def waiter_of(dp, ifindex: int, ns=5, key=KEY, chunk=3):
+    """The kv_waiters entry of chunk (ns, key, chunk) on port ``ifindex``, or None."""
+    k = dp.waiters.Key()
+    k.chunk.ns, k.chunk.chunk, k.ifindex = ns, chunk, ifindex
+    ctypes.memmove(ctypes.addressof(k.chunk.key), key, 16)
+    try:
+        return dp.waiters[k]
+    except KeyError:
+        return None
 
 
 def get_frame(key=KEY, chunk=3, room=1024, ns=5, kvflags=0, req_id=0xABCD, src=HOST_IP,
