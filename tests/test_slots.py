@@ -1,7 +1,8 @@
 """The cache's slots (xdp/kvslot.h, switchd/slots.py) on crafted frames through
 BPF_PROG_TEST_RUN: a slot is served only when it holds a finished write of the chunk asked for, for
 the block's current allocation; writers exclude each other; a reader racing a writer never sends
-torn bytes; the data plane carves what it learns before switchd placed it from the fill region."""
+torn bytes; the data plane carves what it learns before switchd placed it from the fill region,
+which switchd's step grants again."""
 import ctypes
 import os
 import signal
@@ -90,6 +91,29 @@ def test_a_block_learned_before_it_was_placed_gets_a_prefix_of_what_the_region_h
     run(dp, get_frame(chunk=5))
     run(dp, bytes(reply_frame(chunk=5)), port="pool")
     assert cache.get(5, KEY, 5)[1] == PAYLOAD
+
+
+def _refill(dp, cache) -> int:
+    """Drop the block, admit it again and pass every chunk's GET and pool reply: chunks learned."""
+    cache.evict(5, KEY)
+    cache.admit(5, KEY)
+    before = dp.counters()["fill"]
+    for chunk in range(9):
+        run(dp, get_frame(chunk=chunk))
+        run(dp, bytes(reply_frame(chunk=chunk)), port="pool")
+    return dp.counters()["fill"] - before
+
+
+def test_switchds_step_gives_a_dropped_blocks_slots_back_to_the_data_plane(dp, cache):
+    """Each refill of a dropped block is carved from the fill region anew, so refills between
+    two of switchd's steps use it up and the next goes unlearned (`bench fetch` once refilled a
+    64 MiB block five times within a second); switchd's step (``tend``) grants a region again,
+    over the dropped block's slots, and the block is learned whole."""
+    cache.slots.grant_region(18)                    # room for two refills of 9 chunks
+    assert [_refill(dp, cache) for _ in range(3)] == [9, 9, 0]
+    cache.tend({})
+    assert _refill(dp, cache) == 9
+    assert all(run(dp, get_frame(chunk=c))[0] == XDP.TX for c in range(9))
 
 
 def _put_command(cache, monkeypatch, payload: bytes) -> bytes:
