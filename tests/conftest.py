@@ -44,18 +44,25 @@ def _kernel_tier_requirements(request):
 
 
 @contextlib.asynccontextmanager
-async def local_pool(capacity: int = 64 << 20, store=None):
+async def local_pool(capacity: int = 64 << 20, store=None, ready_within: float = 30.0):
     """A pool node (hostagent.pool.server.serve) in this event loop on 127.0.0.1, at a port of
     its own: yields its protocol (``proto.sock.getsockname()`` is its address) and stops it on
-    exit. A server that fails to start raises here rather than leave the wait hanging."""
+    exit. A server that fails to start, or is not ready within ``ready_within`` seconds, raises
+    here rather than leave the wait hanging."""
     from hostagent.pool.server import serve
     ready, stop, handle = asyncio.Event(), asyncio.Event(), {}
     task = asyncio.create_task(serve("127.0.0.1", 0, capacity, ready, stop, handle,
                                      **({"store": store} if store is not None else {})))
     waiting = asyncio.create_task(ready.wait())
-    await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
+    await asyncio.wait([task, waiting], timeout=ready_within,
+                       return_when=asyncio.FIRST_COMPLETED)
+    if not waiting.done():
         waiting.cancel()
+        if not task.done():
+            stop.set()
+            task.cancel()
+            raise TimeoutError(f"the pool node was not ready within {ready_within} s")
+    if task.done():
         task.result()
         raise RuntimeError("the pool node stopped before it was ready")
     try:

@@ -230,7 +230,7 @@ def _with_pools(body, n=2):
             pools = []
             for _ in range(n):
                 store = _store(cluster, master)
-                proto = await stack.enter_async_context(local_pool(0, store))
+                proto = await stack.enter_async_context(local_pool(0, store, ready_within=5))
                 pools.append((store, proto.sock.getsockname(), proto))
             return await body(cluster, master, pools)
     return asyncio.run(run())
