@@ -32,6 +32,7 @@ holds what the benchmark put there). Writes JSON and a plot.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -284,22 +285,21 @@ def bench_chunk(cs: int, sizes_mib: list[int], rounds: int, reps: int, losses: l
               switchd_args=("--no-coalesce", "--policy", "off"))
     lab.topo = Topology(PREFIX, 1, 1, mtu=lab.topo.mtu, master=mooncake)   # + m1, the master
     rows, hits = [], []
-    with lab:
-        dp = DataPlane(pinned_deployment(lab.topo.pin_dir), programs=False)
+    with lab, contextlib.ExitStack() as stack:
+        dp = DataPlane(pinned_deployment(lab.topo.pin_dir), programs=False)   # one BCC compile
+        stack.callback(dp.bpf.cleanup)
+        cache = Cache(dp)
         blocks, akeys = {}, {}
-        try:
-            for m in sizes_mib:
-                key, data = _key(f"b{m}-{cs}"), _block(nch[m], cs)
-                blocks[m] = (key, nch[m], data)
-                fill_cache(Cache(dp), NS, key, 0, nch[m], nch[m])
-                lab.put("h1", NS, key, data)
-                akeys[m] = _key(f"a{m}-{cs}")                  # the same data, sealed
-                sealed = auth.seal(AUTH_KEY, NS_AUTH, akeys[m], data, cs)
-                Cache(dp).put_chunks(NS_AUTH, akeys[m], 0, np.frombuffer(sealed, np.uint8)
-                                     .reshape(-1, cs), len(sealed) // cs)
-                lab.put("h1", NS_AUTH, akeys[m], sealed)
-        finally:
-            dp.bpf.cleanup()
+        for m in sizes_mib:
+            key, data = _key(f"b{m}-{cs}"), _block(nch[m], cs)
+            blocks[m] = (key, nch[m], data)
+            fill_cache(cache, NS, key, 0, nch[m], nch[m])
+            lab.put("h1", NS, key, data)
+            akeys[m] = _key(f"a{m}-{cs}")                      # the same data, sealed
+            sealed = auth.seal(AUTH_KEY, NS_AUTH, akeys[m], data, cs)
+            cache.put_chunks(NS_AUTH, akeys[m], 0, np.frombuffer(sealed, np.uint8)
+                             .reshape(-1, cs), len(sealed) // cs)
+            lab.put("h1", NS_AUTH, akeys[m], sealed)
         e = FetchEngine(lab.pool_addrs, cs, netns=lab.topo.node("h1").netns,
                         arena_bytes=2 * sum(n + 1 for n in nch.values()) * cs,
                         auth=auth.Keyring({NS_AUTH: AUTH_KEY}))
@@ -334,11 +334,7 @@ def bench_chunk(cs: int, sizes_mib: list[int], rounds: int, reps: int, losses: l
                     for m in sizes_mib}
             apool = {m: _engine(e, akeys[m], nch[m], blocks[m][2], rounds, no_cache=True,
                                 ns=NS_AUTH) for m in sizes_mib}
-            dp = DataPlane(pinned_deployment(lab.topo.pin_dir), programs=False)
-            try:
-                learned = {m: _learned(e, Cache(dp), blocks[m], rounds) for m in sizes_mib}
-            finally:
-                dp.bpf.cleanup()
+            learned = {m: _learned(e, cache, blocks[m], rounds) for m in sizes_mib}
         finally:
             e.close()
         for m in sizes_mib:
