@@ -8,7 +8,7 @@ DEBS  := python3-bpfcc python3-venv linux-headers-amd64 linux-libc-dev libbpf1 b
          iproute2 iperf3 tcpdump ethtool iputils-ping memcached procps \
          libibverbs1 libnuma1 libcurl4
 KREL  := $(shell uname -r)
-TRACE ?= ../shared/traces/mooncake_synthetic_trace.jsonl
+TRACE ?= testbed/traces/mooncake_synthetic_trace.jsonl
 
 .PHONY: setup debs kernel-headers bpffs venv model test test-python test-bpf test-e2e demo demo-inference demo-vllm bench bench-sim check-results clean
 

@@ -290,8 +290,8 @@ def incast(readers, block_mib, reps, chunk_size, store, link_gbit, pool_link_gbi
               help="Comma list of bridge, switch, replicas.")
 @click.option("--model", type=click.Choice(sorted(SIM_MODELS)), default="llama3-8b",
               show_default=True, help="The cluster model's preset whose prefill speed is used.")
-@click.option("--trace", "trace_path", default="../shared/traces/mooncake_synthetic_trace.jsonl",
-              show_default=True, help="Mooncake-format trace of the trace workload.")
+@trace_opt(help="Mooncake-format trace of the trace workload (default: the one in "
+                "testbed/traces/).")
 @click.option("--trace-requests", type=click.IntRange(1), default=96, show_default=True)
 @click.option("--scale", type=click.FloatRange(0.05, 4), default=1.0, show_default=True,
               help="Shrink (or grow) every workload.")

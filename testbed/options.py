@@ -77,8 +77,13 @@ def option_group(*opts):
     return apply
 
 
-trace_opt = click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
-                         required=True, help="Mooncake-format JSONL trace.")
+def trace_opt(f=None, help="Mooncake-format JSONL trace (default: the Mooncake FAST'25 trace that "
+              "ships in testbed/traces/)."):
+    """``--trace``, defaulting to the trace that ships with the project."""
+    from .sim.trace import DEFAULT_TRACE
+    opt = click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
+                       default=DEFAULT_TRACE, show_default=False, help=help)
+    return opt(f) if f is not None else opt
 
 
 def json_opt(default=None):

@@ -12,9 +12,9 @@ from conftest import leaves_no_namespaces
 from testbed.bench.serve import MODES, run_serve
 from testbed.bench.serve_workloads import WORKLOADS, burst_workload, zipf_workload
 from testbed.lab.topology import python_argv
+from testbed.sim.trace import DEFAULT_TRACE
 
-TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces",
-                     "mooncake_synthetic_trace.jsonl")
+TRACE = DEFAULT_TRACE
 ROW_KEYS = {"workload", "mode", "ttft_p50_s", "ttft_p99_s", "pool_egress_bytes",
             "switch_hit_ratio", "retransmit_ratio", "byte_exact"}
 
@@ -54,8 +54,7 @@ def test_zipf_puts_the_hottest_objects_on_the_first_pool_node():
 
 @pytest.mark.e2e
 def test_tiny_serve_runs_every_workload_in_every_mode_byte_exact(tmp_path):
-    if not os.path.exists(TRACE):
-        pytest.fail(f"the shared Mooncake trace is missing at {TRACE}")
+    assert os.path.exists(TRACE), f"the trace that ships with the project is missing: {TRACE}"
     prefix = f"s{os.getpid() % 100000}"
     with leaves_no_namespaces(prefix):
         out = run_serve(nodes=2, pools=1, link_gbit=0.1, trace_path=TRACE, trace_requests=4,

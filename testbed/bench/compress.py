@@ -442,6 +442,8 @@ def command():
     """The `testbed bench compress` command (registered by testbed.cli)."""
     import click
 
+    from testbed.options import trace_opt
+
     def codec_list(ctx, param, value):
         from hostagent.inference.codec import UnknownCodec, parse   # torch: only when it runs
         names = [v.strip() for v in value.split(",") if v.strip()]
@@ -466,8 +468,7 @@ def command():
                   show_default=True)
     @click.option("--parts", default="quality,speed,load,policy", show_default=True,
                   help="Comma list of quality, speed, load, policy.")
-    @click.option("--trace", "trace_path", default="../shared/traces/mooncake_synthetic_trace"
-                  ".jsonl", show_default=True, help="Trace for the policy hit ratio.")
+    @trace_opt(help="Trace for the policy hit ratio (default: the one in testbed/traces/).")
     @click.option("--json", "json_path", default="bench/results/compress.json",
                   show_default=True)
     @click.option("--plot", "plot_path", help="PNG (default: the JSON path with .png).")

@@ -29,6 +29,7 @@ from ..lab import Lab, TestbedError, write_json
 from ..lab.tasks import StartLine
 from ..lab.topology import plain_bridge_ports
 from ..sim.config import MODELS
+from ..sim.trace import DEFAULT_TRACE
 from .serve_workloads import (WORKLOADS, Workload, burst_workload, payload, trace_workload,
                               zipf_workload)
 
@@ -231,7 +232,7 @@ def make_workloads(names, nodes: int, pools_addrs, preset, trace_path: str,
 
 def run_serve(nodes: int = 8, pools: int = 2, store: str = "memory", link_gbit: float = 0.025,
               workloads=WORKLOADS, modes=MODES, model: str = "llama3-8b",
-              trace_path: str = "../shared/traces/mooncake_synthetic_trace.jsonl",
+              trace_path: str = DEFAULT_TRACE,
               trace_requests: int = 96, scale: float = 1.0, json_path: str | None = None,
               plot_path: str | None = None, prefix: str = "sv", log=print) -> dict:
     check(nodes, pools, link_gbit, workloads, modes)

@@ -116,9 +116,8 @@ def sim_reprice(paths, throughput_json, plot_path):
 
 
 @sim.command("validate")
-@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
-              help="Mooncake-format JSONL trace (required; with --serve: bench serve's trace "
-                   "workload).")
+@trace_opt(help="Mooncake-format JSONL trace (default: the one in testbed/traces/; with "
+                "--serve: bench serve's trace workload).")
 @click.option("--serve", is_flag=True,
               help="Validate at `bench serve`'s level: its workloads on a testbed, TTFT, hit "
                    "ratio per tier and pool egress against the model at the same point.")
@@ -148,8 +147,6 @@ def sim_validate(trace_path, serve, limit, capacity, speedup, routing, nodes, po
                  workloads, modes, scale, json_path):
     """Check the model against the testbed: a replayed trace slice on 4 nodes, or (--serve)
     bench serve's workloads."""
-    if not trace_path:
-        raise click.UsageError("--trace is required")
     if serve:
         from .validate_serve import run_validate_serve
         out = run_validate_serve(nodes, pools, link_gbit, _names(workloads), _names(modes),

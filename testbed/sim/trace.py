@@ -16,6 +16,9 @@ from pathlib import Path
 import numpy as np
 
 BLOCK_TOKENS = 512
+# the Mooncake FAST'25 trace that ships with the project (testbed/traces/README.md)
+DEFAULT_TRACE = str(Path(__file__).resolve().parents[1] / "traces" /
+                    "mooncake_synthetic_trace.jsonl")
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 

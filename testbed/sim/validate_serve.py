@@ -22,6 +22,7 @@ from ..bench import serve as bench_serve
 from ..bench.serve_workloads import block_key
 from ..lab import Lab, write_json
 from .config import FRAME_OVERHEAD, MODELS
+from .trace import DEFAULT_TRACE
 from .serve_model import Calibration, simulate_serve, summarise
 
 TARGET_P50, TARGET_PP = 0.10, 2.0
@@ -140,7 +141,7 @@ def compare(row: dict, model: dict) -> dict:
 def run_validate_serve(nodes: int = 8, pools: int = 2, link_gbit: float = 0.025,
                        workloads=("trace", "burst", "zipf"), modes=("switch", "bridge"),
                        scale: float = 1.0,
-                       trace_path: str = "../shared/traces/mooncake_synthetic_trace.jsonl",
+                       trace_path: str = DEFAULT_TRACE,
                        trace_requests: int = 96, json_path: str | None = None,
                        prefix: str | None = None, model: str = "llama3-8b", log=print) -> dict:
     bench_serve.check(nodes, pools, link_gbit, workloads, modes)
