@@ -19,8 +19,9 @@ except ImportError as exc:
 from hostagent.common.transfer import BlockNotFound, TransferStats
 from hostagent.common.hashing import block_hashes
 from hostagent.pool.server import serve
+from hostagent.inference.paged_kv import PagedKV
 from hostagent.inference.vllm_connector_blocks import (LoadSpec, Planner, PoolLayout, Settings,
-                                                       load_targets, read_block, write_block)
+                                                       load_targets)
 from hostagent.inference.vllm_connector_pool import PoolBackend, drain_load
 
 L, H, D = 2, 2, 8
@@ -34,12 +35,32 @@ def _layout(block_tokens=8, vllm_block=4, dtype=torch.float32) -> PoolLayout:
 def test_settings_need_pools_and_refuse_unknown_keys():
     s = Settings.from_extra({"pools": "10.0.0.1,10.0.0.2:7", "chunk_size": 3072})
     assert s.pools == ("10.0.0.1", "10.0.0.2:7") and s.chunk_size == 3072 and s.namespace == 1
-    with pytest.raises(ValueError, match="pools"):
+    assert s.load_failure == "recompute" and s.deadline == 10
+    with pytest.raises(ValueError, match="'pools'"):
         Settings.from_extra({})
-    with pytest.raises(ValueError, match="unknown.*'pool'"):
-        Settings.from_extra({"pools": ["a"], "pool": "b"})
+    with pytest.raises(ValueError, match="key 'pool': unknown key"):
+        Settings.from_extra({"pools": ["10.0.0.1"], "pool": "b"})
     with pytest.raises(ValueError, match="concurrency"):
-        Settings.from_extra({"pools": ["a"], "concurrency": 0})
+        Settings.from_extra({"pools": ["10.0.0.1"], "concurrency": 0})
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({"pools": ["10.0.0.1"], "chunk_sise": 3072}, "chunk_sise"),          # unknown
+    ({"pools": ["10.0.0.300"]}, "pools"),                                  # bad address
+    ({"pools": ["10.0.0.1:70000"]}, "pools"),                              # bad port
+    ({"pools": ["10.0.0.1"], "chunk_size": 3000 + 4}, "chunk_size"),       # not a multiple of 8
+    ({"pools": ["10.0.0.1"], "chunk_size": 4096}, "chunk_size"),           # past the largest
+    ({"pools": ["10.0.0.1"], "window": "64"}, "window"),                   # not an integer
+    ({"pools": ["10.0.0.1"], "deadline": 0}, "deadline"),
+    ({"pools": ["10.0.0.1"], "load_failure": "retry"}, "load_failure"),
+    ({"pools": ["10.0.0.1"], "kv_codec": "zstd"}, "kv_codec"),
+])
+def test_a_bad_extra_config_is_one_line_naming_the_key(extra, key):
+    from hostagent.inference.vllm_connector_blocks import SettingsError
+    with pytest.raises(SettingsError) as e:
+        Settings.from_extra(extra)
+    msg = str(e.value)
+    assert f"key {key!r}:" in msg and "\n" not in msg, msg
 
 
 def test_layout_tag_and_keys_are_the_hugging_face_connectors():
@@ -116,6 +137,32 @@ def test_planner_with_a_local_hit_a_miss_and_roles():
     assert not plan.loads and not plan.saves
 
 
+def test_planner_reloads_a_preempted_request_and_forgets_an_aborted_one():
+    """vLLM's scheduler may preempt a request (its blocks freed) and resume it later with new
+    blocks: the connector is asked again and loads again into the new blocks. A request
+    aborted after its blocks were allocated but before it ran loads nothing."""
+    layout = _layout(8, 4)
+    p = Planner(layout, "m")
+    prompt = list(range(3, 3 + 25))
+    keys = p.keys(prompt)
+    assert p.matched("r", keys, 3, 0) == 24
+    p.allocated("r", 24)
+    [first] = p.build([("r", prompt, list(range(10, 17)), 0, 25)], []).loads
+    assert first.targets[0] == [(0, 10), (1, 11)]
+    # preempted; on resumption vLLM asks again (the pool still has the blocks) with new blocks
+    assert p.matched("r", keys, 3, 0) == 24
+    p.allocated("r", 24)
+    [again] = p.build([], [("r", True, list(range(40, 47)), 0, 25)]).loads
+    assert again.keys == keys[:3] and again.targets == [[(0, 40), (1, 41)], [(0, 42), (1, 43)],
+                                                       [(0, 44), (1, 45)]]
+    # aborted between allocation and its first step: nothing is loaded for it
+    assert p.matched("x", keys, 3, 0) == 24
+    p.allocated("x", 24)
+    assert not p.build([], [], finished=["x"]).loads
+    assert not p.build([("y", prompt, list(range(7)), 0, 25)], []).loads
+    assert "x" not in p._loads and "x" not in p._tracked
+
+
 # ---- copies between the paged cache and pool blocks ----------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_blocks_have_the_pool_layout_and_round_trip(dtype):
@@ -124,7 +171,7 @@ def test_blocks_have_the_pool_layout_and_round_trip(dtype):
     # vLLM's CPU paged cache: per layer [num_blocks, kv_heads, block_size, 2 * head_dim], each
     # (block, head) holding K [block_size, head_dim] then V
     caches = [torch.randn(6, H, 4, 2 * D).to(dtype) for _ in range(L)]
-    raw = read_block(caches, layout, [3, 1])
+    raw = PagedKV(caches, layout).read([3, 1])
     assert len(raw) == layout.block_bytes
     block = torch.frombuffer(bytearray(raw), dtype=dtype).view(layout.shape)  # [L,2,H,bt,D]
     for li in range(L):
@@ -134,31 +181,32 @@ def test_blocks_have_the_pool_layout_and_round_trip(dtype):
                 assert torch.equal(block[li, which, :, half * 4:(half + 1) * 4],
                                    kv[vid, :, which])
     fresh = [torch.zeros_like(c) for c in caches]
-    write_block(raw, fresh, layout, [(0, 5), (1, 0)])
+    paged = PagedKV(fresh, layout)
+    paged.write(raw, [(0, 5), (1, 0)])
     for li in range(L):
         assert torch.equal(fresh[li][5], caches[li][3]) and torch.equal(fresh[li][0], caches[li][1])
         assert not fresh[li][1:5].any()                        # nothing else written
-    write_block(memoryview(raw), fresh, layout, [(1, 2)])      # any buffer; only part of it
+    paged.write(memoryview(raw), [(1, 2)])                     # any buffer; only part of it
     assert torch.equal(fresh[0][2], caches[0][1])
     with pytest.raises(ValueError, match="bytes"):
-        write_block(raw[:-2], fresh, layout, [(0, 0)])
+        paged.write(raw[:-2], [(0, 0)])
 
 
 @pytest.mark.parametrize("codec", ["int8", "fp8", "int4"])
 def test_coded_blocks_round_trip_through_the_paged_cache(codec):
-    """kv_codec: read_block encodes, write_block decodes into the paged cache (bounded error);
+    """kv_codec: PagedKV.read encodes, PagedKV.write decodes into the paged cache (bounded error);
     the coded block is smaller and its keys are the codec's own."""
     from hostagent.inference import codec as codecs
     layout = PoolLayout(L, H, D, torch.float32, 8, 4, codec)
     raw_layout = _layout(8, 4)
     torch.manual_seed(0)
     caches = [torch.randn(6, H, 4, 2 * D) for _ in range(L)]
-    coded = read_block(caches, layout, [3, 1])
+    coded = PagedKV(caches, layout).read([3, 1])
     assert len(coded) == layout.coded_bytes < layout.block_bytes
     assert layout.nchunks(64) == -(-layout.coded_bytes // 64)
     fresh = [torch.zeros_like(c) for c in caches]
-    write_block(coded, fresh, layout, [(0, 5), (1, 0)])
-    exact = torch.frombuffer(bytearray(read_block(caches, raw_layout, [3, 1])),
+    PagedKV(fresh, layout).write(coded, [(0, 5), (1, 0)])
+    exact = torch.frombuffer(bytearray(PagedKV(caches, raw_layout).read([3, 1])),
                              dtype=torch.float32).view(raw_layout.shape)
     bound = codecs.max_abs_error_bound(codec, exact, 8)
     for li in range(L):
@@ -168,19 +216,20 @@ def test_coded_blocks_round_trip_through_the_paged_cache(codec):
     tokens = list(range(3, 30))
     assert layout.keys(tokens, "m") != raw_layout.keys(tokens, "m")
     with pytest.raises(ValueError, match="bytes"):
-        write_block(coded[:-1], fresh, layout, [(0, 0)])
+        PagedKV(fresh, layout).write(coded[:-1], [(0, 0)])
 
 
 def test_settings_refuse_an_unknown_codec_in_one_line():
-    assert Settings.from_extra({"pools": ["a"], "kv_codec": "int4"}).kv_codec == "int4"
+    assert Settings.from_extra({"pools": ["10.0.0.1"], "kv_codec": "int4"}).kv_codec == "int4"
     with pytest.raises(ValueError, match="unknown KV codec 'zstd'") as e:
-        Settings.from_extra({"pools": ["a"], "kv_codec": "zstd"})
+        Settings.from_extra({"pools": ["10.0.0.1"], "kv_codec": "zstd"})
     assert "\n" not in str(e.value)
 
 
 def test_a_failed_block_ends_the_load_there():
     layout = _layout(8, 4)
     caches = [torch.zeros(6, H, 4, 2 * D) for _ in range(L)]
+    paged = PagedKV(caches, layout)
     good = [bytes([i + 1]) * layout.block_bytes for i in range(3)]
     ld = LoadSpec("r", [b"k0", b"k1", b"k2"], 0, [[(0, 0), (1, 1)], [(0, 2), (1, 3)],
                                                  [(0, 4), (1, 5)]], 24)
@@ -194,18 +243,17 @@ def test_a_failed_block_ends_the_load_there():
     ok = TransferStats(chunks=2, bytes=layout.block_bytes)
     # blocks arrive out of order; block 1 is missing: block 2 is written but not counted
     q = queued((2, good[2], ok), (0, good[0], ok), (1, BlockNotFound("gone"), None))
-    loaded, stats, error = drain_load(ld, q, caches, layout, 5)
+    loaded, stats, error = drain_load(ld, q, paged, 5)
     assert (loaded, stats.chunks) == (1, 4) and "gone" in error
     assert caches[0][1].view(-1)[0].item() == torch.frombuffer(bytearray(good[0][:4]),
                                                                dtype=torch.float32).item()
     loaded, _, error = drain_load(ld, queued((0, good[0], ok), (1, good[1][:-4], ok),
-                                             (2, good[2], ok)), caches, layout, 5)
+                                             (2, good[2], ok)), paged, 5)
     assert loaded == 1 and "bytes" in error                      # a block of the wrong size
-    loaded, _, error = drain_load(ld, queued((0, good[0], ok), (2, good[2], ok)), caches,
-                                  layout, 0.2)
+    loaded, _, error = drain_load(ld, queued((0, good[0], ok), (2, good[2], ok)), paged,
+                                  0.2)
     assert loaded == 1 and "no block" in error                   # block 1 never came
-    assert drain_load(ld, queued(*((i, good[i], ok) for i in range(3))), caches, layout,
-                      5)[::2] == (3, None)
+    assert drain_load(ld, queued(*((i, good[i], ok) for i in range(3))), paged, 5)[::2] == (3, None)
 
     class ZeroCopy:                    # the fetch engine's Block: a view, released once copied
         released = 0
@@ -218,7 +266,7 @@ def test_a_failed_block_ends_the_load_there():
 
     caches[0].zero_()
     q = queued(*((i, ZeroCopy(good[i]), ok) for i in range(3)))
-    assert drain_load(ld, q, caches, layout, 5)[::2] == (3, None) and ZeroCopy.released == 3
+    assert drain_load(ld, q, paged, 5)[::2] == (3, None) and ZeroCopy.released == 3
     assert caches[0][5].view(-1)[0].item() == torch.frombuffer(bytearray(good[2][:4]),
                                                                dtype=torch.float32).item()
 
@@ -278,6 +326,36 @@ def test_backend_probes_fetches_and_saves(pool):
     b.getter = Seam()
     q = b.fetch(4, keys[:2], nchunks)
     assert sorted(q.get(timeout=20)[0] for _ in range(2)) == [0, 1] and Seam.calls == 2
+
+
+def test_a_silent_pool_node_is_skipped_for_a_while_with_one_log_line(caplog):
+    """Nothing answers at the pool's address: the first probe waits its deadline, says miss and
+    logs one line; while the node is out of use probes say miss at once and saves are dropped;
+    after the back-off it is asked again (and again nothing answers: no second line)."""
+    import socket
+    quiet = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)     # bound, never read: silent
+    quiet.bind(("127.0.0.1", 0))
+    addr = "%s:%d" % quiet.getsockname()
+    s = Settings.from_extra({"pools": [addr], "chunk_size": 256, "probe_deadline": 0.3,
+                             "retry_s": 0.6, "fetch_engine": "off"})
+    b = PoolBackend(s)
+    layout = PoolLayout(L, H, D, torch.float32, 32, 16)
+    keys = layout.keys(list(range(3, 3 + 4 * 32)), "m")
+    with caplog.at_level("WARNING", logger="vllm.kvswitch"):
+        start = time.monotonic()
+        assert b.probe(4, keys)[0] == 0
+        first = time.monotonic() - start
+        start = time.monotonic()
+        assert b.probe(4, keys)[0] == 0 and time.monotonic() - start < 0.1   # skipped
+        b.save(4, keys[:2], [bytes(layout.block_bytes)] * 2)
+        assert b.flush(5) and b.save_dropped == 2 and b.save_failed == 0
+        assert b.snapshot()["probes_skipped"] >= 1
+        time.sleep(0.7)                                          # the back-off is over
+        start = time.monotonic()
+        assert b.probe(4, keys)[0] == 0 and time.monotonic() - start >= 0.25   # asked again
+    lines = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
+    assert 0.25 <= first < 2 and len(lines) == 1 and addr in lines[0], lines
+    quiet.close()
 
 
 # ---- end to end ----------------------------------------------------------------------------

@@ -23,10 +23,13 @@ The probe moves one chunk per block, never the blocks: the scheduler does not fe
 Worker side. ``start_load_kv`` starts the fetches (``concurrency`` blocks in flight on the I/O
 thread) and returns; the first ``wait_for_layer_load`` copies each block into every layer's
 paged blocks as it arrives (a pool block holds every layer, so layer 0 needs whole blocks). A
-block that cannot be fetched is reported with ``get_block_ids_with_load_errors``: with
-``"kv_load_failure_policy": "recompute"`` vLLM recomputes from there. ``save_kv_layer`` does
-nothing; ``wait_for_save`` copies each newly computed full prompt block out of the paged cache
-and hands it to the I/O thread, which PUTs it in the background.
+block that cannot be fetched within ``deadline`` is reported with
+``get_block_ids_with_load_errors``, and vLLM recomputes from there: the connector sets vLLM's
+``kv_load_failure_policy`` from its ``load_failure`` setting (``recompute`` unless told ``fail``).
+A pool node that stops answering is skipped for a while (``vllm_connector_pool.Reachability``),
+so requests recompute without waiting for it. ``save_kv_layer`` does nothing; ``wait_for_save``
+copies each newly computed full prompt block out of the paged cache and hands it to the I/O
+thread, which PUTs it in the background.
 
 Where bytes live. Between the probe and the load, in the pool (or the switch): the scheduler
 passes only keys and block ids to the worker (in ``KVSwitchMetadata``, which vLLM pickles
@@ -34,8 +37,11 @@ between processes), and the worker fetches into a buffer that is copied into the
 So both vLLM process layouts work: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (scheduler and worker
 in one process, sharing one I/O thread and socket) and the default (each process its own).
 
-Limits: vLLM's CPU paged layout, one KV cache group of full attention, tensor and pipeline
-parallel size 1, ``cache_dtype`` auto; prompt blocks only (generated tokens are not saved).
+Paged layouts: every one vLLM 0.32 allocates, on the CPU (``CPU_ATTN``) and on GPUs
+(``FLASH_ATTN``, ``FLASHINFER``, ``TRITON_ATTN``, ``FLEX_ATTENTION``; any ``KVCacheLayout``,
+kernel blocks included): ``hostagent.inference.paged_kv``. Limits: one KV cache group of full
+attention, tensor and pipeline parallel size 1, ``cache_dtype`` auto; prompt blocks only
+(generated tokens are not saved).
 """
 from __future__ import annotations
 
@@ -50,8 +56,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 
 from hostagent.common.transfer import TransferStats
-from .vllm_connector_blocks import (LoadSpec, Planner, PoolLayout, SaveSpec, Settings,
-                                    check_paged_cache, read_block)
+from .paged_kv import PagedKV
+from .vllm_connector_blocks import LoadSpec, Planner, PoolLayout, SaveSpec, Settings
 from .vllm_connector_pool import backend_for, drain_load, log
 
 if TYPE_CHECKING:
@@ -92,8 +98,12 @@ class KVSwitchConnector(KVConnectorBase_V1):
         self.ns, self.nchunks = s.namespace, self.layout.nchunks(s.chunk_size)
         self.planner = Planner(self.layout, self.model_id, load=tc.is_kv_consumer,
                                save=tc.is_kv_producer)
+        if tc.kv_load_failure_policy != s.load_failure:
+            log.info("kvswitch connector: kv_load_failure_policy %s (its load_failure setting)",
+                     s.load_failure)
+            tc.kv_load_failure_policy = s.load_failure      # the scheduler reads it after us
         self.backend = backend_for(s)
-        self._caches: list[torch.Tensor] = []
+        self._paged: PagedKV | None = None
         self._pending: list[tuple[LoadSpec, queue.SimpleQueue, float]] = []
         self._invalid: set[int] = set()
         log.info("kvswitch connector (%s): pools %s ns %d, %d-token blocks of %d bytes (codec "
@@ -139,16 +149,28 @@ class KVSwitchConnector(KVConnectorBase_V1):
 
     # ---- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
         from vllm.model_executor.models.utils import extract_layer_index
         names = sorted(kv_caches, key=extract_layer_index)
         if len(names) != self.layout.layers:
             raise ValueError(f"kvswitch connector: {len(names)} KV cache layers, the model "
                              f"has {self.layout.layers}")
-        for name in names:
-            check_paged_cache(self.layout, name, kv_caches[name])
-        self._caches = [kv_caches[n] for n in names]
+        backends = {b.get_name() for b in get_current_attn_backends(self._vllm_config)}
+        if len(backends) != 1:
+            raise ValueError(f"kvswitch connector: one attention backend expected, not "
+                             f"{sorted(backends)}")
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        try:
+            self._paged = PagedKV([kv_caches[n] for n in names], self.layout, backends.pop(),
+                                  num_blocks)
+        except ValueError as exc:
+            raise ValueError(f"kvswitch connector: KV cache of {names[0]}: {exc}") from None
+        log.info("kvswitch connector: %s paged KV on %s, %d kernel block(s) per block",
+                 self._paged.backend, self._paged.device, self._paged.kernel_blocks)
         from .codec import warm_up
         warm_up(self.settings.kv_codec)  # the decode loop compiled before the first load
+        if self.planner.load:
+            self.backend.open_getter()   # the fetch engine compiles now, not in a load
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -174,7 +196,7 @@ class KVSwitchConnector(KVConnectorBase_V1):
             return
         for sv in meta.saves:
             start = time.monotonic()
-            blocks = [read_block(self._caches, self.layout, ids) for ids in sv.ids]
+            blocks = [self._paged.read(ids) for ids in sv.ids]
             self.backend.save(self.ns, sv.keys, blocks)
             self.backend.record(ev="save", req=sv.req_id, first=sv.first, blocks=len(blocks),
                                 bytes=sum(map(len, blocks)), keys=[k.hex() for k in sv.keys],
@@ -193,18 +215,23 @@ class KVSwitchConnector(KVConnectorBase_V1):
         them when the forward already ran)."""
         pending, self._pending = self._pending, []
         for ld, q, started in pending:
-            loaded, stats, error = drain_load(ld, q, self._caches, self.layout,
-                                              self.settings.deadline + 5)
+            loaded, stats, error = drain_load(ld, q, self._paged, self.settings.deadline + 5)
             if late:
                 loaded, error = 0, error or "loaded after the forward"
             for j in range(loaded, len(ld.keys)):
                 self._invalid.update(vid for _, vid in ld.targets[j])
+            seconds = time.monotonic() - started
             if error:
                 log.warning("kvswitch: load of %s failed from block %d: %s", ld.req_id,
                             ld.first + loaded, error)
+            else:
+                log.info("kvswitch: loaded %s: %d blocks, %.1f MB in %.3f s; chunks: %d from the "
+                         "switch, %d replicated, %d from the pool, %d asked again", ld.req_id,
+                         loaded, stats.bytes / 1e6, seconds, stats.from_switch, stats.replicas,
+                         stats.from_pool, stats.retransmits)
             self.backend.record(ev="load", req=ld.req_id, first=ld.first, blocks=len(ld.keys),
                                 loaded=loaded, tokens=ld.tokens, error=error,
-                                seconds=round(time.monotonic() - started, 6), **_brief(stats))
+                                seconds=round(seconds, 6), **_brief(stats))
 
 
 def _brief(stats: TransferStats) -> dict:

@@ -1,6 +1,7 @@
-"""The vLLM connector's pure part (torch, never vLLM): settings, the pool block layout and its
-keys, the scheduler's plan mapping pool blocks onto vLLM's paged blocks, and the copies between
-vLLM's CPU paged KV cache and pool blocks. ``hostagent.inference.vllm_connector`` is the vLLM glue.
+"""The vLLM connector's pure part (never vLLM): settings, the pool block layout and its
+keys, and the scheduler's plan mapping pool blocks onto vLLM's paged blocks
+(``hostagent.inference.paged_kv`` copies between them). ``hostagent.inference.vllm_connector``
+is the vLLM glue.
 
 Blocks and keys are those of the Hugging Face connector (``hostagent.inference.hf_connector``): a
 pool block holds ``block_tokens`` consecutive prompt tokens for every layer, one C-contiguous array
@@ -8,20 +9,12 @@ of the KV dtype shaped ``[layers, 2 (K, V), kv_heads, block_tokens, head_dim]`` 
 and its key is the chained prefix hash of the tokens (``hostagent.common.hashing.block_hashes``)
 with ``extra`` = model id + ``|`` + layout tag. ``block_tokens`` is a multiple of vLLM's block size
 (``ratio`` vLLM blocks per pool block).
-
-vLLM's CPU paged cache keeps per layer a tensor ``[num_blocks, kv_heads, block_size, 2 *
-head_dim]`` whose memory per (block, head) is K ``[block_size, head_dim]`` then V: viewed as
-``[num_blocks, kv_heads, 2, block_size, head_dim]`` it is the pool layout with the first two
-axes swapped, so a copy is one strided ``copy_`` per layer and vLLM block.
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from hostagent.common.hashing import block_hashes
 from kvproto import DEFAULT_CHUNK
@@ -29,6 +22,13 @@ from .block_layout import BlockLayout
 
 
 # ---- settings ------------------------------------------------------------------------------
+class SettingsError(ValueError):
+    """A bad ``kv_connector_extra_config``: one line that names the key."""
+
+    def __init__(self, key: str, why: str):
+        super().__init__(f"kvswitch connector: kv_connector_extra_config key {key!r}: {why}")
+
+
 @dataclass(frozen=True)
 class Settings:
     """``kv_connector_extra_config``, checked. Only ``pools`` is required."""
@@ -38,40 +38,66 @@ class Settings:
     window: int = 64                   # chunks in flight per block
     concurrency: int = 4               # blocks in flight per load or save
     probe_window: int = 64             # chunk-0 probes in flight
-    deadline: float = 30.0             # seconds for one block before it counts as failed
+    deadline: float = 10.0             # seconds for one block before its load fails
+    probe_deadline: float = 2.0        # seconds the scheduler waits for a probe at most
+    retry_s: float = 5.0               # a silent pool node is asked again after this (doubling)
     model_id: str | None = None        # names the weights; default: vLLM's model and revision
     block_tokens: int | None = None    # pool block tokens; default: vLLM's block size
     max_pending_save_mib: int = 256    # saves copied out but not yet acknowledged
     fetch_engine: str = "auto"         # auto: the XDP fetch engine where it can run; off
     kv_codec: str = "none"             # none, int8, fp8, int4, int4h or NAME/gTOKENS (codec)
+    load_failure: str = "recompute"    # a block that cannot be loaded: recompute, or fail
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
+        """The settings of a ``kv_connector_extra_config``; SettingsError names the first bad
+        key (unknown, of the wrong type, out of range, an address that does not resolve)."""
+        from switchd.dataplane import MAX_CHUNK
+        from hostagent.common.transfer import parse_addr
         extra = dict(extra or {})
-        unknown = set(extra) - {f for f in cls.__dataclass_fields__}
-        if unknown:
-            raise ValueError(f"kvswitch connector: unknown kv_connector_extra_config keys "
-                             f"{sorted(unknown)}")
+        fields = cls.__dataclass_fields__
+        for key in extra:
+            if key not in fields:
+                raise SettingsError(key, f"unknown key; known: {', '.join(fields)}")
         pools = extra.pop("pools", None)
         if isinstance(pools, str):
-            pools = [p for p in pools.split(",") if p]
-        if not pools:
-            raise ValueError('kvswitch connector: kv_connector_extra_config needs "pools": '
-                             '["IP[:PORT]", ...], the pool nodes')
-        s = cls(pools=tuple(str(p) for p in pools), **extra)
-        for name in ("namespace", "chunk_size", "window", "concurrency", "probe_window"):
-            if int(getattr(s, name)) < 1 or int(getattr(s, name)) != getattr(s, name):
-                raise ValueError(f"kvswitch connector: {name} must be a positive integer")
-        if s.fetch_engine not in ("auto", "off"):
-            raise ValueError('kvswitch connector: fetch_engine must be "auto" or "off"')
+            pools = [p.strip() for p in pools.split(",") if p.strip()]
+        if not pools or not isinstance(pools, (list, tuple)):
+            raise SettingsError("pools", 'required: ["IP[:PORT]", ...], the pool nodes')
+        for addr in pools:
+            try:
+                parse_addr(str(addr))
+            except ValueError as exc:
+                raise SettingsError("pools", str(exc)) from None
+        ints = {"namespace": (1, 0xFFFFFFFF), "chunk_size": (8, MAX_CHUNK),
+                "window": (1, 1 << 16), "concurrency": (1, 1024), "probe_window": (1, 1 << 16),
+                "block_tokens": (1, 1 << 20), "max_pending_save_mib": (1, 1 << 20)}
+        for key, (lo, hi) in ints.items():
+            v = extra.get(key)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise SettingsError(key, f"{v!r} is not an integer in {lo}..{hi}")
+        if extra.get("chunk_size", DEFAULT_CHUNK) % 8:
+            raise SettingsError("chunk_size", f"{extra['chunk_size']} is not a chunk size the "
+                                f"switch takes (a multiple of 8, at most {MAX_CHUNK})")
+        for key in ("deadline", "probe_deadline", "retry_s"):
+            v = extra.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not 0 < v <= 3600):
+                raise SettingsError(key, f"{v!r} is not a number of seconds in (0, 3600]")
+        for key, choices in (("fetch_engine", ("auto", "off")),
+                             ("load_failure", ("recompute", "fail"))):
+            if key in extra and extra[key] not in choices:
+                raise SettingsError(key, f"{extra[key]!r} is not one of {', '.join(choices)}")
+        if "model_id" in extra and not isinstance(extra["model_id"], str):
+            raise SettingsError("model_id", f"{extra['model_id']!r} is not a string")
         from .codec import UnknownCodec, parse
         try:
-            parse(s.kv_codec)
-        except UnknownCodec as exc:
-            raise ValueError(f"kvswitch connector: {exc}") from None
-        if s.namespace > 0xFFFFFFFF:
-            raise ValueError("kvswitch connector: namespace must fit in 32 bits")
-        return s
+            parse(extra.get("kv_codec", "none"))
+        except (UnknownCodec, TypeError, AttributeError) as exc:
+            raise SettingsError("kv_codec", str(exc)) from None
+        return cls(pools=tuple(str(p) for p in pools), **extra)
 
 
 # ---- layout and keys -----------------------------------------------------------------------
@@ -244,56 +270,3 @@ class Planner:
                                    [tr.block_ids[j * r:(j + 1) * r]
                                     for j in range(tr.saved, upto)]))
         tr.saved = upto
-
-
-# ---- vLLM's CPU paged cache <-> pool blocks ------------------------------------------------
-def check_paged_cache(layout: PoolLayout, name: str, t: torch.Tensor) -> None:
-    """Refuse a layer's KV tensor that is not vLLM's CPU paged layout of this model."""
-    want = (layout.kv_heads, layout.vllm_block, 2 * layout.head_dim)
-    if t.dim() != 4 or tuple(t.shape[1:]) != want or t.dtype != layout.dtype \
-            or t.device.type != "cpu" or not t[0].is_contiguous():
-        raise ValueError(f"kvswitch connector: KV cache of {name} is {tuple(t.shape)} "
-                         f"{t.dtype} on {t.device}; only vLLM's CPU paged layout [num_blocks, "
-                         f"{want[0]}, {want[1]}, {want[2]}] {layout.dtype} is supported")
-
-
-def as_block(buf, layout: PoolLayout) -> torch.Tensor:
-    """A pool block's bytes (bytes, bytearray, memoryview, numpy) as a [L, 2, H, ratio,
-    vllm_block, D] tensor sharing their memory (none), or decoded into a new one (a codec)."""
-    L, _, H, _, D = layout.shape
-    if layout.codec.name != "none":
-        if len(memoryview(buf).cast("B")) != layout.coded_bytes:
-            raise ValueError(f"pool block of {len(memoryview(buf).cast('B'))} bytes, codec "
-                             f"{layout.codec.name} of the layout has {layout.coded_bytes}")
-        return layout.codec.decode(buf).view(L, 2, H, layout.ratio, layout.vllm_block, D)
-    if len(memoryview(buf).cast("B")) != layout.block_bytes:
-        raise ValueError(f"pool block of {len(memoryview(buf).cast('B'))} bytes, the layout "
-                         f"has {layout.block_bytes}")
-    with warnings.catch_warnings():      # read-only buffers: only ever read from
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.frombuffer(buf, dtype=layout.dtype)
-    return t.view(L, 2, H, layout.ratio, layout.vllm_block, D)
-
-
-def write_block(buf, caches: Sequence[torch.Tensor], layout: PoolLayout,
-                targets: Sequence[tuple[int, int]]) -> None:
-    """Copy one pool block into vLLM blocks: ``targets`` = (sub-block, vLLM block id)."""
-    src = as_block(buf, layout)
-    H, bs, D = layout.kv_heads, layout.vllm_block, layout.head_dim
-    for li, cache in enumerate(caches):
-        for s, vid in targets:
-            cache[vid].view(H, 2, bs, D).copy_(src[li, :, :, s].transpose(0, 1))
-
-
-def read_block(caches: Sequence[torch.Tensor], layout: PoolLayout,
-               ids: Sequence[int]) -> bytes:
-    """One pool block gathered from vLLM blocks ``ids`` (``ratio`` of them), as bytes (coded
-    with the layout's codec)."""
-    L, _, H, _, D = layout.shape
-    out = torch.empty(L, 2, H, layout.ratio, layout.vllm_block, D, dtype=layout.dtype)
-    for li, cache in enumerate(caches):
-        for s, vid in enumerate(ids):
-            out[li, :, :, s].copy_(cache[vid].view(H, 2, layout.vllm_block, D).transpose(0, 1))
-    if layout.codec.name != "none":
-        return layout.codec.encode(out.view(layout.shape))
-    return out.view(torch.uint8).numpy().tobytes()

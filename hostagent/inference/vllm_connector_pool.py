@@ -14,8 +14,15 @@ deadline ends the prefix). It goes through the switch like any GET, so a hot pre
 at the switch. Whole-block GETs go through ``getter``: anything with ``KVClient.get_block``'s
 signature returning ``(block, TransferStats)``, the block a buffer or an object with a
 zero-copy ``view`` and ``release()``: the XDP fetch engine's client (``hostagent.inference.fetch``),
-opened at the first load, or the asyncio client where the engine cannot run (or with
+opened when the worker registers its KV cache (``open_getter``: the program compiles in the
+background, not in a request's load), or the asyncio client where the engine cannot run (or with
 ``fetch_engine: "off"``).
+
+A pool node that does not answer must not stall serving: ``Reachability`` takes a node whose
+probe, load or save timed out (or whose address refused) out of use for a back-off that doubles
+while it keeps failing (``retry_s`` .. 60 s). Meanwhile probes say miss for its blocks (the
+scheduler does not wait: requests recompute) and saves to it are dropped and counted; one log
+line when a node goes, one when it answers again.
 """
 from __future__ import annotations
 
@@ -28,13 +35,47 @@ import queue
 import threading
 import time
 
-from hostagent.common.transfer import BlockNotFound, Refused, TransferStats
+from hostagent.common.transfer import BlockNotFound, Refused, TransferStats, TransferTimeout
 from .client import KVClient
-from .vllm_connector_blocks import LoadSpec, PoolLayout, Settings, write_block
+from .paged_kv import PagedKV
+from .vllm_connector_blocks import LoadSpec, Settings
 
 log = logging.getLogger("vllm.kvswitch")       # under "vllm": vLLM's handler prints it
 
-PROBE_DEADLINE = 2.0                            # seconds: a probe must not stall the scheduler
+RETRY_CAP = 60.0                                # seconds: the longest back-off of a silent pool
+
+
+def unreachable(exc: BaseException) -> bool:
+    """An error that says the pool node did not answer at all (not that it lacks a block or
+    refused one): a timeout, or the network refusing the address."""
+    return isinstance(exc, (TransferTimeout, asyncio.TimeoutError, OSError))
+
+
+class Reachability:
+    """Pool nodes taken out of use after they failed to answer (module docstring). Used from
+    the I/O thread only."""
+
+    def __init__(self, retry_s: float):
+        self.retry_s = retry_s
+        self._down: dict[tuple[str, int], tuple[float, float]] = {}   # addr -> (until, back-off)
+        self.skipped = 0
+
+    def usable(self, addr: tuple[str, int]) -> bool:
+        state = self._down.get(addr)
+        return state is None or time.monotonic() >= state[0]
+
+    def failed(self, addr: tuple[str, int], what: str, exc: BaseException) -> None:
+        until, backoff = self._down.get(addr, (0.0, 0.0))
+        backoff = min(RETRY_CAP, 2 * backoff) if backoff else self.retry_s
+        if not until:
+            log.warning("kvswitch: pool node %s:%d does not answer (%s: %s): its blocks are "
+                        "recomputed and not saved; asking again in %g s", *addr, what,
+                        exc or type(exc).__name__, backoff)
+        self._down[addr] = (time.monotonic() + backoff, backoff)
+
+    def answered(self, addr: tuple[str, int]) -> None:
+        if self._down.pop(addr, None) is not None:
+            log.warning("kvswitch: pool node %s:%d answers again", *addr)
 
 
 class PoolBackend:
@@ -48,12 +89,14 @@ class PoolBackend:
         self._thread.start()
         self.client = KVClient(list(s.pools), s.chunk_size, s.window, s.deadline)
         self._call(self.client.__aenter__(), 10)
-        # Whole-block GETs: the XDP fetch engine where it can run, opened at the first load
-        # (in vLLM's two-process layout the worker loads; the scheduler only probes)
+        # Whole-block GETs: the XDP fetch engine where it can run, opened by the worker
+        # (open_getter; in vLLM's two-process layout the scheduler only probes)
         self.getter = self.client if s.fetch_engine == "off" else None
+        self._opening: asyncio.Future | None = None           # the I/O thread's only
+        self.reach = Reachability(s.retry_s)
         self.totals = {op: TransferStats() for op in ("probe", "load", "save")}
         self.events: collections.deque[dict] = collections.deque(maxlen=4096)
-        self.save_refused = self.save_failed = 0
+        self.save_refused = self.save_failed = self.save_dropped = 0
         self._saves: set[concurrent.futures.Future] = set()
         self._pending = 0
         self._cond = threading.Condition()
@@ -70,7 +113,7 @@ class PoolBackend:
         """How many leading ``keys`` the pool (or the switch) has; the probe's transfer stats."""
         if not keys:
             return 0, TransferStats()
-        return self._call(self._probe(ns, keys), PROBE_DEADLINE + 5)
+        return self._call(self._probe(ns, keys), self.settings.probe_deadline + 5)
 
     async def _probe(self, ns: int, keys: list[bytes]) -> tuple[int, TransferStats]:
         stats, start = TransferStats(), time.monotonic()
@@ -79,12 +122,23 @@ class PoolBackend:
         async def one(i: int) -> None:
             nonlocal found
             async with sem:
+                addr = self.client.pool_for(ns, keys[i])
                 if i > found:
                     return
+                if not self.reach.usable(addr):
+                    self.reach.skipped += 1
+                    found = min(found, i)
+                    return
                 try:
-                    await self.client.first_chunk(ns, keys[i], stats, PROBE_DEADLINE)
+                    await self.client.first_chunk(ns, keys[i], stats,
+                                                  self.settings.probe_deadline)
+                    self.reach.answered(addr)
                 except Exception as exc:       # unconfirmed: the prefix ends here
-                    if not isinstance(exc, BlockNotFound):
+                    if isinstance(exc, BlockNotFound):
+                        self.reach.answered(addr)
+                    elif unreachable(exc):
+                        self.reach.failed(addr, "probe", exc)
+                    else:
                         log.warning("kvswitch: probe of block %d failed: %s", i, exc)
                     found = min(found, i)
                     for t in tasks[i + 1:]:
@@ -116,10 +170,12 @@ class PoolBackend:
                     q.put((i, None, None))
                     return
                 try:
-                    getter = self.getter or await self._open_engine()
+                    getter = self.getter or await self._getter()
                     get = getattr(getter, "get_block_view", getter.get_block)
                     data, stats = await get(ns, keys[i], nchunks=nchunks)
                 except Exception as exc:          # reported to vLLM as a load error
+                    if unreachable(exc):
+                        self.reach.failed(self.client.pool_for(ns, keys[i]), "load", exc)
                     failed = min(failed, i)
                     q.put((i, exc, None))
                     return
@@ -127,6 +183,20 @@ class PoolBackend:
                 q.put((i, data, stats))
 
         await asyncio.gather(*(one(i) for i in range(len(keys))))
+
+    def open_getter(self) -> None:
+        """Start opening the block getter now (the worker, at start-up), so that no request's
+        load waits for the fetch engine's program to compile."""
+        if self.getter is None:
+            asyncio.run_coroutine_threadsafe(self._getter(), self.loop)
+
+    async def _getter(self):
+        """The block getter, opened once (loads arriving while it opens wait for it)."""
+        if self.getter is None:
+            if self._opening is None:
+                self._opening = asyncio.ensure_future(self._open_engine())
+            await asyncio.shield(self._opening)
+        return self.getter
 
     async def _open_engine(self):
         """The fetch engine's client (zero-copy blocks), else the asyncio client; one log
@@ -170,15 +240,23 @@ class PoolBackend:
 
         async def one(key: bytes, data: bytes) -> None:
             async with sem:
+                addr = self.client.pool_for(ns, key)
+                if not self.reach.usable(addr):
+                    self.save_dropped += 1     # a lost save is a future miss, never an error
+                    return
                 try:
                     part = await self.client.put_block(ns, key, data)
                     self.totals["save"].add(part, seconds=True)
+                    self.reach.answered(addr)
                 except Refused as exc:     # stored already, with other bits: keep the pool's
                     self.save_refused += 1
                     log.info("kvswitch: PUT of %s refused: %s", key.hex(), exc)
                 except Exception as exc:   # a lost save is a future miss, never an error
                     self.save_failed += 1
-                    log.warning("kvswitch: PUT of %s failed: %s", key.hex(), exc)
+                    if unreachable(exc):
+                        self.reach.failed(addr, "save", exc)
+                    else:
+                        log.warning("kvswitch: PUT of %s failed: %s", key.hex(), exc)
 
         await asyncio.gather(*(one(k, b) for k, b in zip(keys, blocks)))
 
@@ -191,10 +269,11 @@ class PoolBackend:
 
     def snapshot(self) -> dict:
         return {op: s.as_dict() for op, s in self.totals.items()} | {
-            "save_refused": self.save_refused, "save_failed": self.save_failed}
+            "save_refused": self.save_refused, "save_failed": self.save_failed,
+            "save_dropped": self.save_dropped, "probes_skipped": self.reach.skipped}
 
 
-def drain_load(ld: LoadSpec, q: queue.SimpleQueue, caches, layout: PoolLayout,
+def drain_load(ld: LoadSpec, q: queue.SimpleQueue, paged: PagedKV,
                timeout: float) -> tuple[int, TransferStats, str | None]:
     """Copy one load's blocks (from ``PoolBackend.fetch``'s queue) into the paged cache in the
     order they arrive. Returns how many leading blocks loaded (blocks from the first that
@@ -212,7 +291,7 @@ def drain_load(ld: LoadSpec, q: queue.SimpleQueue, caches, layout: PoolLayout,
             loaded, error = min(loaded, i), error or (repr(data) if data else None)
             continue
         try:
-            write_block(_buffer(data), caches, layout, ld.targets[i])
+            paged.write(_buffer(data), ld.targets[i])
         except ValueError as exc:
             loaded, error = min(loaded, i), error or str(exc)
         finally:
@@ -243,8 +322,8 @@ _LOCK = threading.Lock()
 def backend_for(settings: Settings) -> PoolBackend:
     """The process's backend for these pools and transfer settings (made on first use)."""
     key = (settings.pools, settings.chunk_size, settings.window, settings.concurrency,
-           settings.probe_window, settings.deadline, settings.max_pending_save_mib,
-           settings.fetch_engine)
+           settings.probe_window, settings.deadline, settings.probe_deadline, settings.retry_s,
+           settings.max_pending_save_mib, settings.fetch_engine)
     with _LOCK:
         if key not in _BACKENDS:
             _BACKENDS[key] = PoolBackend(settings)
