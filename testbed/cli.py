@@ -15,6 +15,7 @@ from xdp.attach import VETH_MAX_MTU
 from switchd.policy import POLICIES
 
 from .bench.compress import command as compress_command
+from .bench.serve_vllm import command as vllm_bench_command
 from .bench.serve_tiers_cli import tiers_options
 from .demos.inference import BLOCK_TOKENS, MODEL_CHOICES as DEMO_MODELS
 from .demos.vllm import MODELS_DIR as DEMO_MODEL_DIR
@@ -193,6 +194,7 @@ def bench():
 
 
 bench.add_command(compress_command())
+bench.add_command(vllm_bench_command())
 
 
 @bench.command()

@@ -29,6 +29,8 @@ POOL = ["xdp/kvserve.c", "xdp/kvserve.h", "xdp/kvserve_maps.h", "hostagent/pool"
 POLICY = ["switchd/policy.py", "switchd/sketch.py", "testbed/sim/evaluate.py",
           "testbed/sim/baselines.py"]
 LINKS = ["testbed/lab/links.py"]
+VLLM = ["hostagent/inference/vllm_connector.py", "hostagent/inference/vllm_connector_blocks.py",
+        "hostagent/inference/vllm_connector_pool.py", "hostagent/inference/paged_kv.py"]
 TIERS = ["hostagent/common/tier_policy.py", "hostagent/inference/node_tier.py",
          "hostagent/pool/disk_tier.py", "testbed/sim/tiers.py"]
 
@@ -69,10 +71,9 @@ MEASURES: list[tuple[str, list[str]]] = [
     ("inference.*", SWITCH + FETCH + POOL + ["hostagent/inference/hf_connector.py",
                                              "hostagent/inference/codec.py",
                                              "testbed/demos/inference.py"]),
-    ("vllm*", SWITCH + FETCH + POOL + ["hostagent/inference/vllm_connector.py",
-                                       "hostagent/inference/vllm_connector_blocks.py",
-                                       "hostagent/inference/vllm_connector_pool.py",
-                                       "testbed/demos/vllm.py"]),
+    ("vllm-serve*", SWITCH + FETCH + POOL + LINKS + VLLM + ["testbed/bench/serve_vllm.py",
+                                                            "testbed/bench/vllm_server.py"]),
+    ("vllm*", SWITCH + FETCH + POOL + VLLM + ["testbed/demos/vllm.py"]),
 ]
 
 # result files that record a comparison with code that no longer exists, or one run kept beside

@@ -25,7 +25,7 @@ from .topology import Topology, TestbedError, plain_bridge_ports, python_argv
 STORES = ("memory", "mooncake")
 
 
-def _await_log_line(proc: subprocess.Popen, path: str, offset: int, marker: str,
+def await_log_line(proc: subprocess.Popen, path: str, offset: int, marker: str,
                     timeout: float, what: str) -> str:
     """Wait for a line containing ``marker`` written to ``path`` after ``offset``."""
     deadline = time.monotonic() + timeout
@@ -168,7 +168,7 @@ class Lab:
     def await_pool_log(self, index: int, marker: str, timeout: float = 60) -> str:
         """The first line with ``marker`` the running pool server ``index`` has logged (it
         is killed and TestbedError raised if none comes in ``timeout`` seconds)."""
-        return _await_log_line(self.pools[index], self.pool_log_path(index),
+        return await_log_line(self.pools[index], self.pool_log_path(index),
                                self._log_offsets[index], marker, timeout,
                                f"pool server on {self.topo.pool_nodes[index].name}")
 
