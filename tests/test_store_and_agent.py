@@ -139,6 +139,38 @@ def test_first_chunk_says_whether_a_block_is_there():
     assert n == 5 and stats.from_pool == 1 and gets == 2
 
 
+def test_a_silent_peer_is_no_answer_and_a_slow_one_a_timeout():
+    """A transfer that got no answer at all fails with NoAnswer (the peer is gone: the vLLM
+    connector stops asking it for a while); one that got answers but not all of them in time
+    fails with a plain TransferTimeout (congestion, not a dead node)."""
+    import socket
+    from hostagent.common.transfer import NoAnswer, TransferTimeout
+
+    class HalfDeaf(PoolServer):          # answers the first chunk of a PUT, then nothing more
+        def datagram_received(self, data, addr):
+            self.seen = getattr(self, "seen", 0) + 1
+            if self.seen <= 1:
+                super().datagram_received(data, addr)
+
+    quiet = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    quiet.bind(("127.0.0.1", 0))
+
+    async def silent():
+        async with KVClient(["%s:%d" % quiet.getsockname()], chunk_size=1024, deadline=0.5) as c:
+            await c.first_chunk(1, KEY)
+
+    async def body(addr, proto):
+        async with KVClient([addr], chunk_size=1024, window=1, deadline=0.5) as c:
+            await c.put_block(1, KEY, os.urandom(4096))
+
+    with pytest.raises(NoAnswer, match="none answered"):
+        asyncio.run(silent())
+    with pytest.raises(TransferTimeout) as e:
+        asyncio.run(_with_server(HalfDeaf, body))
+    assert not isinstance(e.value, NoAnswer)
+    quiet.close()
+
+
 def test_server_answers_garbage_with_error_or_silence():
     async def body(addr, proto):
         from kvproto import Message, Op

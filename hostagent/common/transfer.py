@@ -26,6 +26,11 @@ class TransferTimeout(TimeoutError):
     """Chunks were still missing when the deadline passed."""
 
 
+class NoAnswer(TransferTimeout):
+    """The deadline passed without a single answer from the peer (not a slow transfer: the
+    peer, or the path to it, is gone)."""
+
+
 class Refused(RuntimeError):
     """The peer answered ERROR; ``status`` says why."""
 

@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 from kvproto import DEFAULT_CHUNK, MAX_PAYLOAD, Flag, Message, Op, ProtocolError, Status
 from hostagent.common import auth as auth_mod
 from hostagent.common.udp import grow_buffers
-from hostagent.common.transfer import (BlockNotFound, Refused, TransferStats, TransferTimeout,
-                                       parse_addr, pool_for)
+from hostagent.common.transfer import (BlockNotFound, NoAnswer, Refused, TransferStats,
+                                       TransferTimeout, parse_addr, pool_for)
 
 DEFAULT_WINDOW = 64
 RID_HOLD = 300.0          # seconds a retired request id is not drawn again
@@ -64,7 +64,7 @@ class _Transfer:
         self.client, self.addr, self.build, self.accept, self.stats = (
             client, addr, build, accept, stats)
         self.todo = list(reversed(items))
-        self.left = len(items)
+        self.left = self.total = len(items)
         self.outstanding: dict[int, tuple[int, float, float, int]] = {}  # item -> rid, sent, due, tries
         self.rid_item: dict[int, int] = {}
         self.loop = asyncio.get_running_loop()
@@ -107,9 +107,11 @@ class _Transfer:
             return
         now = time.monotonic()
         if now > self.deadline:
-            self.future.set_exception(TransferTimeout(
+            silent = self.left == self.total          # not one chunk answered
+            self.future.set_exception((NoAnswer if silent else TransferTimeout)(
                 f"{self.left} chunk(s) still missing from {self.addr[0]}:{self.addr[1]} "
-                f"after {self.stats.retransmits} retransmissions"))
+                f"after {self.stats.retransmits} retransmissions"
+                + (", none answered" if silent else "")))
             return
         expired = [(item, tries) for item, (_r, _s, due, tries) in self.outstanding.items()
                    if now >= due]

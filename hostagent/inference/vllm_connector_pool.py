@@ -35,7 +35,7 @@ import queue
 import threading
 import time
 
-from hostagent.common.transfer import BlockNotFound, Refused, TransferStats, TransferTimeout
+from hostagent.common.transfer import BlockNotFound, NoAnswer, Refused, TransferStats
 from .client import KVClient
 from .paged_kv import PagedKV
 from .vllm_connector_blocks import LoadSpec, Settings
@@ -46,9 +46,13 @@ RETRY_CAP = 60.0                                # seconds: the longest back-off 
 
 
 def unreachable(exc: BaseException) -> bool:
-    """An error that says the pool node did not answer at all (not that it lacks a block or
-    refused one): a timeout, or the network refusing the address."""
-    return isinstance(exc, (TransferTimeout, asyncio.TimeoutError, OSError))
+    """An error that says the pool node did not answer at all (not that it lacks a block,
+    refused one, or was slow: a transfer that timed out with answers is congestion, and a
+    node marked silent for it would turn a busy link into recomputation): no answer within the
+    deadline (the asyncio client's NoAnswer, the fetch engine's NoReply), or the network
+    refusing the address."""
+    from hostagent.inference.fetch.engine import NoReply
+    return isinstance(exc, (NoAnswer, NoReply, OSError))
 
 
 class Reachability:

@@ -30,7 +30,8 @@ POLICY = ["switchd/policy.py", "switchd/sketch.py", "testbed/sim/evaluate.py",
           "testbed/sim/baselines.py"]
 LINKS = ["testbed/lab/links.py"]
 VLLM = ["hostagent/inference/vllm_connector.py", "hostagent/inference/vllm_connector_blocks.py",
-        "hostagent/inference/vllm_connector_pool.py", "hostagent/inference/paged_kv.py"]
+        "hostagent/inference/vllm_connector_pool.py", "hostagent/inference/paged_kv.py",
+        "hostagent/inference/client.py", "hostagent/common/transfer.py"]   # probes and saves
 TIERS = ["hostagent/common/tier_policy.py", "hostagent/inference/node_tier.py",
          "hostagent/pool/disk_tier.py", "testbed/sim/tiers.py"]
 
