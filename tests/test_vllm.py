@@ -328,6 +328,18 @@ def test_backend_probes_fetches_and_saves(pool):
     assert sorted(q.get(timeout=20)[0] for _ in range(2)) == [0, 1] and Seam.calls == 2
 
 
+def test_only_silence_takes_a_pool_node_out_of_use():
+    """A transfer that timed out with answers is congestion (a busy pool link), not a dead
+    node: it must not stop the connector from using the node."""
+    from hostagent.common.transfer import NoAnswer, TransferTimeout
+    from hostagent.inference.fetch.engine import NoReply
+    from hostagent.inference.vllm_connector_pool import unreachable
+    assert unreachable(NoAnswer("none answered")) and unreachable(NoReply("no reply"))
+    assert unreachable(ConnectionRefusedError()) and unreachable(OSError(101, "unreachable"))
+    assert not unreachable(TransferTimeout("53 chunk(s) still missing"))
+    assert not unreachable(BlockNotFound("gone")) and not unreachable(TimeoutError())
+
+
 def test_a_silent_pool_node_is_skipped_for_a_while_with_one_log_line(caplog):
     """Nothing answers at the pool's address: the first probe waits its deadline, says miss and
     logs one line; while the node is out of use probes say miss at once and saves are dropped;

@@ -52,7 +52,9 @@ def unreachable(exc: BaseException) -> bool:
     deadline (the asyncio client's NoAnswer, the fetch engine's NoReply), or the network
     refusing the address."""
     from hostagent.inference.fetch.engine import NoReply
-    return isinstance(exc, (NoAnswer, NoReply, OSError))
+    if isinstance(exc, (NoAnswer, NoReply)):
+        return True
+    return isinstance(exc, OSError) and not isinstance(exc, TimeoutError)  # a slow transfer
 
 
 class Reachability:
