@@ -247,6 +247,10 @@ def summary(rows: list[dict]) -> dict:
         s["failed_requests"][mode] = sum(r["vllm"]["failed"] for r in rs)
         s["completed"][mode] = sum(r["vllm"]["completed"] for r in rs)
         s["pool_egress_bytes"][mode] = rs[0]["pool_egress_bytes"]
+        # how far apart the clients' first requests went out (same seed, started together)
+        starts = [r["vllm"]["start_times"][0] for r in rs if r["vllm"].get("start_times")]
+        s.setdefault("client_start_skew_s", {})[mode] = (round(max(starts) - min(starts), 3)
+                                                         if len(starts) > 1 else 0.0)
     p50, p99 = s["ttft_p50_s"], s["ttft_p99_s"]
     if p50.get("switch") is not None and p50.get("local"):
         s["switch_over_local_p50"] = round(p50["switch"] / p50["local"], 3)
