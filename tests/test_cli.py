@@ -63,6 +63,21 @@ def test_testbed_bench_throughput_option_errors(tmp_path, args, message):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--prompts", "2", "--prefixes", "4"], "--prompts (2) must be at least --prefixes (4)"),
+    (["--modes", "local,bridge"], "modes are local, pool, switch, not local, bridge"),
+    (["--kv-blocks", "2"], "cannot hold one request of 640 tokens"),
+    (["--link-gbit", "0"], "0<x<=100"),
+    (["--servers", "0"], "1<=x<=16"),
+])
+def test_testbed_bench_vllm_option_errors(tmp_path, args, message):
+    """Refused before any testbed or vLLM server starts."""
+    out = tmp_path / "v.json"
+    assert message in _one_line_error("testbed", "bench", "vllm", *args, "--json", str(out),
+                                      code=2)
+    assert not out.exists()
+
+
 def test_testbed_bench_fetch_chunk_sizes_are_the_switchs():
     assert "give multiples of 8" in _one_line_error("testbed", "bench", "fetch", "--chunk-sizes",
                                                     "1001", "--json", "/dev/null", code=2)
