@@ -15,6 +15,7 @@ from xdp.attach import VETH_MAX_MTU
 from switchd.policy import POLICIES
 
 from .bench.compress import command as compress_command
+from .bench.faults_cli import command as faults_command
 from .bench.serve_vllm import command as vllm_bench_command
 from .bench.serve_tiers_cli import tiers_options
 from .demos.inference import BLOCK_TOKENS, MODEL_CHOICES as DEMO_MODELS
@@ -195,6 +196,7 @@ def bench():
 
 bench.add_command(compress_command())
 bench.add_command(vllm_bench_command())
+bench.add_command(faults_command)
 
 
 @bench.command()
@@ -363,13 +365,28 @@ def blend(prompts, pool, ratios, store, json_path, plot_path):
 
 
 @main.command()
-@click.option("--minutes", type=click.FloatRange(min=0.1, max=120), default=10.0,
-              show_default=True)
-@json_opt("bench/results/soak.json")
-def soak(minutes, json_path):
+@click.option("--minutes", type=click.FloatRange(min=0.1, max=600),
+              help="How long  [default: 10; 60 with --faults]")
+@click.option("--faults", is_flag=True,
+              help="Serving traffic with a fault of `bench faults` every --fault-every s.")
+@click.option("--fault-every", type=click.FloatRange(min=20), default=180.0, show_default=True,
+              help="Seconds between faults (with --faults).")
+@click.option("--json", "json_path",
+              help="Write the result here  [default: bench/results/soak.json; "
+                   "soak-faults.json with --faults]")
+def soak(minutes, faults, fault_every, json_path):
     """Sustained load for a bounded time; checks maps and daemon memory do not grow."""
+    if faults:
+        from .bench.fault_soak import run_fault_soak
+        out = run_fault_soak(minutes or 60.0, fault_every,
+                             json_path=json_path or "bench/results/soak-faults.json",
+                             log=click.echo)
+        click.echo(json.dumps({k: v for k, v in out.items() if k != "samples"}, indent=2))
+        fail_unless(out["failed_requests"] == 0 and out["wrong_bytes"] == 0 and
+                    out["counters"]["consistent"] and not out["left_behind"])
+        return
     from .bench.soak import run_soak
-    out = run_soak(minutes, json_path)
+    out = run_soak(minutes or 10.0, json_path or "bench/results/soak.json")
     click.echo(json.dumps({k: v for k, v in out.items() if k != "samples"}, indent=2))
     fail_unless(out["within_capacity"])
 

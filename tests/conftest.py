@@ -80,3 +80,13 @@ def leaves_no_namespaces(prefix: str):
         yield prefix
     finally:
         assert not namespaces_of(prefix), "testbed left namespaces behind"
+
+
+def need_mooncake() -> None:
+    """Fail (never skip) with what to install where Mooncake Store or its master is missing."""
+    from hostagent.pool.mooncake_store import MooncakeMissing, load_mooncake, master_binary
+    try:
+        load_mooncake()
+        master_binary()
+    except MooncakeMissing as exc:
+        pytest.fail(f"cannot run the Mooncake tests: {exc}", pytrace=False)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import leaves_no_namespaces
+from conftest import leaves_no_namespaces, need_mooncake
 from hostagent.pool.store import UNAVAILABLE
 from kvproto import Status
 from testbed.lab import Lab
@@ -27,12 +27,7 @@ CHUNK = 3072
 
 @pytest.fixture(scope="module")
 def lab():
-    from hostagent.pool.mooncake_store import MooncakeMissing, load_mooncake, master_binary
-    try:
-        load_mooncake()
-        master_binary()
-    except MooncakeMissing as exc:
-        pytest.fail(f"cannot run the Mooncake tests: {exc}", pytrace=False)
+    need_mooncake()
     with leaves_no_namespaces(f"mc{os.getpid() % 100000}") as prefix, \
             Lab(prefix, hosts=1, pools=3, switch=False, chunk_size=CHUNK, store="mooncake",
                 replicas=2, segment="128MiB", pool_capacity="64MiB") as running:

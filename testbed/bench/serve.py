@@ -128,15 +128,15 @@ def _merge(into: dict, out: dict) -> None:
             into[k] = into[k] + v
 
 
-def _run_workload(lab: Lab, wl: Workload, mode: str, ns: int, preset, block_bytes: int,
-                  log) -> dict:
-    if wl.preload:
-        _preload(lab, ns, wl.preload, mode == "replicas", block_bytes)
-    pools = lab.topo.pool_nodes
-    before = [lab.link_bytes(p.name, "tx") for p in pools]
-    sw0 = lab.counters() if mode == "switch" else {}   # the switch's rounds: its time
+def serve_phases(lab: Lab, wl: Workload, ns: int, prefill_tok_s: float, block_bytes: int,
+                 spread: bool = False, at_start=None, failover: bool = False,
+                 deadline: float = 30.0, failed: list | None = None) -> list[dict]:
+    """Every node's serving loop (testbed.bench.serve_node) over its share of ``wl``, phase by
+    phase; each node's results. ``at_start(epoch)`` is called once the last phase's nodes have
+    their common start (the run's time 0), while they serve (a fault's schedule, say);
+    ``failover`` and ``deadline`` are the nodes' (testbed.bench.serve_node.serve). A node whose
+    loop fails raises, or with ``failed`` (a list) is noted there as (node, why) and gives {}."""
     nodes = lab.topo.host_nodes
-    t0 = time.monotonic()
     res: list[dict] = [{} for _ in nodes]
     steps = phases(wl)
     for phase in steps:
@@ -144,11 +144,31 @@ def _run_workload(lab: Lab, wl: Workload, mode: str, ns: int, preset, block_byte
         start = StartLine(lab.tmp.name, len(on))      # once every node's engine is open
         tasks = [(i, lab.start_task(nodes[i].name, "testbed.bench.serve_node:serve",
                                     lab.pool_addrs, CHUNK, ns, block_bytes, phase[i], start.path,
-                                    preset.prefill_tokens_per_s, mode == "replicas"))
+                                    prefill_tok_s, spread, True, failover, deadline))
                  for i in on]
-        start.go([t for _, t in tasks])
+        at = start.go([t for _, t in tasks])
+        if at_start is not None and phase is steps[-1]:
+            at_start(at)
         for i, t in tasks:
-            _merge(res[i], t.result(timeout=1800))
+            try:
+                _merge(res[i], t.result(timeout=1800))
+            except TestbedError as exc:
+                if failed is None:
+                    raise
+                failed.append((i, str(exc)))
+    return res
+
+
+def _run_workload(lab: Lab, wl: Workload, mode: str, ns: int, preset, block_bytes: int,
+                  log) -> dict:
+    if wl.preload:
+        _preload(lab, ns, wl.preload, mode == "replicas", block_bytes)
+    pools = lab.topo.pool_nodes
+    before = [lab.link_bytes(p.name, "tx") for p in pools]
+    sw0 = lab.counters() if mode == "switch" else {}   # the switch's rounds: its time
+    t0 = time.monotonic()
+    res = serve_phases(lab, wl, ns, preset.prefill_tokens_per_s, block_bytes,
+                       mode == "replicas")
     egress = [lab.link_bytes(p.name, "tx") - b for p, b in zip(pools, before)]
     # warm-up requests (the burst's first computation of its prefix) are reported apart
     pick = [(r, [i for i, w in enumerate(r["warmup"]) if not w]) for r in res]
@@ -162,6 +182,7 @@ def _run_workload(lab: Lab, wl: Workload, mode: str, ns: int, preset, block_byte
         "switch_hit_ratio": round(sum(r["from_switch"] for r in res) / chunks, 4),
         "retransmit_ratio": round(sum(r["retransmits"] for r in res) / chunks, 5),
         "byte_exact": all(r["byte_exact"] for r in res),
+        "wrong_bytes": sum(r["wrong_bytes"] for r in res),
         # what the figures are made of
         "requests": len(ttft), "ttft_mean_s": round(float(np.mean(ttft)), 4) if ttft else 0,
         "warmup_ttft_s": [round(x, 4) for x in warm],

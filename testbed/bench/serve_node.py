@@ -4,15 +4,19 @@ as a testbed.lab task): requests in arrival order, one at a time (one GPU), each
   1. wait for its arrival (counted from the common start even if this node's engine opened
      late; queueing: from arrival to the start of its turn);
   2. look its prefix blocks up and fetch them with the XDP fetch engine, all at once (each
-     block's chunk 0 first: a block the pool does not hold costs one GET, NOT_FOUND); the longest run of fetched blocks from the
-     first one is the cached prefix; every fetched block is checked against its content;
+     block's chunk 0 first: a block the pool does not hold costs one GET, NOT_FOUND); the
+     longest run of fetched blocks from the first one is the cached prefix; every fetched
+     block is checked against its content;
   3. model the prefill of the remaining tokens with the preset's prefill speed (a sleep: the
      node is busy, as its GPU would be);
   4. write the blocks it computed through to the pool (a background writer, as a serving
      engine's offload does; it shares the node's link).
 
 TTFT = queueing + fetch + modelled prefill. With ``spread`` (the replicas mode) every pool node
-holds every block and each block is read from a pool node chosen at random.
+holds every block and each block is read from a pool node chosen at random. With ``failover``
+(`testbed bench faults`) a block whose fetch timed out is asked once more of the next pool node
+in its rendezvous order, and its owner is left out for a while, as a connector that knows its
+store replicates would do; every fetched byte that is not the block's counts as wrong.
 """
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ import random
 import threading
 import time
 
+import numpy as np
+
+from hostagent.common.transfer import TransferTimeout, pool_for
 from hostagent.inference.client import KVClient
 from hostagent.inference.fetch.engine import FetchEngine
 
@@ -35,6 +42,52 @@ class SpreadEngine(FetchEngine):
 
     def _route(self, ns: int, key: bytes):
         return self._routes[random.choice(self.pools)]
+
+
+class FailoverEngine(FetchEngine):
+    """Routes around a pool node that stopped answering: a transfer with no chunk back after
+    ``first_reply_timeout`` fails at once (the engine's own rule judges only its first
+    transfers: here every transfer is judged alone), and while its pool node is marked silent
+    (for ``retry_s``) its blocks go to the next node of their rendezvous order (with a
+    replicated store, such as Mooncake's, any pool node serves any block)."""
+    retry_s = 5.0
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, first_reply_timeout=1.0, **kw)
+        self._silent: dict = {}                     # pool address -> until (monotonic)
+
+    @property
+    def answered(self) -> bool:
+        return False
+
+    @answered.setter
+    def answered(self, _value) -> None:
+        pass
+
+    def _up(self) -> list:
+        now = time.monotonic()
+        return [p for p in self.pools if self._silent.get(p, 0.0) <= now] or self.pools
+
+    def _route(self, ns: int, key: bytes):
+        return self._routes[pool_for(self._up(), ns, key)]
+
+    def mark_silent(self, ns: int, key: bytes) -> None:
+        """The pool node ``key`` is routed to now did not answer in time: leave it out."""
+        self._silent[pool_for(self._up(), ns, key)] = time.monotonic() + self.retry_s
+
+
+def fetch_blocks(eng: FetchEngine, ns: int, keys: list[bytes], failover: bool) -> list:
+    """The blocks of ``keys`` (an exception in a block's place where it failed); with
+    ``failover``, the ones that timed out asked once more after their owner is marked silent."""
+    got = eng.get_blocks([(ns, k, None) for k in keys], return_exceptions=True)
+    again = [i for i, b in enumerate(got) if isinstance(b, TransferTimeout)] if failover else []
+    for i in again:
+        eng.mark_silent(ns, keys[i])
+    if again:
+        retry = eng.get_blocks([(ns, keys[i], None) for i in again], return_exceptions=True)
+        for i, b in zip(again, retry):
+            got[i] = b
+    return got
 
 
 class Writer:
@@ -81,14 +134,22 @@ def common_start(start_at: float | str) -> float:
     return start_at
 
 
+def wrong_bytes(got: bytes, want: bytes) -> int:
+    """Bytes of ``got`` that are not ``want``'s (a length apart counts its difference)."""
+    n = min(len(got), len(want))
+    a, b = np.frombuffer(got, np.uint8, n), np.frombuffer(want, np.uint8, n)
+    return int(np.count_nonzero(a != b)) + abs(len(got) - len(want))
+
+
 def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests: list[dict],
-          start_at: float | str, prefill_tok_s: float, spread: bool, write: bool = True) -> dict:
-    cls = SpreadEngine if spread else FetchEngine
+          start_at: float | str, prefill_tok_s: float, spread: bool, write: bool = True,
+          failover: bool = False, deadline: float = 30.0) -> dict:
+    cls = SpreadEngine if spread else FailoverEngine if failover else FetchEngine
     out = {"ttft": [], "warmup": [], "queue": [], "fetch": [], "prefill": [], "cached_blocks": 0,
            "blocks": 0, "chunks": 0, "from_switch": 0, "replicas": 0, "from_pool": 0,
-           "retransmits": 0, "byte_exact": True, "fetch_errors": 0}
+           "retransmits": 0, "byte_exact": True, "wrong_bytes": 0, "fetch_errors": 0}
     writer = Writer(pools, chunk_size, ns, block_bytes, spread) if write else None
-    with cls(pools, chunk_size) as eng:
+    with cls(pools, chunk_size, deadline=deadline) as eng:
         # arrivals count from the common start, whenever this node's engine was open
         ahead = common_start(start_at) - time.time()
         out["late_s"] = round(max(0.0, -ahead), 4)
@@ -100,7 +161,7 @@ def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests
             start = time.monotonic()
             keys = [bytes.fromhex(k) for k in req["keys"]]
             # a lookup first (chunk 0 of each block: NOT_FOUND costs one GET), then the rest
-            got = eng.get_blocks([(ns, k, None) for k in keys], return_exceptions=True)
+            got = fetch_blocks(eng, ns, keys, failover)
             cached = 0
             for k, b in zip(keys, got):
                 if isinstance(b, BaseException):
@@ -112,7 +173,9 @@ def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests
                 out["replicas"] += s.replicas
                 out["from_pool"] += s.from_pool
                 out["retransmits"] += s.retransmits
-                out["byte_exact"] &= b.tobytes() == payload(k, block_bytes)
+                wrong = wrong_bytes(b.tobytes(), payload(k, block_bytes))
+                out["wrong_bytes"] += wrong
+                out["byte_exact"] &= wrong == 0
                 b.release()
             for b in got:
                 if isinstance(b, BaseException):

@@ -143,3 +143,29 @@ def zipf_workload(nodes: int, pools, ns: int, objects: int = 64, object_blocks: 
         "objects": objects, "object_blocks": object_blocks, "hot_on_first_pool": hot,
         "rate_per_node": rate, "seconds": seconds, "alpha": alpha,
         "suffix_tokens": suffix_tokens})
+
+
+def mixed_workload(nodes: int, pools, ns: int, seconds: float = 26.0, burst_every: float = 6.0,
+                   first_burst: float = 4.0, prefix_blocks: int = 32, window: float = 0.2,
+                   suffix_tokens: int = 256, seed: int = 3, **zipf) -> Workload:
+    """`bench faults`' traffic: the zipf workload for ``seconds`` and, every ``burst_every``
+    seconds from ``first_burst``, a new prefix of ``prefix_blocks`` blocks (in the pool from the
+    start: rolled out, not yet asked for) requested by every node within ``window``."""
+    from kvproto.wire import PORT
+    pools = [(p, PORT) if isinstance(p, str) else tuple(p) for p in pools]   # addresses too
+    wl = zipf_workload(nodes, pools, ns, seconds=seconds, seed=seed, **zipf)
+    rng = np.random.default_rng(seed)
+    bursts, t = [], first_burst
+    while t < seconds - 1.0:
+        prefix = [block_key(f"mixed-burst-{len(bursts)}", i) for i in range(prefix_blocks)]
+        for node in range(nodes):
+            wl.requests[node].append(_request(t + rng.uniform(0, window), prefix,
+                                              prefix_blocks * BLOCK_TOKENS + suffix_tokens))
+        wl.preload += [k.hex() for k in prefix]
+        bursts.append(round(t, 3))
+        t += burst_every
+    for r in wl.requests:
+        r.sort(key=lambda q: q["at"])
+    return Workload("mixed", wl.requests, preload=wl.preload, params={
+        **wl.params, "bursts_at_s": bursts, "burst_prefix_blocks": prefix_blocks,
+        "burst_window_s": window})

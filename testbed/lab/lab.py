@@ -3,7 +3,8 @@ with helpers to drive the host agents and switchd as a user would (their CLIs, i
 and to run Python tasks in the nodes (testbed.lab.tasks). With ``store="mooncake"`` the pool
 nodes keep blocks in a Mooncake Store cluster whose master (testbed.lab.mooncake) the lab starts
 in a namespace of its own. With ``link_gbit``/``pool_link_gbit`` every inference/pool node's link
-queues at that rate both ways (testbed.lab.links). Used by the demos, the end-to-end tests and
+queues at that rate both ways (testbed.lab.links); with ``disk_bytes`` every pool node has a
+disk tier of that size in a directory of its own. Used by the demos, the end-to-end tests and
 the benchmarks; always tears down what it started."""
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ class Lab:
                  switchd_args: tuple[str, ...] = (), store: str = "memory", replicas: int = 1,
                  segment: str = "256MiB", pool_args: tuple[str, ...] = (),
                  link_gbit: float | None = None, pool_link_gbit: float | None = None,
-                 link_delay_us: float = 0.0, link_buffer_ms: float = 50.0):
+                 link_delay_us: float = 0.0, link_buffer_ms: float = 50.0,
+                 disk_bytes: str | None = None):
         if store not in STORES:
             raise TestbedError(f"store must be one of {', '.join(STORES)}, not {store!r}")
         # the MTU fits the chunk (IPv4 + UDP + KV header = 76 bytes), never below Ethernet's 1500
@@ -86,7 +88,7 @@ class Lab:
         self.pool_capacity, self.want_switch = pool_capacity, switch
         self.switchd_args = switchd_args
         self.store, self.replicas, self.segment = store, replicas, segment
-        self.pool_args = pool_args
+        self.pool_args, self.disk_bytes = pool_args, disk_bytes
         self.pools: list[subprocess.Popen | None] = [None] * pools
         self._log_offsets = [0] * pools
         self.switch: subprocess.Popen | None = None
@@ -134,6 +136,10 @@ class Lab:
         if self.store == "mooncake":
             argv += ["--store", "mooncake", "--mooncake-master", self.master.address,
                      "--replicas", str(self.replicas), "--segment", self.segment]
+        if self.disk_bytes:          # a pool disk tier of its own, kept across restarts
+            disk = os.path.join(self.tmp.name, f"disk-{node.name}")
+            os.makedirs(disk, exist_ok=True)
+            argv += ["--disk-dir", disk, "--disk-bytes", self.disk_bytes]
         return python_argv("hostagent", *argv, *self.pool_args)
 
     def pool_log_path(self, index: int) -> str:
@@ -182,8 +188,14 @@ class Lab:
         return python_argv("switchd", "--netns", self.topo.switch_ns,
                            "--pin-dir", self.topo.pin_dir, *args)
 
-    def start_switch(self, *extra: str) -> str:
-        plain_bridge_ports(self.topo, False)
+    def start_switch(self, *extra: str, replace: bool = False) -> str:
+        """Start switchd on every port; with ``replace`` the programs the ports run now (the
+        plain bridge's) stay until switchd's replace them (``--force``): no moment without one,
+        as a real NIC forwards with or without a program."""
+        if replace:
+            extra = (*extra, "--force")
+        else:
+            plain_bridge_ports(self.topo, False)
         argv = ["run", "--chunk-size", str(self.chunk_size),
                 "--cache-entries", str(self.cache_entries)]
         for n in self.topo.nodes:   # a pool port is bound to its node before any frame

@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xdp import netns
+from xdp import libbpf, netns
 from xdp.attach import attach_mode, attach_xdp, attached_program, detach_port
-from xdp.loader import cached_bytecode, load_bytecode, load_xdp
+from xdp.loader import cached_bytecode, load_bytecode
 
 from .links import LinkSpec, build_link
 
@@ -238,12 +238,14 @@ def attach_loss(namespaces: list[str], loss: float, ifname: str = "eth0") -> Non
     if loss == 0:
         attach_pass_programs(namespaces, ifname)
         return
-    bpf, fns = load_xdp(HERE / "lossy.c", ("xdp_lossy",))
-    table = bpf[b"loss_ppm"]
-    table[table.Key(0)] = table.Leaf(int(loss * 1_000_000))
+    # compiled once per kernel (the bytecode cache): a fault that starts loss mid-run starts it
+    # at once, not after seconds of BCC
+    fd, maps = load_bytecode(cached_bytecode(HERE / "lossy.c", "xdp_lossy", [],
+                                             ("loss_ppm", "loss_dropped")), "xdp_lossy")
+    libbpf.map_update(maps["loss_ppm"], 0, int(loss * 1_000_000).to_bytes(4, "little"))
     for ns in _without_xdp_server(namespaces, ifname):
         with netns.inside(ns):
-            attach_xdp(ifname, fns["xdp_lossy"])
+            attach_xdp(ifname, fd)
 
 
 @contextlib.contextmanager
