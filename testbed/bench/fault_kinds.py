@@ -78,8 +78,10 @@ def heal(lab, fault: str, target: Target) -> dict:
     if fault == "switchd-kill":
         return {"restarted": lab.start_switch()}
     if fault == "detach":
-        lab.stop_switch()                   # its exit detaches the ports' programs: the
-        plain_bridge_ports(lab.topo, True)  # bridge's again at once, until switchd's replace them
+        # the daemon is restarted; the old one is killed, not stopped: stopping detaches every
+        # port's program, the bridge's too, and on veths a port without one drops what a
+        # node's XDP sends (a NIC forwards) until the new daemon's programs replace them
+        lab.stop_switch(signal.SIGKILL)
         return {"restarted": lab.start_switch(replace=True)}
     if fault == "pool-kill":
         index = [n.name for n in lab.topo.pool_nodes].index(target.pool)

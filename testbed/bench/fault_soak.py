@@ -76,6 +76,19 @@ def growth_per_hour(samples: list[tuple[float, int, int]]) -> dict:
     return out
 
 
+def settled_counters(lab, tries: int = 10) -> dict:
+    """The switch's counters once two reads half a second apart agree (per-CPU counters read
+    while a stray frame passes can disagree by one)."""
+    last = lab.counters()
+    for _ in range(tries):
+        time.sleep(0.5)
+        now = lab.counters()
+        if now == last:
+            break
+        last = now
+    return last
+
+
 def run_fault_soak(minutes: float = 60.0, every_s: float = 180.0, sample_s: float = 10.0,
                    faults=FAULTS, nodes: int = 4, pools: int = 2, link_gbit: float = 0.025,
                    json_path: str | None = None, prefix: str = "fs", log=print) -> dict:
@@ -113,9 +126,9 @@ def run_fault_soak(minutes: float = 60.0, every_s: float = 180.0, sample_s: floa
                                                             "coalesced")}})
             time.sleep(max(0.0, min(sample_s, next_fault - time.time())))
         open(stop, "w").close()
-        counts = [t.result(timeout=SEGMENT_S * 4) for t in tasks]
+        counts = [t.result(timeout=SEGMENT_S + 300) for t in tasks]   # a writer's backlog too
         os.unlink(stop)
-        final = lab.counters()
+        final = settled_counters(lab)
         expected = {p.pid for p in lab.pools if p} | {lab.switch.pid}
         inside = leftover_processes(lab, expected)
     verdicts = sum(final[v] for v in VERDICTS)

@@ -165,7 +165,7 @@ class FaultBench:
                    store="mooncake" if store == "mooncake" else "memory",
                    replicas=2 if store == "mooncake" else 1,
                    pool_capacity=DISK_POOL_DRAM if store == "disk" else "1GiB",
-                   disk_bytes="1GiB" if store == "disk" else None,
+                   pool_disk="1GiB" if store == "disk" else None,
                    link_gbit=self.link_gbit, pool_link_gbit=self.link_gbit)
 
     def run(self, lab: Lab, mode: str, fault: str | None = None) -> tuple[dict, Timeline]:
@@ -209,6 +209,7 @@ class FaultBench:
 
     def measure(self, fault: str, store: str, lab: Lab, calm: dict | None) -> dict:
         """The run with ``fault``, beside the fault-free ones (``calm``; None: not run)."""
+        self._lab = lab
         row, tl = self.run(lab, "switch", fault)
         fault_at, healed = row.pop("fault_at_s"), row.pop("healed_at_s")
         until = healed + AFTER_S
@@ -229,12 +230,23 @@ class FaultBench:
                "fault_at_s": fault_at, "injected_at_s": row.pop("injected_at_s"),
                "heal_at_s": row.pop("heal_at_s"), "healed_at_s": healed, "run": row,
                "timeline": {"at": [round(float(a), 3) for a in tl.at], "ttft": tl.ttft}}
+        if calm and fault not in SWITCH_FAULTS:      # a pool or link fault: the bridge has it too
+            out["bridge_with_fault"] = self.bridge_with(fault)
         self.log(f"{fault:12} {store:8} failed {out['failed_requests']} wrong "
                  f"{out['wrong_bytes']} lost {out['blocks_lost']} p99 during "
                  f"{out['ttft_p99_during_s']:.3f}s (bridge {out['bridge_ttft_p99_s']} s, "
                  f"no fault {out['fault_free_ttft_p99_s']} s) recovery {out['recovery_s']} s "
                  f"left {len(out['left_behind'])}")
         return out
+
+    def bridge_with(self, fault: str) -> dict:
+        """The same fault over the plain bridge (no switch anywhere): what it costs there."""
+        row, tl = self.run(self._lab, "bridge", fault)
+        lo, hi = row["fault_at_s"], row["healed_at_s"] + AFTER_S
+        return {"failed_requests": row["failed_requests"], "wrong_bytes": row["wrong_bytes"],
+                "blocks_lost": row["blocks_lost"], "fault_at_s": lo,
+                "healed_at_s": row["healed_at_s"], "ttft_p50_during_s": _pct(tl.window(lo, hi), 50),
+                "ttft_p99_during_s": _pct(tl.window(lo, hi), 99), "left_behind": row["left_behind"]}
 
     def baselines(self, lab: Lab) -> dict:
         calm = {m: self.run(lab, m) for m in ("bridge", "switch")}
@@ -310,14 +322,25 @@ def summary(results: list[dict]) -> dict:
         vals = [r[key] for r in results if r[key] is not None]
         return max(vals) if vals else None
     return {
-        "failed_requests": sum(r["failed_requests"] for r in results),
-        "wrong_bytes": sum(r["wrong_bytes"] for r in results),
+        "failed_requests": sum(r["failed_requests"] + r.get("bridge_with_fault", {}).get(
+            "failed_requests", 0) for r in results),
+        "wrong_bytes": sum(r["wrong_bytes"] + r.get("bridge_with_fault", {}).get(
+            "wrong_bytes", 0) for r in results),
         "blocks_lost": {f"{r['fault']}/{r['store']}": r["blocks_lost"] for r in results
                         if r["blocks_lost"]},
         "p99_during_over_bridge": {f"{r['fault']}/{r['store']}":
                                    round(r["ttft_p99_during_s"] / r["bridge_ttft_p99_s"], 3)
                                    for r in results if r["bridge_ttft_p99_s"]},
         "recovery_s": {f"{r['fault']}/{r['store']}": r["recovery_s"] for r in results},
+        # the target: a failing switch is never worse than having none
+        "switch_faults_p99_within_bridge": all(
+            r["ttft_p99_during_s"] <= r["bridge_ttft_p99_s"] for r in results
+            if r["fault"] in SWITCH_FAULTS and r["bridge_ttft_p99_s"] is not None),
+        # a pool or link fault through the switch beside the same fault over the bridge
+        "p99_during_over_bridge_with_fault": {
+            f"{r['fault']}/{r['store']}": round(r["ttft_p99_during_s"] /
+                                                r["bridge_with_fault"]["ttft_p99_during_s"], 3)
+            for r in results if r.get("bridge_with_fault", {}).get("ttft_p99_during_s")},
         "recovery_s_max": worst("recovery_s"),
         "not_recovered": [f"{r['fault']}/{r['store']}" for r in results
                           if r["recovery_s"] is None and r["bridge_ttft_p99_s"] is not None],

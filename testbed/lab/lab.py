@@ -3,7 +3,7 @@ with helpers to drive the host agents and switchd as a user would (their CLIs, i
 and to run Python tasks in the nodes (testbed.lab.tasks). With ``store="mooncake"`` the pool
 nodes keep blocks in a Mooncake Store cluster whose master (testbed.lab.mooncake) the lab starts
 in a namespace of its own. With ``link_gbit``/``pool_link_gbit`` every inference/pool node's link
-queues at that rate both ways (testbed.lab.links); with ``disk_bytes`` every pool node has a
+queues at that rate both ways (testbed.lab.links); with ``pool_disk`` every pool node has a
 disk tier of that size in a directory of its own. Used by the demos, the end-to-end tests and
 the benchmarks; always tears down what it started."""
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Lab:
                  segment: str = "256MiB", pool_args: tuple[str, ...] = (),
                  link_gbit: float | None = None, pool_link_gbit: float | None = None,
                  link_delay_us: float = 0.0, link_buffer_ms: float = 50.0,
-                 disk_bytes: str | None = None):
+                 pool_disk: str | None = None):
         if store not in STORES:
             raise TestbedError(f"store must be one of {', '.join(STORES)}, not {store!r}")
         # the MTU fits the chunk (IPv4 + UDP + KV header = 76 bytes), never below Ethernet's 1500
@@ -88,7 +88,7 @@ class Lab:
         self.pool_capacity, self.want_switch = pool_capacity, switch
         self.switchd_args = switchd_args
         self.store, self.replicas, self.segment = store, replicas, segment
-        self.pool_args, self.disk_bytes = pool_args, disk_bytes
+        self.pool_args, self.pool_disk = pool_args, pool_disk
         self.pools: list[subprocess.Popen | None] = [None] * pools
         self._log_offsets = [0] * pools
         self.switch: subprocess.Popen | None = None
@@ -136,10 +136,10 @@ class Lab:
         if self.store == "mooncake":
             argv += ["--store", "mooncake", "--mooncake-master", self.master.address,
                      "--replicas", str(self.replicas), "--segment", self.segment]
-        if self.disk_bytes:          # a pool disk tier of its own, kept across restarts
+        if self.pool_disk:           # a pool disk tier of its own, kept across restarts
             disk = os.path.join(self.tmp.name, f"disk-{node.name}")
             os.makedirs(disk, exist_ok=True)
-            argv += ["--disk-dir", disk, "--disk-bytes", self.disk_bytes]
+            argv += ["--disk-dir", disk, "--disk-bytes", self.pool_disk]
         return python_argv("hostagent", *argv, *self.pool_args)
 
     def pool_log_path(self, index: int) -> str:
@@ -212,9 +212,9 @@ class Lab:
         TestbedError raised if none comes in ``timeout`` seconds)."""
         return _await_line(self.switch, self.switch.stdout, marker, timeout, "switchd")
 
-    def stop_switch(self, sig: int = signal.SIGTERM) -> int:
+    def stop_switch(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         self.switch.send_signal(sig)
-        code = self.switch.wait(20)
+        code = self.switch.wait(timeout)       # a loaded box: seconds to detach every port
         self.switch = None
         return code
 
