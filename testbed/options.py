@@ -58,11 +58,16 @@ def capacity_value(ctx, param, value):
     return value
 
 
+def name_list(ctx, param, value: str) -> list[str]:
+    """A comma list of names, blanks dropped (which names are valid is the command's check)."""
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
 def policy_list(ctx, param, value):
     from .sim.evaluate import policy_name
     if value is None:
         return None
-    names = [v.strip() for v in value.split(",") if v.strip()]
+    names = name_list(ctx, param, value)
     try:
         return [policy_name(n) for n in names] or policy_name("(none given)")
     except ValueError as exc:

@@ -48,9 +48,10 @@ def test_no_tracked_file_points_outside_the_repository():
 
 
 def test_the_checker_sees_each_way_out(tmp_path):
-    assert escapes(ROOT / "Makefile", "TRACE ?= ../shared/traces/t.jsonl")
-    assert escapes(ROOT / "tests" / "x.py", 'os.path.join(here, "..", "..", "shared")')
-    assert escapes(ROOT / "tests" / "x.py", "Path(__file__).parents[2] / 'shared'")
+    # made-up ways out (none names a real directory beside the repository)
+    assert escapes(ROOT / "Makefile", "TRACE ?= ../elsewhere/traces/t.jsonl")
+    assert escapes(ROOT / "tests" / "x.py", 'os.path.join(here, "..", "..", "elsewhere")')
+    assert escapes(ROOT / "tests" / "x.py", "Path(__file__).parents[2] / 'elsewhere'")
     assert not escapes(ROOT / "docs" / "x.md", "[fetch](../hostagent/inference/fetch)")
     assert not escapes(ROOT / "testbed" / "sim" / "x.py", "Path(__file__).parents[1]")
 

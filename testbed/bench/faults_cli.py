@@ -6,19 +6,15 @@ import json
 
 import click
 
-from ..options import fail_unless, json_opt
+from ..options import fail_unless, json_opt, name_list
 from .fault_kinds import FAULTS, Target
 from .faults import STORES, run_faults
 
 
-def _names(ctx, param, value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
 @click.command("faults")
 @click.option("--faults", "faults", default=",".join(FAULTS), show_default=True,
-              callback=_names, help="Comma list of the faults to inject, one run each.")
-@click.option("--stores", default=",".join(STORES), show_default=True, callback=_names,
+              callback=name_list, help="Comma list of the faults to inject, one run each.")
+@click.option("--stores", default=",".join(STORES), show_default=True, callback=name_list,
               help="Pool stores: every fault runs with memory; pool-kill with each.")
 @click.option("--nodes", type=int, default=8, show_default=True, help="Inference nodes.")
 @click.option("--pools", type=int, default=2, show_default=True, help="Pool nodes.")
