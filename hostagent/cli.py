@@ -258,16 +258,21 @@ def serve(config, **_):
         loop = asyncio.get_running_loop()
 
         def dump():
-            if stats_file:
-                with open(stats_file, "w") as f:
+            if stats_file:       # whole or not at all: a reader never sees half a file
+                with open(stats_file + ".tmp", "w") as f:
                     json.dump(server["protocol"].stats(), f)
+                os.replace(stats_file + ".tmp", stats_file)
+
+        def finish():            # the last counters, read while the XDP maps are still open
+            dump()
+            stop.set()
 
         loop.add_signal_handler(signal.SIGUSR1, dump)
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGTERM, finish)
+        loop.add_signal_handler(signal.SIGINT, finish)
         click.echo(f"hostagent: pool node ready on {bind}:{port} ({store.describe()})",
                    err=True)
         await task
-        dump()
 
     try:
         asyncio.run(go())

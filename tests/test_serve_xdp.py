@@ -278,7 +278,8 @@ def test_one_source_gets_one_share_of_dense_slots_whatever_its_namespaces(prog, 
 @pytest.mark.e2e
 def test_a_pool_node_serves_gets_from_xdp_and_a_restarted_one_too():
     """`hostagent serve` in a testbed: GETs are answered by its XDP program (its hit counter),
-    byte-exact, with no switch in the way; a restarted server attaches again and serves."""
+    byte-exact, with no switch in the way; SIGTERM stops it cleanly (exit 0, its last counters
+    written); a restarted server attaches again and serves."""
     import os
     from testbed.lab import Lab
     from testbed.lab.topology import namespaces_of
@@ -293,7 +294,11 @@ def test_a_pool_node_serves_gets_from_xdp_and_a_restarted_one_too():
         counters = lab.pool_counters()
         assert counters["xdp_hit"] >= 2 * 301 - counters["xdp_seg_end"] * 2
         assert counters["xdp_hit_bytes"] >= 2 * (len(block) - 2 * 3072 * counters["xdp_seg_end"])
-        lab.stop_pool(0)
+        hits = lab.pool_counters()["xdp_hit"]
+        # a clean stop: exit 0, nothing logged as an error, the last counters written
+        assert lab.stop_pool(0) == 0
+        assert "error" not in lab.pool_log(0)
+        assert lab.pool_final_counters()["xdp_hit"] == hits
         lab.start_pool(0)
         lab.put("h1", NS, key, block)
         stats, data = lab.get("h1", NS, key)

@@ -230,8 +230,11 @@ class Lab:
         deadline = time.monotonic() + 10
         while not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.02)
-        time.sleep(0.05)  # let the writer finish
-        with open(path) as f:
+        return self.pool_final_counters(index)
+
+    def pool_final_counters(self, index: int = 0) -> dict:
+        """The counters a pool server wrote last (on SIGUSR1, SIGTERM or SIGINT; whole files)."""
+        with open(self._pool_stats_path(self.topo.pool_nodes[index].name)) as f:
             return json.load(f)
 
     def mac(self, node: str) -> str:
