@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..lab import TestbedError, attach_loss
 from ..lab.links import link_netns
-from ..lab.topology import namespaces_of, plain_bridge_ports
+from ..lab.topology import ip, namespaces_of, plain_bridge_ports
 
 FAULTS = ("switchd-kill", "detach", "flush", "pool-kill", "flap-host", "flap-pool", "loss",
           "memory-limit")
@@ -69,7 +69,7 @@ def inject(lab, fault: str, target: Target) -> dict:
             attach_loss(spaces, LOSS, end)
         return {"loss": LOSS, "links": [n.name for n in lab.topo.pool_nodes]}
     if fault == "memory-limit":
-        return MemoryLimit.of(lab).apply(lab.switch.pid)
+        return MemoryLimit(lab.topo.prefix).apply(lab.switch.pid)
     raise TestbedError(f"unknown fault {fault!r}: choose from {', '.join(FAULTS)}")
 
 
@@ -95,7 +95,7 @@ def heal(lab, fault: str, target: Target) -> dict:
             attach_loss(spaces, 0, end)
         return {}
     if fault == "memory-limit":
-        out = MemoryLimit.of(lab).lift()
+        out = MemoryLimit(lab.topo.prefix).lift()
         if lab.switch.poll() is not None:        # killed for it: a service manager restarts
             out["switchd_exit"] = lab.switch.returncode
             lab.switch = None
@@ -106,8 +106,7 @@ def heal(lab, fault: str, target: Target) -> dict:
 
 def _link(lab, node: str, state: str) -> None:
     """The switch's port towards ``node`` down or up (the cable pulled, put back)."""
-    subprocess.run(["ip", "-n", lab.topo.switch_ns, "link", "set", node, state], check=True,
-                   capture_output=True)
+    ip("link", "set", node, state, ns=lab.topo.switch_ns)
 
 
 class MemoryLimit:
@@ -118,12 +117,6 @@ class MemoryLimit:
         self.v2, base = _memory_cgroup()
         self.home = base
         self.path = base / f"kvfault-{prefix}"
-
-    @classmethod
-    def of(cls, lab) -> MemoryLimit:
-        if not hasattr(lab, "_memory_limit"):
-            lab._memory_limit = cls(lab.topo.prefix)
-        return lab._memory_limit
 
     def apply(self, pid: int) -> dict:
         self.path.mkdir(exist_ok=True)

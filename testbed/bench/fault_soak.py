@@ -22,6 +22,7 @@ from ..lab import write_json
 from .fault_kinds import FAULTS, SECONDS, Target, heal, inject, leftover_processes
 from .faults import CHUNK, DEADLINE_S, REQUEST_TIMEOUT_S, FaultBench, left_after_teardown
 from .serve import _preload
+from .soak import _rss_kib as rss_kib
 from .serve_workloads import mixed_workload
 
 SEGMENT_S = 30.0
@@ -35,9 +36,9 @@ def soak_node(stop: str, index: int, nodes: int, pools: list[str], ns: int, bloc
     clock from ``t0``, until ``stop`` exists; the counts."""
     from .serve_node import serve
     tot = {"requests": 0, "failed": 0, "wrong_bytes": 0, "fetch_errors": 0, "segments": 0}
+    wl = mixed_workload(nodes, pools, ns, seconds=SEGMENT_S)     # the same every segment
     while not os.path.exists(stop):
         k = int(np.ceil((time.time() - t0) / SEGMENT_S))
-        wl = mixed_workload(nodes, pools, ns, seconds=SEGMENT_S)
         out = serve(pools, CHUNK, ns, block_bytes, wl.requests[index], t0 + k * SEGMENT_S,
                     prefill_tok_s, False, True, True, DEADLINE_S)
         tot["requests"] += len(wl.requests[index])
@@ -50,9 +51,9 @@ def soak_node(stop: str, index: int, nodes: int, pools: list[str], ns: int, bloc
 
 
 def _rss_kib(pid: int) -> int | None:
+    """``soak``'s reading, or None for a process that ended (a fault may end one)."""
     try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+        return rss_kib(pid)
     except (OSError, StopIteration):
         return None
 

@@ -209,7 +209,6 @@ class FaultBench:
 
     def measure(self, fault: str, store: str, lab: Lab, calm: dict | None) -> dict:
         """The run with ``fault``, beside the fault-free ones (``calm``; None: not run)."""
-        self._lab = lab
         row, tl = self.run(lab, "switch", fault)
         fault_at, healed = row.pop("fault_at_s"), row.pop("healed_at_s")
         until = healed + AFTER_S
@@ -231,7 +230,7 @@ class FaultBench:
                "heal_at_s": row.pop("heal_at_s"), "healed_at_s": healed, "run": row,
                "timeline": {"at": [round(float(a), 3) for a in tl.at], "ttft": tl.ttft}}
         if calm and fault not in SWITCH_FAULTS:      # a pool or link fault: the bridge has it too
-            out["bridge_with_fault"] = self.bridge_with(fault)
+            out["bridge_with_fault"] = self.bridge_with(lab, fault)
         self.log(f"{fault:12} {store:8} failed {out['failed_requests']} wrong "
                  f"{out['wrong_bytes']} lost {out['blocks_lost']} p99 during "
                  f"{out['ttft_p99_during_s']:.3f}s (bridge {out['bridge_ttft_p99_s']} s, "
@@ -239,9 +238,9 @@ class FaultBench:
                  f"left {len(out['left_behind'])}")
         return out
 
-    def bridge_with(self, fault: str) -> dict:
+    def bridge_with(self, lab: Lab, fault: str) -> dict:
         """The same fault over the plain bridge (no switch anywhere): what it costs there."""
-        row, tl = self.run(self._lab, "bridge", fault)
+        row, tl = self.run(lab, "bridge", fault)
         lo, hi = row["fault_at_s"], row["healed_at_s"] + AFTER_S
         return {"failed_requests": row["failed_requests"], "wrong_bytes": row["wrong_bytes"],
                 "blocks_lost": row["blocks_lost"], "fault_at_s": lo,
