@@ -33,7 +33,7 @@ from ..lab.topology import plain_bridge_ports
 from ..sim.config import MODELS
 from .fault_kinds import (FAULTS, SECONDS, SWITCH_FAULTS, MemoryLimit, Target, heal, inject,
                           leftover_processes)
-from .serve import CHUNK, NS_BASE, _pct, _preload, block_bytes_for, check_choices, serve_phases
+from .serve import CHUNK, NS_BASE, _pct as serve_pct, _preload, block_bytes_for, check_choices, serve_phases
 from .serve_workloads import mixed_workload
 
 STORES = ("memory", "mooncake", "disk")
@@ -74,6 +74,11 @@ def runs_for(faults, stores) -> list[tuple[str, str]]:
     if "pool-kill" in faults:
         out += [("pool-kill", s) for s in stores if s != "memory"]
     return out
+
+
+def _pct(x, q) -> float | None:
+    """serve's percentile, None where a window has no request (not 0)."""
+    return serve_pct(x, q) if len(x) else None
 
 
 class Timeline:
@@ -150,7 +155,7 @@ def read_back(pools, chunk_size, ns, keys, block_bytes) -> list[int]:
 
 
 class FaultBench:
-    def __init__(self, nodes=8, pools=2, link_gbit=0.025, run_s=26.0, fault_seconds=None,
+    def __init__(self, nodes=8, pools=2, link_gbit=0.025, run_s=40.0, fault_seconds=None,
                  target: Target | None = None, seed=1, model="llama3-8b", prefix="fb",
                  log=print):
         self.nodes, self.pools, self.link_gbit, self.run_s = nodes, pools, link_gbit, run_s
@@ -256,7 +261,7 @@ class FaultBench:
 
 
 def run_faults(faults=FAULTS, stores=STORES, nodes: int = 8, pools: int = 2,
-               link_gbit: float = 0.025, run_s: float = 26.0, fault_seconds: float | None = None,
+               link_gbit: float = 0.025, run_s: float = 40.0, fault_seconds: float | None = None,
                target: Target | None = None, seed: int = 1, json_path: str | None = None,
                plot_path: str | None = None, prefix: str = "fb", baselines: bool = True,
                log=print) -> dict:

@@ -20,7 +20,7 @@ from .faults import STORES, run_faults
 @click.option("--pools", type=int, default=2, show_default=True, help="Pool nodes.")
 @click.option("--link-gbit", type=float, default=0.025, show_default=True,
               help="Rate of every link, both directions.")
-@click.option("--run-seconds", type=float, default=26.0, show_default=True,
+@click.option("--run-seconds", type=float, default=40.0, show_default=True,
               help="Length of each run's traffic (the fault strikes in its second burst).")
 @click.option("--fault-seconds", type=float,
               help="How long every fault lasts  [default: each fault's own, in the JSON]")
