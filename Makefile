@@ -96,6 +96,7 @@ bench:
 	$(VENV)/bin/testbed bench vllm --json bench/results/vllm-serve.json
 	$(VENV)/bin/testbed bench vllm --pool-link-gbit 0.25 --json bench/results/vllm-serve-pool-shared.json
 	$(VENV)/bin/testbed bench faults --json bench/results/faults.json
+	$(VENV)/bin/testbed bench lmcache --json bench/results/lmcache.json
 	OMP_NUM_THREADS=1 $(VENV)/bin/testbed bench compress --trace $(TRACE) \
 	  --json bench/results/compress.json --plot bench/results/compress.png
 	$(VENV)/bin/testbed policy-eval --trace $(TRACE) \

@@ -16,6 +16,7 @@ from switchd.policy import POLICIES
 
 from .bench.compress import command as compress_command
 from .bench.faults_cli import command as faults_command
+from .bench.lmcache_cli import command as lmcache_command
 from .bench.serve_vllm import command as vllm_bench_command
 from .bench.serve_tiers_cli import tiers_options
 from .demos.inference import BLOCK_TOKENS, MODEL_CHOICES as DEMO_MODELS
@@ -197,6 +198,7 @@ def bench():
 bench.add_command(compress_command())
 bench.add_command(vllm_bench_command())
 bench.add_command(faults_command)
+bench.add_command(lmcache_command)
 
 
 @bench.command()

@@ -83,6 +83,11 @@ MEASURES: list[tuple[str, list[str]]] = [
     ("inference.*", SWITCH + FETCH + POOL + ["hostagent/inference/hf_connector.py",
                                              "hostagent/inference/codec.py",
                                              "testbed/demos/inference.py"]),
+    ("lmcache*", SWITCH + FETCH + POOL + LINKS + [
+        "hostagent/inference/lmcache_connector.py", "hostagent/inference/store_io.py",
+        "hostagent/inference/client.py", "hostagent/inference/vllm_connector_pool.py",
+        "testbed/lmcache_engine.py", "testbed/bench/lmcache_bench.py",
+        "testbed/bench/lmcache_node.py"]),
     ("vllm-serve*", SWITCH + FETCH + POOL + LINKS + VLLM + ["testbed/bench/serve_vllm.py",
                                                             "testbed/bench/vllm_server.py"]),
     ("vllm*", SWITCH + FETCH + POOL + VLLM + ["testbed/demos/vllm.py"]),

@@ -53,18 +53,22 @@ class StartLine:
     def go(self, tasks: list[Task], margin: float = 0.5, timeout: float = 600) -> float:
         """Wait for the ``tasks`` to be ready (or one to end: its ``result`` says why), then
         start them ``margin`` seconds from now; returns that time."""
-        deadline = time.monotonic() + timeout
-        while sum(n.startswith("ready-") for n in os.listdir(self.path)) < self.n and \
-                all(t.proc.poll() is None for t in tasks):
-            if time.monotonic() > deadline:
-                raise TestbedError(f"tasks not ready after {timeout} s: {self.path}")
-            time.sleep(0.02)
+        self.ready(tasks, timeout)
         at = time.time() + margin
         tmp = os.path.join(self.path, "go.tmp")
         with open(tmp, "w") as f:
             f.write(f"{at:.6f}")
         os.replace(tmp, os.path.join(self.path, "go"))
         return at
+
+    def ready(self, tasks: list[Task], timeout: float = 600) -> None:
+        """Wait until the ``tasks`` are all ready (or one has ended: its ``result`` says why)."""
+        deadline = time.monotonic() + timeout
+        while sum(n.startswith("ready-") for n in os.listdir(self.path)) < self.n and \
+                all(t.proc.poll() is None for t in tasks):
+            if time.monotonic() > deadline:
+                raise TestbedError(f"tasks not ready after {timeout} s: {self.path}")
+            time.sleep(0.02)
 
     @staticmethod
     def wait(path: str) -> float:
