@@ -41,6 +41,7 @@ WORKLOADS = ("incast", "zipf", "single")
 CHUNK, NS = 3072, 7                     # kvswitch's chunk (the MTU fits it) and namespace
 LM_PORT, REDIS_PORT = 65432, 6379
 HOT, ZIPF, SINGLE, WARM = 0, 100, 200, 999   # prefix ids of each workload start here
+PHASE_TIMEOUT_S = 240                   # a store that has not ended a phase by then hangs
 
 
 @dataclass
@@ -174,11 +175,11 @@ def run_phases(lab: Lab, store: dict, phases: list[tuple[str, dict]], dtype: str
     pool = lab.topo.pool_nodes[0].name
     marks = []
     try:
-        for line in lines:
-            line.ready(tasks)
+        for k, line in enumerate(lines):     # engines start in minutes; a phase in seconds
+            line.ready(tasks, timeout=600 if k == 0 else PHASE_TIMEOUT_S)
             marks.append((lab.link_bytes(pool, "tx"), lab.counters() if lab.switch else None))
             line.go(tasks)
-        results = [t.result(timeout=1800) for t in tasks]
+        results = [t.result(timeout=PHASE_TIMEOUT_S) for t in tasks]
     finally:
         for t in tasks:
             if t.proc.poll() is None:
@@ -245,6 +246,11 @@ def run_lmcache_bench(cfg: LmcacheBench, json_path: str | None = None,
                             t0 = time.monotonic()
                             phases = run_phases(lab, desc, cfg.shaped_phases() if shaped
                                                 else cfg.single_phases(), cfg.dtype, tmp)
+                        except TestbedError as exc:    # the store hung or failed: say so
+                            log(f"bench lmcache: {store}: {exc}")
+                            results += [{"store": store, "workload": wl, "error": str(exc)}
+                                        for wl in cfg.workloads if (wl != "single") == shaped]
+                            continue
                         finally:
                             stop(proc)
                         raw[f"{store}/{'shaped' if shaped else 'unshaped'}"] = phases
@@ -269,8 +275,9 @@ def run_lmcache_bench(cfg: LmcacheBench, json_path: str | None = None,
 
 
 def summary(results: list[dict], config: dict) -> dict:
-    by = {(r["store"], r["workload"]): r for r in results}
-    out: dict = {"byte_exact": all(r["byte_exact"] for r in results)}
+    failed = sorted({r["store"] for r in results if "error" in r})
+    by = {(r["store"], r["workload"]): r for r in results if "error" not in r}
+    out: dict = {"byte_exact": all(r["byte_exact"] for r in by.values()), "failed": failed}
     sw = by.get(("kvswitch-switch", "incast"))
     if sw:
         rounds = config["incast_rounds"] * config["hot_prefix_bytes"]

@@ -53,4 +53,4 @@ def command(stores, workloads, nodes, link_gbit, hot_tokens, incast_rounds, zipf
                        stores=tuple(stores), workloads=tuple(workloads), prefix=prefix)
     out = run_lmcache_bench(cfg, json_path, plot_path, log=click.echo)
     click.echo(json.dumps(out["summary"], indent=2))
-    fail_unless(out["summary"]["byte_exact"])
+    fail_unless(out["summary"]["byte_exact"] and not out["summary"]["failed"])
