@@ -6,7 +6,8 @@ does for its tools. switchd, the fetch engine, the pool's XDP server and the tes
 
     libbpf      the one ctypes binding of libbpf (maps, bytecode loads, attach, test runs)
     netns       entering a named network namespace, per thread
-    loader      BCC compilation, the preflight checks, the bytecode cache
+    loader      loading a C file's programs and maps (BCC, then the cache), preflight checks
+    cache       the bytecode cache: compiled once, loaded in milliseconds without BCC
     attach      attach/detach/query, and Attachment: in place of a program, put back after
     pin         pin directories on a bpf filesystem
     program     Program, the base of every loaded program: constants, counters, struct sizes

@@ -1,6 +1,6 @@
 """The one ctypes binding of libbpf (Debian's libbpf1, libbpf.so.1) for what BCC 0.26 has no
 Python binding for: creating maps and loading a program from bytecode, reading and writing map
-entries, map and program info, opening pinned objects, attaching/detaching XDP through
+entries, map and program info, pinning and opening pinned objects, attaching/detaching XDP through
 ``bpf_xdp_attach`` (with ``XDP_FLAGS_REPLACE``: never clobbering a program attached meanwhile;
 the kernel's reason for a refusal is kept, not printed), and BPF_PROG_TEST_RUN (the XDP tests,
 the fuzzer, the live-frames traffic generator and the fetch engine's send ring)."""
@@ -13,7 +13,7 @@ import os
 BPF_F_TEST_XDP_LIVE_FRAMES = 1 << 1
 XDP_FLAGS_SKB_MODE, XDP_FLAGS_DRV_MODE, XDP_FLAGS_REPLACE = 1 << 1, 1 << 2, 1 << 4
 MODE_FLAGS = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
-BPF_PROG_TYPE_XDP = 6
+BPF_PROG_TYPE_XDP, BPF_XDP_DEVMAP = 6, 33
 BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_PERCPU_ARRAY = 2, 6
 BPF_F_MMAPABLE = 1 << 10
 
@@ -80,6 +80,14 @@ class _MapCreateOpts(ctypes.Structure):
                 ("map_ifindex", ctypes.c_uint32)]
 
 
+class _ProgLoadOpts(ctypes.Structure):
+    """The leading fields of struct bpf_prog_load_opts (libbpf 1.1; sz says how many)."""
+    _fields_ = [("sz", ctypes.c_size_t), ("attempts", ctypes.c_int),
+                ("expected_attach_type", ctypes.c_int), ("prog_btf_fd", ctypes.c_uint32),
+                ("prog_flags", ctypes.c_uint32), ("prog_ifindex", ctypes.c_uint32),
+                ("kern_version", ctypes.c_uint32)]
+
+
 class _XdpAttachOpts(ctypes.Structure):
     """struct bpf_xdp_attach_opts."""
     _fields_ = [("sz", ctypes.c_size_t), ("old_prog_fd", ctypes.c_int), ("_pad", ctypes.c_int)]
@@ -87,6 +95,7 @@ class _XdpAttachOpts(ctypes.Structure):
 
 _lib.bpf_prog_test_run_opts.argtypes = [ctypes.c_int, ctypes.POINTER(TestRunOpts)]
 _lib.bpf_obj_get.argtypes = [ctypes.c_char_p]
+_lib.bpf_obj_pin.argtypes = [ctypes.c_int, ctypes.c_char_p]
 _lib.bpf_obj_get_info_by_fd.argtypes = [ctypes.c_int, ctypes.c_void_p,
                                         ctypes.POINTER(ctypes.c_uint32)]
 _lib.bpf_map_create.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32,
@@ -120,11 +129,14 @@ def map_create(name: str, map_type: int, key_size: int, value_size: int, max_ent
                                          max_entries, ctypes.byref(opts)), f"creating map {name}")
 
 
-def prog_load_xdp(name: str, insns: bytes, license: str = "GPL") -> int:
-    """Load (and verify) an XDP program from its bytecode, map references already resolved."""
+def prog_load_xdp(name: str, insns: bytes, license: str = "GPL", attach_type: int = 0) -> int:
+    """Load (and verify) an XDP program from its bytecode, map references already resolved
+    (``attach_type``: BPF_XDP_DEVMAP for a program run on devmap redirects)."""
     buf = ctypes.create_string_buffer(insns, len(insns))
+    opts = _ProgLoadOpts(sz=ctypes.sizeof(_ProgLoadOpts), expected_attach_type=attach_type)
     return check_ret(_lib.bpf_prog_load(BPF_PROG_TYPE_XDP, name.encode(), license.encode(), buf,
-                                        len(insns) // 8, None), f"loading program {name}")
+                                        len(insns) // 8, ctypes.byref(opts)),
+                     f"loading program {name}")
 
 
 def map_lookup(fd: int, key: int, value_size: int) -> bytes:
@@ -148,9 +160,18 @@ def map_info(fd: int, what: str = "a map") -> MapInfo:
     return info
 
 
+def obj_get(path: str) -> int:
+    """An fd of the object pinned at ``path``."""
+    return check_ret(_lib.bpf_obj_get(path.encode()), f"opening pinned map {path}")
+
+
+def obj_pin(fd: int, path: str) -> None:
+    check_ret(_lib.bpf_obj_pin(fd, path.encode()), f"pinning {path}")
+
+
 def pinned_map_info(path: str) -> MapInfo:
     """Id, type, key/value size and capacity of the map pinned at ``path``."""
-    fd = check_ret(_lib.bpf_obj_get(path.encode()), f"opening pinned map {path}")
+    fd = obj_get(path)
     try:
         return map_info(fd, path)
     finally:

@@ -22,3 +22,13 @@ def require_bpffs(pin_dir: str) -> None:
 def cflag(pin_dir: str) -> str:
     """The compiler flag that pins a program's maps in ``pin_dir``."""
     return f'-DKV_PIN_DIR="{pin_dir}"'
+
+
+def split_cflag(flags: list[str]) -> tuple[str | None, list[str]]:
+    """The pin directory ``flags`` name (``cflag``'s), and the flags with it replaced by a
+    placeholder: what a program's code depends on is whether it pins, not where."""
+    prefix = cflag("")[:-2]
+    for i, f in enumerate(flags):
+        if f.startswith(prefix) and f.endswith('"'):
+            return f[len(prefix) + 1:-1], [*flags[:i], cflag("<pin dir>"), *flags[i + 1:]]
+    return None, list(flags)
