@@ -38,6 +38,10 @@ from .serve_workloads import mixed_workload
 
 STORES = ("memory", "mooncake", "disk")
 REQUEST_TIMEOUT_S = 30.0      # a request without its first token by then has failed
+# reading every block back after a run: longer than a Mooncake pool node retries a read whose
+# replica sits on a dead node (20 s; the master lists it until the node's TTL, 10 s, ends), so
+# a block another replica still serves is not counted lost because the read came early
+READ_BACK_DEADLINE_S = 25.0
 DEADLINE_S = 5.0              # a block fetch's deadline in the nodes (silence: 1 s; then
                               # the next pool node is asked)
 AFTER_S = 2.0                 # "during" reaches this far past the fault's end
@@ -141,7 +145,7 @@ def read_back(pools, chunk_size, ns, keys, block_bytes) -> list[int]:
     from .serve_node import wrong_bytes
     from .serve_workloads import payload
     lost = wrong = 0
-    with FetchEngine(pools, chunk_size, deadline=5.0) as eng:
+    with FetchEngine(pools, chunk_size, deadline=READ_BACK_DEADLINE_S) as eng:
         for i in range(0, len(keys), 64):
             part = [bytes.fromhex(k) for k in keys[i:i + 64]]
             for k, b in zip(part, eng.get_blocks([(ns, k) for k in part], no_cache=True,

@@ -56,7 +56,9 @@ MEASURES: list[tuple[str, list[str]]] = [
                                                        "testbed/bench/faults.py",
                                                        "testbed/bench/fault_kinds.py",
                                                        "testbed/bench/fault_soak.py"]),
-    ("faults*", SWITCH + FETCH + POOL + LINKS + ["switchd", "testbed/bench/serve.py",
+    # restarts load programs from the bytecode cache: how fast a restarted daemon serves
+    ("faults*", SWITCH + FETCH + POOL + LINKS + ["xdp/loader.py", "xdp/cache.py",
+                                                  "switchd", "testbed/bench/serve.py",
                                                   "testbed/bench/serve_node.py",
                                                   "testbed/bench/serve_workloads.py",
                                                   "testbed/bench/faults.py",

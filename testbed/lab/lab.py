@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import tempfile
@@ -27,15 +26,20 @@ STORES = ("memory", "mooncake")
 
 
 def await_log_line(proc: subprocess.Popen, path: str, offset: int, marker: str,
-                    timeout: float, what: str) -> str:
+                   timeout: float, what: str) -> str:
     """Wait for a line containing ``marker`` written to ``path`` after ``offset``."""
+    return _await_log_line(proc, path, offset, marker, timeout, what)[0]
+
+
+def _await_log_line(proc, path, offset, marker, timeout, what) -> tuple[str, int]:
+    """The line (and the offset past it) as ``await_log_line`` finds it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with open(path, errors="replace") as f:
+        with open(path, "rb") as f:
             f.seek(offset)
-            for line in f:
-                if marker in line:
-                    return line.strip()
+            for line in iter(f.readline, b""):
+                if line.endswith(b"\n") and marker.encode() in line:
+                    return line.decode(errors="replace").strip(), f.tell()
         if proc.poll() is not None:
             break
         time.sleep(0.05)
@@ -45,27 +49,6 @@ def await_log_line(proc: subprocess.Popen, path: str, offset: int, marker: str,
     with open(path, errors="replace") as f:
         f.seek(offset)
         raise TestbedError(f"{what}: no {marker!r} line: {f.read().strip()[-800:]}")
-
-
-def _await_line(proc: subprocess.Popen, stream, marker: str, timeout: float, what: str) -> str:
-    """The first line with ``marker`` on ``stream`` (a pipe nobody has read from): read from
-    its file descriptor, so no line waits unseen in a reader's buffer."""
-    deadline, fd, pending = time.monotonic() + timeout, stream.fileno(), b""
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            break
-        data = os.read(fd, 65536)
-        if not data:
-            break
-        pending += data
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            if marker.encode() in line:
-                return line.decode(errors="replace").strip()
-    proc.kill()
-    out, err = proc.communicate(timeout=5)
-    raise TestbedError(f"{what} did not start: {(err or out or '').strip()[-800:]}")
 
 
 class Lab:
@@ -92,6 +75,7 @@ class Lab:
         self.pools: list[subprocess.Popen | None] = [None] * pools
         self._log_offsets = [0] * pools
         self.switch: subprocess.Popen | None = None
+        self._switch_seen = 0                  # switchd's log read up to here
         self.master: MooncakeMaster | None = None
         self.tmp = tempfile.TemporaryDirectory(prefix=f"kvlab-{prefix}-")
 
@@ -202,15 +186,24 @@ class Lab:
             argv += (["--pool-port", f"{n.name}={n.ip}",
                       "--port-bind", f"{n.name}={self.mac(n.name)},{n.ip}"]
                      if n.role == "pool" else ["--port", n.name])
-        self.switch = subprocess.Popen(self.switchd_argv(*argv, *self.switchd_args, *extra),
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True)
-        return _await_line(self.switch, self.switch.stdout, "switchd: serving", 60, "switchd")
+        # its output goes to a file: a pipe nobody reads while it serves fills up with its log
+        # lines, and a daemon blocked writing one never stops
+        with open(self.switch_log_path(), "ab") as log:
+            self._switch_seen = log.tell()
+            self.switch = subprocess.Popen(self.switchd_argv(*argv, *self.switchd_args, *extra),
+                                           stdout=log, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL)
+        return self.await_switch_line("switchd: serving")
+
+    def switch_log_path(self) -> str:
+        return os.path.join(self.tmp.name, "switchd.log")
 
     def await_switch_line(self, marker: str, timeout: float = 60) -> str:
         """The next line with ``marker`` the running switchd prints (it is killed and
         TestbedError raised if none comes in ``timeout`` seconds)."""
-        return _await_line(self.switch, self.switch.stdout, marker, timeout, "switchd")
+        line, self._switch_seen = _await_log_line(self.switch, self.switch_log_path(),
+                                                  self._switch_seen, marker, timeout, "switchd")
+        return line
 
     def stop_switch(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         self.switch.send_signal(sig)
