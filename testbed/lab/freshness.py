@@ -107,6 +107,8 @@ DATED = {
     "security-stall.json": "the issue-26 stall before the fixes (a snapshot of the code) and "
                            "after",
     "pool-put-abuse.json": "the issue-26 PUT abuse before the fixes (a snapshot) and after",
+    "faults-detach.json": "the detach fault alone before restarts loaded from the bytecode "
+                          "cache, kept beside faults.json",
 }
 
 
