@@ -13,12 +13,9 @@ from xdp import cache, libbpf
 pytestmark = pytest.mark.bpf
 
 
-def tag(fd: int) -> bytes:
-    info = libbpf._ProgInfo()
-    size = libbpf.ctypes.c_uint32(libbpf.ctypes.sizeof(info))
-    libbpf.check_ret(libbpf._lib.bpf_obj_get_info_by_fd(fd, libbpf.ctypes.byref(info),
-                                                         libbpf.ctypes.byref(size)), "info")
-    return bytes(info.tag)
+def program_tags(dp: DataPlane) -> dict[str, bytes]:
+    return {n: libbpf.prog_tag(p.fd) for n, p in (("ingress", dp.ingress), ("egress", dp.egress),
+                                                  ("write", dp.writer))}
 
 
 @pytest.fixture
@@ -41,20 +38,18 @@ def test_the_switch_from_the_cache_is_the_program_bcc_compiled(fresh_cache, pin_
     compiled = DataPlane(dep)
     assert type(compiled.bpf).__name__ == "BPF" and len(list(fresh_cache.glob("*.json"))) == 1
     compiled.set("port_checks", 1)
-    tags = {n: tag(p.fd) for n, p in (("ingress", compiled.ingress), ("egress", compiled.egress),
-                                        ("write", compiled.writer))}
+    tags = program_tags(compiled)
     ids = {n: compiled.map_id(n) for n in ("kv_cache", "kv_stats", "kv_settings")}
     compiled.bpf.cleanup()
 
     loaded = DataPlane(dep)                     # same pins: the maps are found again
     try:
         assert isinstance(loaded.bpf, cache.CachedObject)
-        assert {n: tag(p.fd) for n, p in (("ingress", loaded.ingress),
-                                          ("egress", loaded.egress),
-                                          ("write", loaded.writer))} == tags
+        assert program_tags(loaded) == tags
         assert {n: loaded.map_id(n) for n in ids} == ids
         assert loaded.get("port_checks") == 1
-        assert len(loaded.cache) == 512 and set(loaded.counters()) == set(loaded.STAT_NAMES.values())
+        assert len(loaded.cache) == 512
+        assert set(loaded.counters()) == set(loaded.STAT_NAMES.values())
     finally:
         loaded.bpf.cleanup()
     # maps the source does not pin are the loader's own: a fresh copy each load

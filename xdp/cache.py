@@ -34,7 +34,7 @@ CACHE_DIR = Path(os.environ.get("KVSWITCH_CACHE_DIR", "/run/kvswitch/bytecode"))
 _INCLUDE = re.compile(r'^#include\s+"([^"]+)"', re.M)
 PSEUDO_MAP_FD = 1                     # an ld_imm64 of a map fd (src_reg), BCC's map reference
 # flags the kernel sets on a map of a type itself (a devmap is read-only to programs)
-KERNEL_SET_FLAGS = {14: 1 << 7}       # BPF_MAP_TYPE_DEVMAP: BPF_F_RDONLY_PROG
+KERNEL_SET_FLAGS = {libbpf.BPF_MAP_TYPE_DEVMAP: 1 << 7}      # BPF_F_RDONLY_PROG
 
 
 @dataclass(frozen=True)
@@ -116,16 +116,16 @@ def describe(bpf, programs: dict[str, int], pin_dir: str | None) -> dict:
     lib.bpf_table_name.restype = ctypes.c_char_p
     maps, by_fd = {}, {}
     for i in range(lib.bpf_num_tables(bpf.module)):
-        name = lib.bpf_table_name(bpf.module, i)
-        fd = lib.bpf_table_fd(bpf.module, name)
+        raw = lib.bpf_table_name(bpf.module, i)
+        name, fd = raw.decode(), lib.bpf_table_fd(bpf.module, raw)
         info = libbpf.map_info(fd)
-        pin = os.path.join(pin_dir, name.decode()) if pin_dir else None
-        by_fd[fd] = name.decode()
-        maps[name.decode()] = {
+        pin = os.path.join(pin_dir, name) if pin_dir else None
+        by_fd[fd] = name
+        maps[name] = {
             "layout": [info.type, info.key_size, info.value_size, info.max_entries,
                        info.map_flags],
-            "key": lib.bpf_table_key_desc(bpf.module, name).decode(),
-            "leaf": lib.bpf_table_leaf_desc(bpf.module, name).decode(),
+            "key": lib.bpf_table_key_desc(bpf.module, raw).decode(),
+            "leaf": lib.bpf_table_leaf_desc(bpf.module, raw).decode(),
             "pinned": bool(pin and os.path.exists(pin)
                            and libbpf.pinned_map_info(pin).id == info.id)}
     progs = {}

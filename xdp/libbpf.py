@@ -14,7 +14,7 @@ BPF_F_TEST_XDP_LIVE_FRAMES = 1 << 1
 XDP_FLAGS_SKB_MODE, XDP_FLAGS_DRV_MODE, XDP_FLAGS_REPLACE = 1 << 1, 1 << 2, 1 << 4
 MODE_FLAGS = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
 BPF_PROG_TYPE_XDP, BPF_XDP_DEVMAP = 6, 33
-BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_PERCPU_ARRAY = 2, 6
+BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_PERCPU_ARRAY, BPF_MAP_TYPE_DEVMAP = 2, 6, 14
 BPF_F_MMAPABLE = 1 << 10
 
 _lib = ctypes.CDLL(ctypes.util.find_library("bpf") or "libbpf.so.1", use_errno=True)
@@ -182,14 +182,25 @@ def prog_fd_by_id(prog_id: int) -> int:
     return check_ret(_lib.bpf_prog_get_fd_by_id(prog_id), f"opening program id {prog_id}")
 
 
-def prog_info(fd: int, nmaps: int = 16) -> tuple[str, list[int]]:
-    """Name and map ids of a loaded program."""
+def _prog_info(fd: int, nmaps: int) -> tuple[_ProgInfo, list[int]]:
     ids = (ctypes.c_uint32 * nmaps)()
     info = _ProgInfo(nr_map_ids=nmaps, map_ids=ctypes.addressof(ids))
     size = ctypes.c_uint32(ctypes.sizeof(info))
     check_ret(_lib.bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size)),
               "reading program info")
-    return info.name.decode(errors="replace"), list(ids[:min(nmaps, info.nr_map_ids)])
+    return info, list(ids[:min(nmaps, info.nr_map_ids)])
+
+
+def prog_info(fd: int, nmaps: int = 16) -> tuple[str, list[int]]:
+    """Name and map ids of a loaded program."""
+    info, ids = _prog_info(fd, nmaps)
+    return info.name.decode(errors="replace"), ids
+
+
+def prog_tag(fd: int) -> bytes:
+    """The kernel's tag of a loaded program: a hash of its instructions with map references
+    left out, so the same program on other maps has the same tag."""
+    return bytes(_prog_info(fd, 0)[0].tag)
 
 
 def prog_map(prog_fd: int, name: str) -> tuple[int, MapInfo] | None:

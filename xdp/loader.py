@@ -57,15 +57,29 @@ def load_xdp(source: str | Path, functions: tuple[str, ...], cflags: list[str] |
     sources = (Path(source), *map(Path, append))
     programs = {**{n: 0 for n in functions},
                 **{n: libbpf.BPF_XDP_DEVMAP for n in devmap_egress}}
-    with cache.slot(sources, programs, key_flags) as path:
-        entry = cache.read(path)
-        if entry is None:
-            bpf, fns = _compile(sources, programs, flags)
-            if path:
-                cache.write(path, cache.describe(bpf, programs, pin_dir))
-            return bpf, fns
+    entry, compiled = _cached(sources, programs, flags, key_flags, pin_dir)
+    if compiled:
+        return compiled
     import_bcc()
     return cache.load(entry, pin_dir)
+
+
+def _cached(sources: tuple[Path, ...], programs: dict[str, int], flags: list[str],
+            key_flags: list[str], pin_dir: str | None):
+    """(the cache's entry, None), or where there was none, (the entry, (BCC object, programs))
+    of a compile with ``flags`` (once, under the cache's lock), the entry written."""
+    with cache.slot(sources, programs, key_flags) as path:
+        entry = cache.read(path)
+        if entry is not None:
+            return entry, None
+        bpf, fns = _compile(sources, programs, flags)
+        try:
+            entry = cache.describe(bpf, programs, pin_dir)
+        except BaseException:
+            bpf.cleanup()
+            raise
+        cache.write(path, entry)
+        return entry, (bpf, fns)
 
 
 def _compile(sources: tuple[Path, ...], programs: dict[str, int], flags: list[str]):
@@ -94,16 +108,10 @@ def cached_bytecode(source: str | Path, name: str, cflags: list[str],
     """Program ``name`` of ``source`` compiled with ``cflags``, for ``load_bytecode``: from the
     cache, else compiled (once, under the cache's lock) and cached. ``map_names``: every map the
     program uses."""
-    flags, programs, sources = xdp_cflags(*cflags), {name: 0}, (Path(source),)
-    with cache.slot(sources, programs, flags) as path:
-        entry = cache.read(path)
-        if entry is None:
-            bpf, _ = _compile(sources, programs, flags)
-            try:
-                entry = cache.describe(bpf, programs, None)
-            finally:
-                bpf.cleanup()
-            cache.write(path, entry)
+    flags = xdp_cflags(*cflags)
+    entry, compiled = _cached((Path(source),), {name: 0}, flags, flags, None)
+    if compiled:
+        compiled[0].cleanup()
     return cache.bytecode(entry, name, map_names)
 
 
