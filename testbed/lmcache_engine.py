@@ -24,10 +24,13 @@ def kv_bytes_per_token(dtype) -> int:
 
 
 def config(remote_url: str | None = None, plugin: dict | None = None, extra: dict | None = None,
-           cpu_gib: float = 0.5, save_unfull_chunk: bool = False):
+           cpu_gib: float = 0.5, save_unfull_chunk: bool = False,
+           timeout_s: int | None = None):
     """An engine config whose remote tier is ``remote_url`` (LMCache's own connectors) or
     kvswitch's plugin with the options ``plugin``; no local CPU tier, so every retrieve
-    reaches the remote store. ``cpu_gib``: LMCache's buffer for the chunks in flight."""
+    reaches the remote store. ``cpu_gib``: LMCache's buffer for the chunks in flight;
+    ``timeout_s``: how long LMCache waits for a remote chunk (its ``blocking_timeout_secs``,
+    10 s by default; a chunk late past it is a miss)."""
     from lmcache.v1.config import LMCacheEngineConfig
     extra = dict(extra or {})
     cfg = {"chunk_size": CHUNK_TOKENS, "local_cpu": False, "max_local_cpu_size": cpu_gib,
@@ -39,6 +42,8 @@ def config(remote_url: str | None = None, plugin: dict | None = None, extra: dic
                       for k, v in {**PLUGIN_LINES, **plugin}.items()})
     else:
         cfg["remote_url"] = remote_url
+    if timeout_s is not None:
+        cfg["blocking_timeout_secs"] = timeout_s
     cfg["extra_config"] = extra
     return LMCacheEngineConfig.from_dict(cfg)
 

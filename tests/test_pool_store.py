@@ -156,6 +156,7 @@ class FakeCluster:
         self.objects: dict[str, bytes] = {}
         self.put_rc = 0
         self.clients = 0
+        self.dead: set[str] = set()         # keys whose replica read from sits on a dead node
         cluster = self
 
         class Client:
@@ -183,6 +184,8 @@ class FakeCluster:
                 obj = cluster.objects.get(key)
                 if obj is None:
                     return -704
+                if key in cluster.dead:
+                    return -800                     # TRANSFER_FAIL
                 ctypes.memmove(addr, obj, len(obj))
                 return len(obj)
 
@@ -286,6 +289,30 @@ def test_failed_writes_are_reported_and_not_kept():
 
     status, staged, objects = _with_pools(body, n=1)
     assert status == Status.NO_SPACE and staged == 0 and not objects
+
+
+def test_a_read_meeting_a_dead_replica_is_refused_at_once_not_retried(caplog):
+    data = os.urandom(20_000)
+
+    async def body(cluster, master, pools):
+        store, addr, _ = pools[0]
+        async with KVClient([addr], chunk_size=1000, deadline=5) as c:
+            await c.put_block(1, KEY, data)
+            store.staging.remove(1, KEY)                       # not staged: read from Mooncake
+            cluster.dead.add(object_key(1, KEY))
+            t0 = time.monotonic()
+            with pytest.raises(Refused) as e:
+                await c.get_block(1, KEY)
+            refused_s = time.monotonic() - t0
+            cluster.dead.clear()                               # the master dropped the dead node
+            back, _ = await c.get_block(1, KEY)
+        return e.value.status, refused_s, back, store.counters
+
+    status, refused_s, back, counters = _with_pools(body, n=1)
+    assert status == UNAVAILABLE and refused_s < 0.5 and back == data
+    assert counters["dead_replica_reads"] == 1 and counters["fills"] == 1
+    lines = [r.getMessage() for r in caplog.records if r.name == "hostagent.mooncake"]
+    assert sum("TRANSFER_FAIL" in m and "another pool node" in m for m in lines) == 1
 
 
 def test_master_down_answers_at_once_and_the_node_recovers(caplog):

@@ -9,7 +9,9 @@ a completed PUT is laid out there and written to the cluster from it (``put_from
 this node's segment, ``--replicas`` copies on distinct segments; the last chunk's PUT_ACK waits
 for the write), a GET for a block not staged reads the object into a run of the arena
 (``get_size`` then ``get_into``: a missing object answers NOT_FOUND at once) and checks the
-header and every chunk's CRC before serving it.
+header and every chunk's CRC before serving it. A read Mooncake sends to a replica on a node that
+died answers UNAVAILABLE at once (readers fail over to another pool node) rather than waiting
+out the master's client TTL.
 
 Mooncake calls block, so they run in worker threads. Failures are return codes, never
 exceptions, and a data call on a client that is not set up crashes the process: calls are made
@@ -172,6 +174,7 @@ class MooncakeStore(PoolStore):
         self._down_since: float | None = None
         self._down_reason = ""
         self.abandoned = False            # closed without telling the master (it was down)
+        self._dead_logged = -1e9          # when a read from a dead replica was last logged
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -350,8 +353,10 @@ class MooncakeStore(PoolStore):
                 raise StoreError(Status.NO_SPACE, str(exc)) from None
             try:
                 t1 = time.monotonic()
-                rc = await self._read(okey, run.addr, size)
+                rc = await self._call("get_into", okey, run.addr, size)
                 t2 = time.monotonic()
+                if rc == TRANSFER_FAIL:
+                    raise self._dead_replica(okey)
                 if rc != size:
                     raise self._failed(rc, f"reading {okey}")
                 try:
@@ -381,25 +386,20 @@ class MooncakeStore(PoolStore):
         finally:
             self._fills.pop(name, None)
 
-    async def _read(self, okey: str, addr: int, size: int) -> int:
-        """``get_into``, retried while it fails with TRANSFER_FAIL: a node holding the replica
-        Mooncake reads from (the first, unless one is in our own segment) has died, and the
-        master keeps listing its replicas until the node's client TTL (10 s by default) ends.
-        Then the read goes to another replica, or the object is gone (NOT_FOUND)."""
-        deadline, pause = time.monotonic() + self.TRANSFER_RETRY_S, 0.2
-        while True:
-            rc = await self._call("get_into", okey, addr, size)
-            if rc != TRANSFER_FAIL or time.monotonic() > deadline:
-                return rc
-            if pause == 0.2:
-                log.warning("mooncake: the node holding %s does not answer; retrying until the "
-                            "master drops it", okey)
-            self.counters["transfer_retries"] += 1
-            await asyncio.sleep(pause)
-            pause = min(1.0, 2 * pause)
-            now = await self._call("get_size", okey)
-            if now != size:
-                return now if now < 0 else INVALID_PARAMS
+    def _dead_replica(self, okey: str) -> StoreError:
+        """``get_into`` failed with TRANSFER_FAIL: the node holding the replica Mooncake reads
+        from (the first, unless one is in our own segment) has died, and the master lists its
+        replicas until the node's client TTL (10 s by default) ends. The read is not retried:
+        the reader is answered UNAVAILABLE at once and asks another pool node, which reads its
+        own replica (or finds the object gone once the master has dropped the dead node)."""
+        self.counters["dead_replica_reads"] += 1
+        now = time.monotonic()
+        if now - self._dead_logged > 10.0:
+            self._dead_logged = now
+            log.warning("mooncake: the node holding %s does not answer (TRANSFER_FAIL): "
+                        "answering UNAVAILABLE so the reader asks another pool node (%d such "
+                        "reads so far)", okey, self.counters["dead_replica_reads"])
+        return StoreError(UNAVAILABLE, f"the node holding {okey}'s replica does not answer")
 
     async def _write(self, block: StagedBlock, done: asyncio.Future) -> None:
         layout = block.layout

@@ -33,15 +33,13 @@ from ..lab.topology import plain_bridge_ports
 from ..sim.config import MODELS
 from .fault_kinds import (FAULTS, SECONDS, SWITCH_FAULTS, MemoryLimit, Target, heal, inject,
                           leftover_processes)
-from .serve import CHUNK, NS_BASE, _pct as serve_pct, _preload, block_bytes_for, check_choices, serve_phases
+from .serve import (CHUNK, NS_BASE, _pct as serve_pct, _preload, block_bytes_for, check_choices,
+                    serve_phases)
 from .serve_workloads import mixed_workload
 
 STORES = ("memory", "mooncake", "disk")
 REQUEST_TIMEOUT_S = 30.0      # a request without its first token by then has failed
-# reading every block back after a run: longer than a Mooncake pool node retries a read whose
-# replica sits on a dead node (20 s; the master lists it until the node's TTL, 10 s, ends), so
-# a block another replica still serves is not counted lost because the read came early
-READ_BACK_DEADLINE_S = 25.0
+READ_BACK_DEADLINE_S = 10.0   # reading a block back after a run, from each pool node in turn
 DEADLINE_S = 5.0              # a block fetch's deadline in the nodes (silence: 1 s; then
                               # the next pool node is asked)
 AFTER_S = 2.0                 # "during" reaches this far past the fault's end
@@ -140,22 +138,29 @@ def blocks_lost(lab: Lab, ns: int, keys: list[str], block_bytes: int) -> tuple[i
 
 
 def read_back(pools, chunk_size, ns, keys, block_bytes) -> list[int]:
-    """In a node: fetch every block of ``keys`` bypassing the switch's cache."""
+    """In a node: fetch every block of ``keys`` bypassing the switch's cache, from its owner
+    and then from every other pool node: a block is lost when none serves it (a Mooncake node
+    whose read meets its dead incarnation's replica refuses it; another replica serves it)."""
     from hostagent.inference.fetch.engine import FetchEngine
     from .serve_node import wrong_bytes
     from .serve_workloads import payload
-    lost = wrong = 0
-    with FetchEngine(pools, chunk_size, deadline=READ_BACK_DEADLINE_S) as eng:
-        for i in range(0, len(keys), 64):
-            part = [bytes.fromhex(k) for k in keys[i:i + 64]]
-            for k, b in zip(part, eng.get_blocks([(ns, k) for k in part], no_cache=True,
-                                                 return_exceptions=True)):
-                if isinstance(b, BaseException):
-                    lost += 1
-                else:
-                    wrong += wrong_bytes(b.tobytes(), payload(k, block_bytes))
-                    b.release()
-    return [lost, wrong]
+    todo, wrong = [bytes.fromhex(k) for k in keys], 0
+    for route in [pools] + [[p] for p in pools]:
+        if not todo:
+            break
+        missed = []
+        with FetchEngine(route, chunk_size, deadline=READ_BACK_DEADLINE_S) as eng:
+            for i in range(0, len(todo), 64):
+                part = todo[i:i + 64]
+                for k, b in zip(part, eng.get_blocks([(ns, k) for k in part], no_cache=True,
+                                                     return_exceptions=True)):
+                    if isinstance(b, BaseException):
+                        missed.append(k)
+                    else:
+                        wrong += wrong_bytes(b.tobytes(), payload(k, block_bytes))
+                        b.release()
+        todo = missed
+    return [len(todo), wrong]
 
 
 class FaultBench:

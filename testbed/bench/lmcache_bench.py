@@ -47,7 +47,8 @@ PHASE_TIMEOUT_S = 240                   # a store that has not ended a phase by 
 @dataclass
 class LmcacheBench:
     nodes: int = 8
-    link_gbit: float = 0.2
+    link_gbit: float = 0.1
+    timeout_s: int = 60                 # LMCache's wait for a remote chunk, every store alike
     hot_tokens: int = 1024              # the incast's hot prefix
     incast_rounds: int = 3
     zipf_prefixes: int = 16
@@ -242,6 +243,7 @@ def run_lmcache_bench(cfg: LmcacheBench, json_path: str | None = None,
                 with lab_for(cfg, group[0], shaped) as lab:
                     for store in group:
                         desc, proc = start_store(lab, store, tmp)
+                        desc["timeout_s"] = cfg.timeout_s
                         try:
                             t0 = time.monotonic()
                             phases = run_phases(lab, desc, cfg.shaped_phases() if shaped

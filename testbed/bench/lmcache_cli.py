@@ -21,8 +21,11 @@ POSITIVE = click.IntRange(1)
               help="Comma list of the workloads.")
 @click.option("--nodes", type=click.IntRange(1, 64), default=8, show_default=True,
               help="Inference nodes, each an LMCache engine.")
-@click.option("--link-gbit", type=click.FloatRange(0, min_open=True), default=0.2,
+@click.option("--link-gbit", type=click.FloatRange(0, min_open=True), default=0.1,
               show_default=True, help="Rate of every link, both directions (incast, zipf).")
+@click.option("--timeout-s", type=POSITIVE, default=60, show_default=True,
+              help="How long LMCache waits for a remote chunk (its blocking_timeout_secs), "
+                   "every store alike.")
 @click.option("--hot-tokens", type=POSITIVE, default=1024, show_default=True,
               help="Tokens of the incast's hot prefix (whole LMCache chunks of 256 count).")
 @click.option("--incast-rounds", type=POSITIVE, default=3, show_default=True,
@@ -36,8 +39,8 @@ POSITIVE = click.IntRange(1)
               help="Names the testbeds' namespaces (PREFIX, PREFIXm, PREFIXu, PREFIXmu).")
 @json_opt("bench/results/lmcache.json")
 @click.option("--plot", "plot_path", help="PNG (default: the JSON path with .png).")
-def command(stores, workloads, nodes, link_gbit, hot_tokens, incast_rounds, zipf_prefixes, zipf_requests,
-            single_prefixes, prefix, json_path, plot_path):
+def command(stores, workloads, nodes, link_gbit, timeout_s, hot_tokens, incast_rounds,
+            zipf_prefixes, zipf_requests, single_prefixes, prefix, json_path, plot_path):
     """kvswitch as LMCache's remote tier beside LMCache's server, Redis and Mooncake Store."""
     check_choices("store", stores, STORES)
     check_choices("workload", workloads, WORKLOADS)
@@ -47,7 +50,8 @@ def command(stores, workloads, nodes, link_gbit, hot_tokens, incast_rounds, zipf
         raise TestbedError("LMCache is not installed: run `make setup` (it installs "
                            "lmcache==0.5.6 into .venv)") from None
     plot_path = plot_path or (json_path and json_path.rsplit(".", 1)[0] + ".png")
-    cfg = LmcacheBench(nodes=nodes, link_gbit=link_gbit, hot_tokens=hot_tokens,
+    cfg = LmcacheBench(nodes=nodes, link_gbit=link_gbit, timeout_s=timeout_s,
+                       hot_tokens=hot_tokens,
                        incast_rounds=incast_rounds, zipf_prefixes=zipf_prefixes,
                        zipf_requests=zipf_requests, single_prefixes=single_prefixes,
                        stores=tuple(stores), workloads=tuple(workloads), prefix=prefix)

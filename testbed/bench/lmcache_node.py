@@ -21,9 +21,11 @@ from ..lab.tasks import StartLine
 def store_config(store: dict):
     """The engine config for ``store`` (the orchestrator's description of it)."""
     from .. import lmcache_engine
+    timeout = store.get("timeout_s")
     if store["kind"] == "kvswitch":
-        return lmcache_engine.config(plugin=store["plugin"])
-    return lmcache_engine.config(remote_url=store["url"], extra=store.get("extra"))
+        return lmcache_engine.config(plugin=store["plugin"], timeout_s=timeout)
+    return lmcache_engine.config(remote_url=store["url"], extra=store.get("extra"),
+                                 timeout_s=timeout)
 
 
 def run_node(store: dict, index: int, phases: list[dict], lines: list[str],

@@ -28,7 +28,8 @@ import time
 
 import numpy as np
 
-from hostagent.common.transfer import TransferTimeout, pool_for
+from kvproto import Status
+from hostagent.common.transfer import Refused, TransferTimeout, pool_for
 from hostagent.inference.client import KVClient
 from hostagent.inference.fetch.engine import FetchEngine
 
@@ -45,10 +46,11 @@ class SpreadEngine(FetchEngine):
 
 
 class FailoverEngine(FetchEngine):
-    """Routes around a pool node that stopped answering: a transfer with no chunk back after
-    ``first_reply_timeout`` fails at once (the engine's own rule judges only its first
-    transfers: here every transfer is judged alone), and while its pool node is marked silent
-    (for ``retry_s``) its blocks go to the next node of their rendezvous order (with a
+    """Routes around a pool node that stopped answering or cannot serve: a transfer with no
+    chunk back after ``first_reply_timeout`` fails at once (the engine's own rule judges only
+    its first transfers: here every transfer is judged alone), as does one the node refuses
+    as UNAVAILABLE (a Mooncake node whose read hit a dead replica); while that node is marked
+    silent (for ``retry_s``) its blocks go to the next node of their rendezvous order (with a
     replicated store, such as Mooncake's, any pool node serves any block)."""
     retry_s = 5.0
 
@@ -71,19 +73,30 @@ class FailoverEngine(FetchEngine):
     def _route(self, ns: int, key: bytes):
         return self._routes[pool_for(self._up(), ns, key)]
 
-    def mark_silent(self, ns: int, key: bytes) -> None:
-        """The pool node ``key`` is routed to now did not answer in time: leave it out."""
-        self._silent[pool_for(self._up(), ns, key)] = time.monotonic() + self.retry_s
+    def mark_silent(self, ns: int, keys: list[bytes]) -> None:
+        """The pool nodes ``keys`` are routed to now failed them: leave those nodes out. Every
+        owner is found before any is left out (else the second key of a dead node would be
+        routed to, and blamed on, the node that is still up)."""
+        up, until = self._up(), time.monotonic() + self.retry_s
+        for pool in {pool_for(up, ns, k) for k in keys}:
+            self._silent[pool] = until
+
+
+def routed_around(b) -> bool:
+    """Whether a block's failure sends it to another pool node: no answer in time, or the
+    node refused it as UNAVAILABLE (its store cannot reach the block's replica now)."""
+    return isinstance(b, TransferTimeout) or (isinstance(b, Refused)
+                                              and b.status == Status.UNAVAILABLE)
 
 
 def fetch_blocks(eng: FetchEngine, ns: int, keys: list[bytes], failover: bool) -> list:
     """The blocks of ``keys`` (an exception in a block's place where it failed); with
-    ``failover``, the ones that timed out asked once more after their owner is marked silent."""
+    ``failover``, the ones routed around (``routed_around``) asked once more after their
+    owners are marked silent."""
     got = eng.get_blocks([(ns, k, None) for k in keys], return_exceptions=True)
-    again = [i for i, b in enumerate(got) if isinstance(b, TransferTimeout)] if failover else []
-    for i in again:
-        eng.mark_silent(ns, keys[i])
+    again = [i for i, b in enumerate(got) if routed_around(b)] if failover else []
     if again:
+        eng.mark_silent(ns, [keys[i] for i in again])
         retry = eng.get_blocks([(ns, keys[i], None) for i in again], return_exceptions=True)
         for i, b in zip(again, retry):
             got[i] = b

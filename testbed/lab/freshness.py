@@ -25,7 +25,10 @@ SWITCH = ["xdp/kvswitch.c", "xdp/kvswitch.h", "xdp/kvmaps.h", "xdp/kvslot.h", "x
           "xdp/parse.h", "xdp/reply.h", "xdp/kvproto.h", "switchd/dataplane.py",
           "switchd/slots.py", "switchd/ports.py"]
 FETCH = ["xdp/kvfetch.c", "xdp/kvfetch.h", "xdp/kvfetch_maps.h", "hostagent/inference/fetch"]
-POOL = ["xdp/kvserve.c", "xdp/kvserve.h", "xdp/kvserve_maps.h", "hostagent/pool"]
+# the Mooncake-backed store runs only where a result's pool nodes are on Mooncake (MOONCAKE)
+POOL = ["xdp/kvserve.c", "xdp/kvserve.h", "xdp/kvserve_maps.h", "hostagent/pool",
+        "!hostagent/pool/mooncake_store.py"]
+MOONCAKE = ["hostagent/pool/mooncake_store.py"]
 POLICY = ["switchd/policy.py", "switchd/sketch.py", "testbed/sim/evaluate.py",
           "testbed/sim/baselines.py"]
 LINKS = ["testbed/lab/links.py"]
@@ -42,6 +45,7 @@ MEASURES: list[tuple[str, list[str]]] = [
     ("fetch-auth*", SWITCH + FETCH + POOL + ["hostagent/common/auth.py",
                                              "testbed/bench/fetch_auth.py"]),
     ("fetch*", SWITCH + FETCH + POOL + ["testbed/bench/fetch.py"]),
+    ("incast-mooncake*", SWITCH + FETCH + POOL + MOONCAKE + LINKS + ["testbed/bench/incast.py"]),
     ("incast*", SWITCH + FETCH + POOL + LINKS + ["testbed/bench/incast.py"]),
     ("serve-tiers*", SWITCH + FETCH + POOL + LINKS + TIERS + ["testbed/bench/serve_tiers.py",
                                                               "testbed/bench/serve_tiers_node.py",
@@ -57,12 +61,10 @@ MEASURES: list[tuple[str, list[str]]] = [
                                                        "testbed/bench/fault_kinds.py",
                                                        "testbed/bench/fault_soak.py"]),
     # restarts load programs from the bytecode cache: how fast a restarted daemon serves
-    ("faults*", SWITCH + FETCH + POOL + LINKS + ["xdp/loader.py", "xdp/cache.py",
-                                                  "switchd", "testbed/bench/serve.py",
-                                                  "testbed/bench/serve_node.py",
-                                                  "testbed/bench/serve_workloads.py",
-                                                  "testbed/bench/faults.py",
-                                                  "testbed/bench/fault_kinds.py"]),
+    ("faults*", SWITCH + FETCH + POOL + MOONCAKE + LINKS + [
+        "xdp/loader.py", "xdp/cache.py", "switchd", "testbed/bench/serve.py",
+        "testbed/bench/serve_node.py", "testbed/bench/serve_workloads.py",
+        "testbed/bench/faults.py", "testbed/bench/fault_kinds.py"]),
     ("loss.*", SWITCH + FETCH + POOL + ["testbed/bench/loss.py"]),
     ("soak.*", SWITCH + POOL + ["switchd", "testbed/bench/soak.py"]),
     ("fuzz.*", SWITCH + ["testbed/fuzz.py"]),
@@ -85,7 +87,7 @@ MEASURES: list[tuple[str, list[str]]] = [
     ("inference.*", SWITCH + FETCH + POOL + ["hostagent/inference/hf_connector.py",
                                              "hostagent/inference/codec.py",
                                              "testbed/demos/inference.py"]),
-    ("lmcache*", SWITCH + FETCH + POOL + LINKS + [
+    ("lmcache*", SWITCH + FETCH + POOL + MOONCAKE + LINKS + [
         "hostagent/inference/lmcache_connector.py", "hostagent/inference/store_io.py",
         "hostagent/inference/client.py", "hostagent/inference/vllm_connector_pool.py",
         "testbed/lmcache_engine.py", "testbed/bench/lmcache_bench.py",
@@ -159,9 +161,12 @@ def code_lines(text: str, path: str) -> Counter:
 
 
 def source_files(root: Path, commit: str, paths: list[str]) -> list[str]:
-    """The Python and C files under ``paths`` in ``commit``'s tree."""
-    return [p for p in git(root, "ls-tree", "-r", "--name-only", commit, "--", *paths).split()
-            if p.endswith((".py", ".c", ".h"))]
+    """The Python and C files under ``paths`` in ``commit``'s tree, less those a ``!path``
+    entry names."""
+    left_out = {p[1:] for p in paths if p.startswith("!")}
+    listed = git(root, "ls-tree", "-r", "--name-only", commit, "--",
+                 *(p for p in paths if not p.startswith("!"))).split()
+    return [p for p in listed if p.endswith((".py", ".c", ".h")) and p not in left_out]
 
 
 @lru_cache(maxsize=None)
