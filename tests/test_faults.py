@@ -116,3 +116,31 @@ def test_failover_blames_only_the_node_that_failed_the_blocks():
     assert routed_around(Refused(Status.UNAVAILABLE, "GET"))
     assert not routed_around(Refused(Status.CHECKSUM, "GET"))
     assert not routed_around(BlockNotFound("gone"))
+
+
+@pytest.mark.e2e
+def test_a_node_sees_its_own_cable_pulled():
+    from hostagent.common.netif import has_carrier
+    ns, ours, peer = "kvcarrier-test", "kvcarA", "kvcarB"
+
+    def ask(ifname):
+        return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c",
+                               f"from hostagent.common.netif import has_carrier as h; "
+                               f"print(h({ifname!r}))"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "link", "add", peer, "type", "veth", "peer", "name", ours,
+                        "netns", ns], check=True)
+        subprocess.run(["ip", "-n", ns, "link", "set", ours, "up"], check=True)
+        subprocess.run(["ip", "link", "set", peer, "up"], check=True)
+        assert ask(ours) == "True"
+        subprocess.run(["ip", "link", "set", peer, "down"], check=True)   # the switch's side
+        assert ask(ours) == "False"
+    finally:
+        subprocess.run(["ip", "link", "del", peer], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    assert has_carrier("lo")
+    with pytest.raises(OSError):
+        has_carrier("kvno-such-if")

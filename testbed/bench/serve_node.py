@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from kvproto import Status
+from hostagent.common.netif import has_carrier
 from hostagent.common.transfer import Refused, TransferTimeout, pool_for
 from hostagent.inference.client import KVClient
 from hostagent.inference.fetch.engine import FetchEngine
@@ -82,6 +83,10 @@ class FailoverEngine(FetchEngine):
             self._silent[pool] = until
 
 
+class LinkDown(ConnectionError):
+    """This node's own interface has no carrier: no pool node can be reached."""
+
+
 def routed_around(b) -> bool:
     """Whether a block's failure sends it to another pool node: no answer in time, or the
     node refused it as UNAVAILABLE (its store cannot reach the block's replica now)."""
@@ -92,9 +97,14 @@ def routed_around(b) -> bool:
 def fetch_blocks(eng: FetchEngine, ns: int, keys: list[bytes], failover: bool) -> list:
     """The blocks of ``keys`` (an exception in a block's place where it failed); with
     ``failover``, the ones routed around (``routed_around``) asked once more after their
-    owners are marked silent."""
+    owners are marked silent, and none asked for while this node's own link is down (the
+    node computes them rather than wait out the silence)."""
+    if failover and not has_carrier(eng.ifname):    # cable out: compute, do not wait
+        return [LinkDown(f"{eng.ifname} has no carrier")] * len(keys)
     got = eng.get_blocks([(ns, k, None) for k in keys], return_exceptions=True)
     again = [i for i, b in enumerate(got) if routed_around(b)] if failover else []
+    if again and not has_carrier(eng.ifname):
+        return got                     # silent because our own cable is out, not the nodes
     if again:
         eng.mark_silent(ns, [keys[i] for i in again])
         retry = eng.get_blocks([(ns, keys[i], None) for i in again], return_exceptions=True)
