@@ -21,6 +21,7 @@ TESTBED = [sys.executable, "-m", "testbed"]
     (["--nodes", "0"], "'--nodes': 0 is not in the range 1<=x<=64"),
     (["--link-gbit", "0"], "'--link-gbit': 0.0 is not in the range x>0"),
     (["--hot-tokens", "-1"], "'--hot-tokens': -1 is not in the range x>=1"),
+    (["--timeout-s", "0"], "'--timeout-s': 0 is not in the range x>=1"),
 ])
 def test_bad_options_are_one_line_before_any_testbed(args, said):
     r = subprocess.run(TESTBED + ["bench", "lmcache", "--json", "", *args],
