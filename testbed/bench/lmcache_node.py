@@ -22,8 +22,9 @@ def store_config(store: dict):
     """The engine config for ``store`` (the orchestrator's description of it)."""
     from .. import lmcache_engine
     timeout = store.get("timeout_s")
-    if store["kind"] == "kvswitch":
-        return lmcache_engine.config(plugin=store["plugin"], timeout_s=timeout)
+    if store["kind"] == "kvswitch":      # the plugin's own bound on a block: the same wait
+        plugin = {**store["plugin"], **({"deadline": timeout} if timeout else {})}
+        return lmcache_engine.config(plugin=plugin, timeout_s=timeout)
     return lmcache_engine.config(remote_url=store["url"], extra=store.get("extra"),
                                  timeout_s=timeout)
 
