@@ -225,7 +225,11 @@ def lab_for(cfg: LmcacheBench, store: str, shaped: bool) -> Lab:
                cache_entries=max(1024, (cfg.switch_cache_mib << 20) // CHUNK),
                pool_capacity=cfg.pool_capacity, store="mooncake" if mooncake else "memory",
                switch=False,                    # start_store starts it where a store needs it
-               segment=cfg.pool_capacity if mooncake else "256MiB", **kw)
+               segment=cfg.pool_capacity if mooncake else "256MiB",
+               # a read holds a lease on its object; one longer than the lease fails as
+               # LEASE_EXPIRED (10 s by default): the same wait as every store's
+               master_args=(f"--default_kv_lease_ttl={cfg.timeout_s * 1000}",) if mooncake
+               else (), **kw)
 
 
 def run_lmcache_bench(cfg: LmcacheBench, json_path: str | None = None,

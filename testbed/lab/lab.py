@@ -59,7 +59,7 @@ class Lab:
                  segment: str = "256MiB", pool_args: tuple[str, ...] = (),
                  link_gbit: float | None = None, pool_link_gbit: float | None = None,
                  link_delay_us: float = 0.0, link_buffer_ms: float = 50.0,
-                 pool_disk: str | None = None):
+                 pool_disk: str | None = None, master_args: tuple[str, ...] = ()):
         if store not in STORES:
             raise TestbedError(f"store must be one of {', '.join(STORES)}, not {store!r}")
         # the MTU fits the chunk (IPv4 + UDP + KV header = 76 bytes), never below Ethernet's 1500
@@ -72,6 +72,7 @@ class Lab:
         self.switchd_args = switchd_args
         self.store, self.replicas, self.segment = store, replicas, segment
         self.pool_args, self.pool_disk = pool_args, pool_disk
+        self.master_args = master_args      # mooncake_master's own flags (store "mooncake")
         self.pools: list[subprocess.Popen | None] = [None] * pools
         self._log_offsets = [0] * pools
         self.switch: subprocess.Popen | None = None
@@ -85,7 +86,8 @@ class Lab:
         try:
             if self.store == "mooncake":
                 self.master = MooncakeMaster(self.topo, os.path.join(self.tmp.name,
-                                                                     "mooncake-master.log"))
+                                                                     "mooncake-master.log"),
+                                             *self.master_args)
                 self.master.start()
             self.start_pools()
             if self.want_switch:
