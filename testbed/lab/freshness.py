@@ -59,12 +59,14 @@ MEASURES: list[tuple[str, list[str]]] = [
                                                        "testbed/bench/serve_workloads.py",
                                                        "testbed/bench/faults.py",
                                                        "testbed/bench/fault_kinds.py",
-                                                       "testbed/bench/fault_soak.py"]),
+                                                       "testbed/bench/fault_soak.py",
+                                                       "hostagent/common/netif.py"]),
     # restarts load programs from the bytecode cache: how fast a restarted daemon serves
     ("faults*", SWITCH + FETCH + POOL + MOONCAKE + LINKS + [
         "xdp/loader.py", "xdp/cache.py", "switchd", "testbed/bench/serve.py",
         "testbed/bench/serve_node.py", "testbed/bench/serve_workloads.py",
-        "testbed/bench/faults.py", "testbed/bench/fault_kinds.py"]),
+        "testbed/bench/faults.py", "testbed/bench/fault_kinds.py",
+        "hostagent/common/netif.py"]),
     ("loss.*", SWITCH + FETCH + POOL + ["testbed/bench/loss.py"]),
     ("soak.*", SWITCH + POOL + ["switchd", "testbed/bench/soak.py"]),
     ("fuzz.*", SWITCH + ["testbed/fuzz.py"]),
