@@ -20,7 +20,7 @@ import click
 from .inference import client as kvclient
 from .common.transfer import BlockNotFound, Refused, TransferTimeout, parse_addr
 from .common.hashing import DEFAULT_BLOCK_TOKENS, block_hashes
-from kvproto import DEFAULT_CHUNK, MAX_PAYLOAD, PORT
+from kvproto import DEFAULT_CHUNK, MAX_PAYLOAD, PORT, Status
 from kvproto.cli import SizeType, one_line_errors, with_config
 from .pool.server import serve as serve_forever
 from .pool.store import MemoryStore, PutBudgets
@@ -339,7 +339,8 @@ def get(pools, ns, key, out, no_cache, start_at, chunk_size, window, deadline, a
                                auth=ring) as c:
             if start_at:
                 await asyncio.sleep(max(0.0, start_at - time.time()))
-            return await c.get_block(ns, key_bytes, no_cache=no_cache)
+            return await _until_available(lambda: c.get_block(ns, key_bytes, no_cache=no_cache),
+                                          deadline)
 
     try:
         data, stats = _run(go(), pools)
@@ -349,6 +350,24 @@ def get(pools, ns, key, out, no_cache, start_at, chunk_size, window, deadline, a
         out.write(data)
     click.echo(json.dumps({"op": "get", "ns": ns, "key": key,
                            "sha256": hashlib.sha256(data).hexdigest(), **stats.as_dict()}))
+
+
+async def _until_available(fetch, deadline: float, pause_s: float = 0.5):
+    """``await fetch()``, asked again while the pool node refuses with UNAVAILABLE (it cannot
+    reach its store right now: a Mooncake replica on a node that died stays listed until the
+    master's client TTL ends) and the deadline leaves time; one line says so the first time."""
+    give_up = time.monotonic() + deadline
+    said = False
+    while True:
+        try:
+            return await fetch()
+        except Refused as exc:
+            if exc.status != Status.UNAVAILABLE or time.monotonic() + pause_s > give_up:
+                raise
+            if not said:
+                click.echo(f"hostagent: {exc}; asking again until the deadline", err=True)
+                said = True
+            await asyncio.sleep(pause_s)
 
 
 @main.command("hash")

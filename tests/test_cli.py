@@ -130,3 +130,32 @@ def test_an_unreachable_pool_is_one_line(op):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert errors == ["hostagent: error: cannot reach 10.9.9.9:19286: Network is unreachable"], \
         r.stderr
+
+
+def test_get_asks_again_while_refused_unavailable_and_only_until_its_deadline():
+    import asyncio
+    from hostagent.cli import _until_available
+    from hostagent.common.transfer import Refused
+    from kvproto import Status
+
+    def fetcher(refusals, status=Status.UNAVAILABLE):
+        calls = []
+
+        async def fetch():
+            calls.append(1)
+            if len(calls) <= refusals:
+                raise Refused(status, "GET of block 00")
+            return b"block"
+        return fetch, calls
+
+    fetch, calls = fetcher(2)         # a dead replica still listed: served on the third ask
+    assert asyncio.run(_until_available(fetch, 5.0, pause_s=0.01)) == b"block"
+    assert len(calls) == 3
+    fetch, calls = fetcher(1, Status.NOT_FOUND)          # anything else is final at once
+    with pytest.raises(Refused, match="NOT_FOUND"):
+        asyncio.run(_until_available(fetch, 5.0, pause_s=0.01))
+    assert len(calls) == 1
+    fetch, calls = fetcher(10 ** 6)   # a master that stays down: the deadline ends it
+    with pytest.raises(Refused, match="UNAVAILABLE"):
+        asyncio.run(_until_available(fetch, 0.2, pause_s=0.05))
+    assert 2 <= len(calls) <= 5
