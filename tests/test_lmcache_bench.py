@@ -45,6 +45,36 @@ def test_the_phases_warm_up_then_incast_rounds_then_zipf():
     assert [w for w, _ in cfg.single_phases()] == ["store", "warm-up", "single"]
 
 
+def test_lmcache_queue_workers_survive_callers_that_give_up():
+    """LMCache's AsyncPQExecutor (its Redis connector's job queue) loses a worker to each job
+    whose caller timed out; after four every lookup waits forever, which hung Redis in the
+    benchmark. The nodes' fix keeps all four and the queue running."""
+    import asyncio
+    import threading
+    from lmcache.v1.storage_backend.job_executor.pq_executor import AsyncPQExecutor
+    from testbed.bench.lmcache_node import fix_lmcache_executor
+    fix_lmcache_executor()
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    ex = AsyncPQExecutor(loop)
+
+    async def slow(x):
+        await asyncio.sleep(0.1)
+        return x
+
+    async def callers():
+        for i in range(6):                 # each gives up before its job ends
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(ex.submit_job(slow, i, priority=1), 0.01)
+        await asyncio.sleep(0.3)
+        return sum(not w.done() for w in ex._workers), \
+            await asyncio.wait_for(ex.submit_job(slow, 99), 5)
+    try:
+        assert asyncio.run_coroutine_threadsafe(callers(), loop).result(10) == (4, 99)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_a_tiny_run_of_every_store_side_by_side(tmp_path):

@@ -34,6 +34,7 @@ from ..lab.mooncake import HTTP_PORT, RPC_PORT, port_open
 from ..lab.tasks import StartLine
 from ..lmcache_engine import CHUNK_TOKENS
 from .faults import _fresh
+from .lmcache_node import LMCACHE_FIX
 from .serve_vllm import hit_ratio
 
 STORES = ("kvswitch-switch", "kvswitch-bridge", "lmcache-server", "redis", "mooncake")
@@ -106,10 +107,12 @@ class LmcacheBench:
 
 
 # ---- the stores --------------------------------------------------------------------------------
-def start_store(lab: Lab, name: str, log_dir: str) -> tuple[dict, subprocess.Popen | None]:
+def start_store(lab: Lab, name: str, log_dir: str,
+                timeout_s: int) -> tuple[dict, subprocess.Popen | None]:
     """Start store ``name`` on p1 (the switch on only for kvswitch-switch; every store empty);
     what the nodes' engines need to reach it, and its server process if it is not p1's pool
-    server."""
+    server. ``timeout_s``: every store's wait for a chunk (Redis's client reads a reply for 5 s
+    by default: 8 readers sharing a 12.5 MB/s link need longer for a 5.9 MB chunk)."""
     pool = lab.topo.pool_nodes[0]
     _fresh(lab, name == "kvswitch-switch")
     if name.startswith("kvswitch"):
@@ -132,7 +135,8 @@ def start_store(lab: Lab, name: str, log_dir: str) -> tuple[dict, subprocess.Pop
     elif name == "redis":
         argv = ["redis-server", "--bind", pool.ip, "--port", str(REDIS_PORT), "--save", "",
                 "--appendonly", "no", "--protected-mode", "no"]
-        port, desc = REDIS_PORT, {"kind": "url", "url": f"redis://{pool.ip}:{REDIS_PORT}"}
+        url = f"redis://{pool.ip}:{REDIS_PORT}?socket_timeout={timeout_s}"
+        port, desc = REDIS_PORT, {"kind": "url", "url": url}
     else:
         raise TestbedError(f"unknown store {name!r}: choose from {', '.join(STORES)}")
     with open(os.path.join(log_dir, f"{name}.log"), "ab") as f:
@@ -246,7 +250,7 @@ def run_lmcache_bench(cfg: LmcacheBench, json_path: str | None = None,
             for group in (g for g in groups if g):
                 with lab_for(cfg, group[0], shaped) as lab:
                     for store in group:
-                        desc, proc = start_store(lab, store, tmp)
+                        desc, proc = start_store(lab, store, tmp, cfg.timeout_s)
                         desc["timeout_s"] = cfg.timeout_s
                         try:
                             t0 = time.monotonic()
@@ -271,7 +275,8 @@ def run_lmcache_bench(cfg: LmcacheBench, json_path: str | None = None,
     config = {**asdict(cfg), "stores": list(cfg.stores), "kv_bytes_per_token": per_token,
               "hot_prefix_bytes": cfg.hot_tokens * per_token, "chunk_bytes": CHUNK,
               "lmcache_chunk_tokens": CHUNK_TOKENS, "cpus": len(os.sched_getaffinity(0)),
-              "started": started, "load_average_end": os.getloadavg()[0]}
+              "started": started, "load_average_end": os.getloadavg()[0],
+              "lmcache_fixes": [LMCACHE_FIX]}
     out = {"config": config, "results": results, "summary": summary(results, config),
            "phases": raw}
     write_json(json_path, out)

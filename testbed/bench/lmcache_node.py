@@ -29,11 +29,35 @@ def store_config(store: dict):
                                  timeout_s=timeout)
 
 
+# LMCache 0.5.6's AsyncPQExecutor (the job queue of its Redis, RESP, Valkey, S3 and other
+# connectors) loses a worker whenever a caller gives up on a job before it ends (a
+# blocking_timeout_secs that passes cancels the job's future; the worker's set_result then
+# raises InvalidStateError out of its loop). After four, no job runs again and every lookup
+# waits forever: with 8 engines at once on a 0.1 Gbit/s link, Redis hung the benchmark.
+LMCACHE_FIX = ("AsyncPQExecutor.submit_job awaits its job's future through asyncio.shield, so "
+               "a caller that gives up no longer kills a queue worker")
+
+
+def fix_lmcache_executor() -> None:
+    """The fix of LMCACHE_FIX, the peer's code otherwise unchanged: ``submit_job`` as LMCache
+    writes it, its wait shielded so that cancelling the caller leaves the job's future alone."""
+    import asyncio
+    from lmcache.v1.storage_backend.job_executor.pq_executor import AsyncPQExecutor
+
+    async def submit_job(self, fn, *args, **kwargs):
+        priority = kwargs.pop("priority", 0)
+        done = self.loop.create_future()
+        await self._queue.put((priority, next(self._counter), fn, args, kwargs, done))
+        return await asyncio.shield(done)
+    AsyncPQExecutor.submit_job = submit_job
+
+
 def run_node(store: dict, index: int, phases: list[dict], lines: list[str],
              dtype: str = "bfloat16") -> dict:
     """Task: node ``index``'s part of every phase; its records per phase."""
     import torch
     from .. import lmcache_engine as le
+    fix_lmcache_executor()
     kv_dtype = getattr(torch, dtype)
     eng = le.engine(store_config(store), f"bench-{index}", kv_dtype)
     prompts: dict[tuple[int, int], tuple] = {}
