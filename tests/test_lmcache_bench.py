@@ -45,7 +45,7 @@ def test_the_phases_warm_up_then_incast_rounds_then_zipf():
     assert [w for w, _ in cfg.single_phases()] == ["store", "warm-up", "single"]
 
 
-def test_lmcache_queue_workers_survive_callers_that_give_up():
+def test_lmcache_queue_workers_survive_callers_that_give_up(monkeypatch):
     """LMCache's AsyncPQExecutor (its Redis connector's job queue) loses a worker to each job
     whose caller timed out; after four every lookup waits forever, which hung Redis in the
     benchmark. The nodes' fix keeps all four and the queue running."""
@@ -53,9 +53,10 @@ def test_lmcache_queue_workers_survive_callers_that_give_up():
     import threading
     from lmcache.v1.storage_backend.job_executor.pq_executor import AsyncPQExecutor
     from testbed.bench.lmcache_node import fix_lmcache_executor
+    # the fix patches LMCache's class; LMCache's own code comes back for the other tests
+    monkeypatch.setattr(AsyncPQExecutor, "submit_job", AsyncPQExecutor.submit_job)
     fix_lmcache_executor()
     loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
     ex = AsyncPQExecutor(loop)
 
     async def slow(x):
@@ -69,10 +70,15 @@ def test_lmcache_queue_workers_survive_callers_that_give_up():
         await asyncio.sleep(0.3)
         return sum(not w.done() for w in ex._workers), \
             await asyncio.wait_for(ex.submit_job(slow, 99), 5)
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
     try:
         assert asyncio.run_coroutine_threadsafe(callers(), loop).result(10) == (4, 99)
     finally:
+        ex.shutdown(wait=True)             # its workers end before their loop does
         loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()
 
 
 @pytest.mark.e2e

@@ -4,9 +4,9 @@ the lab starts in a namespace of its own, three pool nodes (``hostagent serve --
 pool node is fetched byte-exact through another; a block survives kill -9 of the node that wrote
 it; a restarted pool process serves what the cluster holds; a missing block is a quick NACK; a
 master that is down is a clear error for clients by their deadline and a log line on the pool
-nodes, which recover when it returns. The tests run in order on one testbed (the last one restarts the
-master, which loses every object). Without Mooncake installed they fail and say how to install
-it. Some waits are Mooncake's: a killed node's replicas stay listed for its client TTL (10 s)."""
+nodes, which recover when it returns. The tests run in order on one testbed (the last one
+restarts the master, which loses every object). Without Mooncake installed they fail and say
+how to install it. Some waits are Mooncake's: a killed node's replicas stay listed for its client TTL (10 s)."""
 import os
 import signal
 import time
