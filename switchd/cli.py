@@ -93,6 +93,14 @@ TABLE_KEYS = ("quotas", "port_namespaces", "port_bindings")
 @click.option("--port-ns", "port_ns", multiple=True, metavar="IF=NS[,NS...]",
               help="Limit a port to these namespaces (repeatable); requests for others, and "
                    "frames the data plane cannot check, are dropped.")
+@click.option("--uplink", "uplinks", multiple=True, metavar="IF",
+              help="Port to the switch above, towards the pool nodes (repeatable): replies "
+                   "from every pool node behind it pass and are learned, also those that "
+                   "switch made from its cache; never bound to a source.")
+@click.option("--downlink", "downlinks", multiple=True, metavar="IF",
+              help="Port to a switch below, a rack of inference nodes (repeatable): many "
+                   "nodes' GETs, no replies; never bound to a source (the switch below binds "
+                   "each of its nodes).")
 @click.option("--port-security", is_flag=True, default=False,
               help="Bind every port to one source (MAC, IPv4): pool ports to their node, the "
                    "others to the first source they send that no other port owns (sticky: "
@@ -108,12 +116,14 @@ def run(obj: Context, config, **_):
     from .daemon import Daemon, Settings
     v = with_config(click.get_current_context(), config, CONFIG_KEYS, TABLE_KEYS)
     pool_ports, pool_addrs = _parse_pool_ports(v["pool_ports"])
+    uplinks, downlinks = list(v["uplinks"]), list(v["downlinks"])
     ports = list(v["ports"])
-    ports += [p for p in pool_ports if p not in ports]
+    ports += [p for p in pool_ports + uplinks + downlinks if p not in ports]
     if not ports:
         raise SwitchError("no ports: give --port IF (repeatable) or a --config with 'ports'")
     bindings = {p: (None, a) for p, a in pool_addrs.items()}
     bindings.update(_parse_bindings(v["port_bind"], ports))
+    _check_trunks(uplinks, downlinks, pool_ports, bindings)
     if v["port_security"]:
         unbound = [p for p in pool_ports if p not in bindings]
         if unbound:
@@ -125,9 +135,21 @@ def run(obj: Context, config, **_):
         ports, pool_ports, v["mode"], v["coalesce"], v["pending_timeout_ms"] / 1000,
         None if v["policy"] == "off" else v["policy"], v["interval"], _parse_quotas(v["quotas"]),
         v["metrics_port"], _parse_port_ns(v["port_ns"], ports), v["fill_headroom"],
-        v["port_security"], bindings, v["force"])
+        v["port_security"], bindings, v["force"], uplinks, downlinks)
     obj.enter()
     Daemon(dep, settings).run()
+
+
+def _check_trunks(uplinks, downlinks, pool_ports, bindings) -> None:
+    """A trunk is one kind of port, and never bound to one source."""
+    for port in uplinks + downlinks:
+        kinds = [k for k, ps in (("--uplink", uplinks), ("--downlink", downlinks),
+                                 ("--pool-port", pool_ports)) if port in ps]
+        if len(kinds) > 1:
+            raise SwitchError(f"port {port} is given as {' and '.join(kinds)}: one kind each")
+        if port in bindings:
+            raise SwitchError(f"port {port} is a trunk ({kinds[0]}): it carries many nodes' "
+                              "frames and cannot be bound to one source")
 
 
 def _port_items(items, ports: list[str], what: str, form: str):

@@ -42,6 +42,9 @@ class Settings:
     # port -> (MAC, IP), bound before attaching; MAC None: asked for by ARP on that port
     port_bindings: dict[str, tuple[str | None, str]] = field(default_factory=dict)
     force: bool = False                           # take ports that run another program
+    # links to other switches (never bound to a source): towards the pool nodes / a rack
+    uplinks: list[str] = field(default_factory=list)
+    downlinks: list[str] = field(default_factory=list)
 
 
 class PinLock:
@@ -107,8 +110,10 @@ class Daemon:
         for port, (mac, ip) in s.port_bindings.items():   # before attaching: nothing else
             bindings[port] = (mac or resolve(port, ip), ip)   # answers on that port
         for port in s.ports:
-            dp.set_port_role(port, ROLE_POOL if port in s.pool_ports else ROLE_HOST,
-                             s.port_namespaces.get(port), s.port_security, bindings.get(port))
+            trunk = port in s.uplinks or port in s.downlinks
+            dp.set_port_role(port, ROLE_POOL if port in s.pool_ports + s.uplinks else ROLE_HOST,
+                             s.port_namespaces.get(port), s.port_security and not trunk,
+                             bindings.get(port), trunk)
         sync(dp)
         dp.set_replication_ports(s.ports)
         dp.set("coalesce", int(s.coalesce))
@@ -129,8 +134,11 @@ class Daemon:
     def _serve(self, dp: DataPlane, manager: CacheManager | None) -> None:
         s = self.s
         secured = "all ports" if s.port_security else ",".join(s.port_bindings) or "off"
+        trunks = "".join(f", {what} {','.join(ports)}" for what, ports in
+                         (("uplinks", s.uplinks), ("downlinks", s.downlinks)) if ports)
         print(f"switchd: serving on {','.join(s.ports)} ({s.mode} XDP), pool ports "
-              f"{','.join(s.pool_ports) or 'none'}, coalescing {'on' if s.coalesce else 'off'}, "
+              f"{','.join(s.pool_ports) or 'none'}{trunks}, "
+              f"coalescing {'on' if s.coalesce else 'off'}, "
               f"policy {s.policy or 'off'}, port security {secured}, "
               f"maps in {self.deployment.pin_dir}", flush=True)
         bound = dp.port_sources()

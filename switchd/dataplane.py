@@ -196,11 +196,17 @@ class DataPlane(Program, source="kvswitch.c", header="kvswitch.h", stats="KV_STA
         return libbpf.map_info(self.bpf.get_table(name.encode()).get_fd()).id
 
     def set_port_role(self, ifname: str, role: int, namespaces: list[int] | None = None,
-                      secured: bool = False, source: tuple[str, str] | None = None) -> None:
+                      secured: bool = False, source: tuple[str, str] | None = None,
+                      trunk: bool = False) -> None:
         """A port's role and checks. ``namespaces``: the only ones it may ask for (and only
         frames the data plane can check pass). ``secured``: its frames must carry one source,
         ``source`` (MAC, IPv4) if given (a port that had it loses it), else the first one it
-        sends that no other port owns (sticky; a binding learned before is kept)."""
+        sends that no other port owns (sticky; a binding learned before is kept). ``trunk``: a
+        link to another switch, many nodes' frames (never secured): with the pool role an
+        uplink, whose replies made by the switch above answer rounds too; else a downlink."""
+        if trunk and (secured or source):
+            raise SwitchError(f"{ifname} is a trunk: it carries many nodes' frames and cannot "
+                              "be bound to one source")
         from . import ports
         index = ifindex(ifname)
         for k in [k for k in self.port_ns.keys() if k.ifindex == index]:
@@ -227,7 +233,8 @@ class DataPlane(Program, source="kvswitch.c", header="kvswitch.h", stats="KV_STA
         for i in range(inline):
             cfg.ns[i] = ns_list[i] if i < len(ns_list) else 0
         cfg.flags = ((PF["NS_LIMITED"] if namespaces else 0) |
-                     (PF["SECURED"] if secured or source else 0) | bound)
+                     (PF["SECURED"] if secured or source else 0) | bound |
+                     (PF["TRUNK"] if trunk else 0))
         checks = bool(cfg.flags & (PF["NS_LIMITED"] | PF["SECURED"]))
         if checks:
             self.mark_clear(index, False)    # before the checks exist: never skipped
@@ -242,7 +249,8 @@ class DataPlane(Program, source="kvswitch.c", header="kvswitch.h", stats="KV_STA
             self.mark_clear(index, True)     # after they are gone
         if bound and not source:
             ports.sync(self)
-        self.set("port_checks", int(any(v.flags for v in self.ports.values())))
+        checked = PF["NS_LIMITED"] | PF["SECURED"]     # a trunk alone has nothing to check
+        self.set("port_checks", int(any(v.flags & checked for v in self.ports.values())))
 
     def mark_clear(self, index: int, clear: bool) -> None:
         """Say whether port ``index`` has no checks (kv_port_clear; ports past its slots are

@@ -156,6 +156,12 @@ def _source(cfg) -> tuple[str, str] | None:
     return mac_str(bytes(cfg.mac)), socket.inet_ntoa(int(cfg.ip).to_bytes(4, "little"))
 
 
+def _role_name(cfg) -> str:
+    if cfg.flags & PF["TRUNK"]:
+        return "uplink" if cfg.role == ROLE_POOL else "downlink"
+    return "pool" if cfg.role == ROLE_POOL else "host"
+
+
 def table(dp: DataPlane) -> list[dict]:
     """Every port the maps know: name, role, checks, binding, namespaces."""
     rows = []
@@ -170,7 +176,7 @@ def table(dp: DataPlane) -> list[dict]:
         else:
             namespaces = sorted(pk.ns for pk in dp.port_ns.keys() if pk.ifindex == k.value)
         rows.append({"port": name, "ifindex": k.value,
-                     "role": "pool" if v.role == ROLE_POOL else "host",
+                     "role": _role_name(v),
                      "secured": bool(v.flags & PF["SECURED"]),
                      "mac": src[0] if src else None, "ip": src[1] if src else None,
                      "namespaces": namespaces if v.flags & PF["NS_LIMITED"] else None})

@@ -38,6 +38,9 @@ def test_switchd_config_errors(tmp_path, config, message):
     (["--port-ns", "h9=1"], "is not PORT=NS[,NS...] for one of the ports"),
     (["--port-bind", "h1=zz,1.2.3.4"], "give [MAC,]IPv4"),
     (["--policy", "fifo"], "'fifo' is not one of"),
+    (["--uplink", "u1", "--pool-port", "u1"], "is given as --uplink and --pool-port"),
+    (["--uplink", "u1", "--downlink", "u1"], "is given as --uplink and --downlink"),
+    (["--downlink", "r1", "--port-bind", "r1=198.18.0.1"], "cannot be bound to one source"),
 ])
 def test_switchd_option_errors(args, message):
     assert message in _one_line_error("switchd", "run", "--port", "h1", *args)

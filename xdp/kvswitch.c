@@ -10,7 +10,8 @@
  *    is asked again and keeps its waiters, and until a reply for its chunk passes nobody more is
  *    held for it (KV_RF_PROBATION). A GET the pool's kernel would drop (reply.h: its UDP
  *    checksum) is forwarded, never held or answered; one from UDP port 0 is dropped.
- *  - GET_REPLY from a pool-node port that answers an open round: written into its block's
+ *  - GET_REPLY from a pool-node port that answers an open round (on an uplink to another
+ *    switch, KV_PF_TRUNK, also one that switch made from its cache): written into its block's
  *    kv_cache slot (kvslot.h's protocol) if its payload matches its CRC and its block is
  *    admitted (or switchd's speculative-fill budget has room: switchd then keeps or evicts it
  *    at its next step); a block with no slots yet gets them from the fill region switchd
@@ -718,13 +719,22 @@ static __always_inline int release_waiters(struct xdp_md *ctx, struct kv_cache_k
     return kv_devmap.redirect_map(0, BPF_F_BROADCAST | BPF_F_EXCLUDE_INGRESS);
 }
 
-/* A reply from a pool node passing through (kv_ingress drops replies from other ports): learn
- * it, then hand it to whoever waits. */
-static __always_inline int handle_reply(struct xdp_md *ctx, struct kv_frame *f)
+/* A reply from a pool port passing through (kv_ingress drops replies from other ports): learn
+ * it, then hand it to whoever waits. On an uplink (KV_PF_TRUNK) a reply the switch above made
+ * from its cache answers the round as the pool node's would; it reaches the waiters marked
+ * KV_F_REPLICA too: it crossed links at the network's pace, not within the asker's call. */
+static __always_inline int handle_reply(struct xdp_md *ctx, struct kv_frame *f,
+                                        struct kv_port_cfg *port)
 {
     struct kvhdr *kv = f->kv;
-    if (kv->status != 0 || kv->flags & bpf_htons(KV_F_FROM_SWITCH))
+    if (kv->status != 0)
         return XDP_PASS;
+    if (kv->flags & bpf_htons(KV_F_FROM_SWITCH)) {
+        if (!(port->flags & KV_PF_TRUNK))
+            return XDP_PASS;
+        kv->flags |= bpf_htons(KV_F_REPLICA);
+        f->udp->check = 0;         /* optional in IPv4; the payload carries its own CRC */
+    }
     struct kv_cache_key k = {};
     chunk_key(&k, kv);
     if (!kv_pending.lookup(&k)) {
@@ -767,14 +777,16 @@ static __always_inline int may_be_reply(struct kv_frame *f, int parsed)
     return op == KV_OP_GET_REPLY || op == KV_OP_PUT_ACK || op == KV_OP_NACK || op == KV_OP_ERROR;
 }
 
-/* Whether the frame came in on a pool-node port (`port`: its config if already looked up). */
-static __always_inline int from_pool_port(struct xdp_md *ctx, struct kv_port_cfg *port)
+/* The config of the port the frame came in on (`port`: if already looked up) if it is a pool
+ * port, else NULL. */
+static __always_inline struct kv_port_cfg *pool_port(struct xdp_md *ctx,
+                                                     struct kv_port_cfg *port)
 {
     if (!port) {
         __u32 ifindex = ctx->ingress_ifindex;
         port = kv_ports.lookup(&ifindex);
     }
-    return port && port->role == KV_ROLE_POOL;
+    return port && port->role == KV_ROLE_POOL ? port : 0;
 }
 
 int kv_ingress(struct xdp_md *ctx)
@@ -795,9 +807,12 @@ int kv_ingress(struct xdp_md *ctx)
         }
     }
     int r = kv_parse(data, data_end, &f);
-    if (r != KV_NOT_KV && may_be_reply(&f, r) && !from_pool_port(ctx, port)) {
-        count(KV_STAT_NOT_FROM_POOL, 1);   /* replies come from pool nodes, nowhere else */
-        return verdict(XDP_DROP);
+    if (r != KV_NOT_KV && may_be_reply(&f, r)) {
+        port = pool_port(ctx, port);
+        if (!port) {
+            count(KV_STAT_NOT_FROM_POOL, 1);   /* replies come from pool nodes, nowhere else */
+            return verdict(XDP_DROP);
+        }
     }
     if (r != KV_OK && port && (port->flags & KV_PF_NS_LIMITED) &&
         !limited_port_may_pass(data, data_end, r)) {
@@ -818,8 +833,8 @@ int kv_ingress(struct xdp_md *ctx)
     }
     if (f.kv->op == KV_OP_GET && f.udp->dest == bpf_htons(KV_UDP_PORT))
         return verdict(handle_get(ctx, &f));
-    if (f.kv->op == KV_OP_GET_REPLY && f.udp->source == bpf_htons(KV_UDP_PORT))
-        return verdict(handle_reply(ctx, &f));
+    if (f.kv->op == KV_OP_GET_REPLY && f.udp->source == bpf_htons(KV_UDP_PORT) && port)
+        return verdict(handle_reply(ctx, &f, port));
     if (f.kv->op == KV_OP_NACK && f.udp->source == bpf_htons(KV_UDP_PORT))
         return verdict(handle_nack(ctx, &f));
     count(KV_STAT_OTHER_KV, 1);

@@ -109,6 +109,10 @@ struct kv_port_cfg {
 #define KV_PF_BOUND 4              /* mac and ip are set: by switchd, or by the data plane from the
                                       port's first ARP or IPv4 frame (sticky) */
 #define KV_PF_BINDING 8            /* the data plane is binding it on some CPU (transient) */
+#define KV_PF_TRUNK 16             /* a link to another switch, carrying many nodes' frames: an
+                                      uplink (pool role) also carries replies another switch
+                                      made from its cache (KV_F_FROM_SWITCH), which answer this
+                                      switch's rounds as a pool node's replies do */
 
 /* Who owns a source: kv_src_macs (MAC in the low 6 bytes of a u64, as in memory) and kv_src_ips
  * (IPv4, network order) map a bound source to the ifindex of the one port bound to it. A secured
