@@ -45,10 +45,21 @@ def main():
 @click.option("--store", type=click.Choice(["memory", "mooncake"]), default="memory",
               show_default=True, help="mooncake: also run a Mooncake master (node m1) for the "
                                       "pool nodes' `hostagent serve --store mooncake`.")
+@click.option("--racks", type=int, default=None,
+              help="A fabric: this many rack switches, each with --hosts-per-rack inference "
+                   "nodes and an uplink to one pool-side switch in front of the pool nodes.")
+@click.option("--hosts-per-rack", type=int, default=2, show_default=True)
+@click.option("--oversub", type=float, default=2.0, show_default=True,
+              help="A rack's hosts' link rates in total : its uplink's rate.")
 @link_options
-def up(name, hosts, pools, mtu, store, link_gbit, pool_link_gbit, link_delay_us):
-    """Build a switch namespace with a bridge, inference nodes h1.. and pool nodes p1.."""
+def up(name, hosts, pools, mtu, store, racks, hosts_per_rack, oversub, link_gbit,
+       pool_link_gbit, link_delay_us):
+    """Build a switch namespace with a bridge, inference nodes h1.. and pool nodes p1.. (with
+    --racks: rack switches r1.. and a pool-side switch agg)."""
     links = link_spec(link_gbit, pool_link_gbit, link_delay_us)
+    if racks is not None:
+        _fabric_up(name, racks, hosts_per_rack, pools, oversub, mtu, store, links)
+        return
     t = Topology(name, hosts, pools, mtu, master=store == "mooncake", links=links).up()
     click.echo(f"testbed {name}: switch netns {t.switch_ns} (bridge ports "
                f"{', '.join(t.ports)}), pin dir {t.pin_dir}")
@@ -69,12 +80,31 @@ def up(name, hosts, pools, mtu, store, link_gbit, pool_link_gbit, link_delay_us)
                    f"mooncake --mooncake-master {t.master_node.ip}")
 
 
+def _fabric_up(name, racks, hosts_per_rack, pools, oversub, mtu, store, links):
+    from .lab.fabric import Fabric
+    if store != "memory":
+        raise TestbedError("a fabric runs with --store memory for now")
+    t = Fabric(name, 0, pools, mtu, links=links, racks=racks, hosts_per_rack=hosts_per_rack,
+               oversub=oversub).up()
+    up_rate = t.uplink_gbit()
+    for b in t.boxes:
+        click.echo(f"switch {b.name:3} netns {b.netns:10} ports {', '.join(b.ports)}, pin dir "
+                   f"{b.pin_dir}" + (f", uplink {up_rate:g} Gbit/s" if b.uplinks and up_rate
+                                     else ""))
+    for n in t.nodes:
+        rate = links.rate(n.role) if links else None
+        box = t.rack_of(n.name).name if n.role == "host" else "agg"
+        click.echo(f"  {n.name:4} {n.role:5} on {box:3} netns {n.netns:10} {n.ip}" +
+                   (f"  link {rate:g} Gbit/s" if rate else ""))
+
+
 @main.command("down")
 @click.option("--name", default="kv", show_default=True)
 @click.option("--all", "everything", is_flag=True, help="Every testbed this tool made.")
 def down_cmd(name, everything):
     """Remove a testbed and anything left running in it (idempotent)."""
-    prefixes = ({n.rsplit("-", 1)[0] for n in namespaces_of("") if n.endswith("-sw")}
+    prefixes = ({n.rsplit("-", 1)[0] for n in namespaces_of("")
+                 if n.endswith(("-sw", "-agg"))}
                 if everything else {name})
     removed = [ns for p in sorted(prefixes) for ns in down(p)]
     click.echo(f"removed {len(removed)} namespace(s)" + (f": {' '.join(removed)}" if removed

@@ -258,11 +258,12 @@ class Lab:
     def stats(self) -> dict:
         return json.loads(self.switchd("stats", "--json").stdout)["counters"]
 
-    def counters(self) -> dict:
+    def counters(self, pin_dir: str | None = None) -> dict:
         """The counters ``stats`` gives, read from the pinned map with bpftool: for benchmarks
-        (`switchd stats` first compiles its map reader with BCC, 1.5-3 s)."""
+        (`switchd stats` first compiles its map reader with BCC, 1.5-3 s). ``pin_dir``: of
+        another switch than the testbed's (a fabric's)."""
         from switchd.dataplane import STAT_NAMES
-        path = os.path.join(self.topo.pin_dir, "kv_stats")
+        path = os.path.join(pin_dir or self.topo.pin_dir, "kv_stats")
         r = subprocess.run(["bpftool", "-j", "map", "dump", "pinned", path],
                            capture_output=True, text=True)
         if r.returncode:

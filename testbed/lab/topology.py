@@ -111,6 +111,10 @@ class Topology:
     def ports(self) -> list[str]:
         return [n.name for n in self.nodes]
 
+    def switch_ports(self) -> list[tuple[str, list[str]]]:
+        """(namespace, ports) of every switch: here the one switch and all its ports."""
+        return [(self.switch_ns, self.ports)]
+
     # ---- lifecycle -----------------------------------------------------------------------
     def up(self) -> Topology:
         """Build the topology from scratch (removing leftovers of the same name first). While
@@ -210,13 +214,19 @@ def plain_bridge_ports(topo: Topology, on: bool) -> None:
     (``on``), or off again before one starts (only where it is still the program). A veth
     whose peer has no XDP program drops what a node's XDP program transmits into it (the fetch
     engine's GETs), which a real NIC does not; with this, a plain bridge carries them."""
-    with netns.inside(topo.switch_ns):
-        for n in topo.nodes:
-            prog = attached_program(n.name)[0]
+    for ns, ports in topo.switch_ports():
+        bridge_pass(ns, ports, on)
+
+
+def bridge_pass(ns: str, ports: list[str], on: bool) -> None:
+    """``plain_bridge_ports`` for one switch: namespace ``ns``, its ``ports``."""
+    with netns.inside(ns):
+        for port in ports:
+            prog = attached_program(port)[0]
             if on and prog is None:
-                attach_xdp(n.name, pass_program())
+                attach_xdp(port, pass_program())
             elif not on and prog == "xdp_pass":
-                detach_port(n.name)
+                detach_port(port)
 
 
 def _without_xdp_server(namespaces: list[str], ifname: str) -> list[str]:
@@ -265,9 +275,10 @@ def scratch_ports(*pairs: tuple[str, str], prefix: str = "kvports"):
 
 
 def namespaces_of(prefix: str) -> list[str]:
+    """The namespaces of testbed ``prefix`` (every namespace: "")."""
     r = sh("ip", "netns", "list", check=False)
     names = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
-    return [n for n in names if n.startswith(f"{prefix}-")]
+    return [n for n in names if not prefix or n.startswith(f"{prefix}-")]
 
 
 class _SigtermUnwinds:
