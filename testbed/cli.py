@@ -18,6 +18,7 @@ from .bench.compress import command as compress_command
 from .bench.faults_cli import command as faults_command
 from .bench.lmcache_cli import command as lmcache_command
 from .bench.serve_vllm import command as vllm_bench_command
+from .bench.serve_fabric_cli import fabric_options
 from .bench.serve_tiers_cli import tiers_options
 from .demos.inference import BLOCK_TOKENS, MODEL_CHOICES as DEMO_MODELS
 from .demos.vllm import MODELS_DIR as DEMO_MODEL_DIR
@@ -334,6 +335,7 @@ def incast(readers, block_mib, reps, chunk_size, store, link_gbit, pool_link_gbi
 @json_opt("bench/results/serve.json")
 @click.option("--plot", "plot_path", help="PNG path (default: the JSON path with .png).")
 @tiers_options
+@fabric_options
 def serve(nodes, pools, store, link_gbit, workloads, modes, model, trace_path, trace_requests,
           scale, json_path, plot_path):
     """Serving loops on N nodes over shaped links: TTFT, pool egress; bridge, switch, replicas."""

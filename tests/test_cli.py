@@ -46,6 +46,18 @@ def test_switchd_option_errors(args, message):
     assert message in _one_line_error("switchd", "run", "--port", "h1", *args)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["up", "--racks", "0"], "--racks must be at least 1"),
+    (["up", "--racks", "2", "--hosts-per-rack", "64"], "a switch has at most 64 ports"),
+    (["up", "--racks", "2", "--oversub", "0"], "--oversub must be > 0"),
+    (["bench", "serve", "--racks", "0"], "--racks must be at least 1"),
+    (["bench", "serve", "--racks", "2", "--oversub", "-1"], "--oversub must be > 0"),
+    (["bench", "serve", "--racks", "2", "--modes", "spine"], "mode 'spine': choose from"),
+])
+def test_testbed_fabric_shape_errors(args, message):
+    assert message in _one_line_error("testbed", *args)
+
+
 def test_switchd_stats_refresh_must_be_positive():
     assert "not in the range x>0" in _one_line_error("switchd", "stats", "--watch", "-1", code=2)
 

@@ -66,3 +66,30 @@ def test_a_block_read_by_every_host_leaves_the_pool_once_and_each_uplink_once():
 def test_a_fabric_that_cannot_be_built_says_why(shape, message):
     with pytest.raises(FabricError, match=message):
         Fabric("fbad", 0, 1, **shape)
+
+
+def test_tiny_fabric_serve_runs_every_mode_byte_exact(tmp_path):
+    """`testbed bench serve --racks` at a tiny scale: the issue's JSON shape, every mode and
+    workload byte-exact, and the burst's prefix leaves the pool less often with kvswitch at both
+    levels than with none."""
+    import json
+    import subprocess
+    from testbed.lab.topology import python_argv
+    path = tmp_path / "fabric.json"
+    r = subprocess.run(python_argv("testbed", "bench", "serve", "--racks", "2",
+                                   "--hosts-per-rack", "2", "--pools", "1", "--scale", "0.1",
+                                   "--json", str(path)), capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(path.read_text())
+    assert out["config"]["burst_prefix_bytes"] > 0 and out["config"]["racks"] == 2
+    rows = {(row["workload"], row["mode"]): row for row in out["results"]}
+    assert set(rows) == {(w, m) for w in ("burst", "zipf")
+                         for m in ("bridge", "rack", "pool-side", "fabric")}
+    for row in rows.values():
+        assert row["byte_exact"] and row["wrong_bytes"] == 0, row
+        assert len(row["uplink_bytes"]) == 2 and len(row["pool_egress_bytes"]) == 1
+        assert set(row["hit_ratio"]) == {"rack", "pool-side"}
+    assert rows[("burst", "bridge")]["hit_ratio"] == {"rack": None, "pool-side": None}
+    assert sum(rows[("burst", "fabric")]["pool_egress_bytes"]) < \
+        sum(rows[("burst", "bridge")]["pool_egress_bytes"])

@@ -1,0 +1,166 @@
+"""`testbed bench serve --racks R`: the serving benchmark on a fabric of switches (issue 43,
+testbed.lab.fabric). R racks of H inference nodes behind rack switches whose uplinks (2:1
+oversubscribed by default) reach a pool-side switch in front of P pool nodes; every node runs
+bench serve's serving loop (testbed.bench.serve_node) over its share of the burst and Zipf
+workloads. Four modes, each on a fabric built afresh:
+
+  bridge     no kvswitch anywhere: every switch a plain Linux bridge;
+  rack       switchd on the rack switches only;
+  pool-side  switchd on the pool-side switch only;
+  fabric     switchd on every switch (each deciding on the demand it sees: the pool side sees
+             only what the racks missed; independent, inclusive layers).
+
+Per row: TTFT p50/p99, the bytes each rack's uplink carried down into its rack and each pool
+node sent, the hit ratio per level (GETs a level's switches answered from their caches over the
+GETs that reached that level), byte-exactness. Writes JSON and a plot."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..lab import TestbedError, write_json
+from ..lab.fabric import AGG, FabricLab
+from ..sim.config import MODELS
+from ..sim.trace import DEFAULT_TRACE
+from .serve import CHUNK, _pct, _preload, block_bytes_for, make_workloads, serve_phases
+
+FABRIC_MODES = ("bridge", "rack", "pool-side", "fabric")
+FABRIC_WORKLOADS = ("burst", "zipf")
+LEVEL_KEYS = ("get_hit", "get_miss", "coalesced", "replicated", "replicas", "fill",
+              "spec_fill")
+
+
+def switches_for(mode: str, racks: int) -> list[str]:
+    rack = [f"r{k}" for k in range(1, racks + 1)]
+    return {"bridge": [], "rack": rack, "pool-side": [AGG], "fabric": rack + [AGG]}[mode]
+
+
+def check(racks: int, hosts_per_rack: int, oversub: float, workloads, modes) -> None:
+    """Bad options: one line, before any testbed is built (the fabric checks its shape)."""
+    from ..lab.fabric import Fabric
+    Fabric("fcheck", 0, 1, racks=racks, hosts_per_rack=hosts_per_rack, oversub=oversub)
+    for kind, given, allowed in (("workload", workloads, FABRIC_WORKLOADS),
+                                 ("mode", modes, FABRIC_MODES)):
+        bad = [g for g in given if g not in allowed]
+        if bad or not given:
+            raise TestbedError(f"{kind} {bad[0] if bad else '(none)'!r}: choose from "
+                               f"{', '.join(allowed)}")
+
+
+def _level(counters: list[dict]) -> dict:
+    """One level's switches' counters added up."""
+    return {k: sum(c.get(k, 0) for c in counters) for k in LEVEL_KEYS}
+
+
+def hit_ratio(level: dict | None) -> float | None:
+    """GETs answered from the level's caches over the GETs that reached it."""
+    if level is None:
+        return None
+    seen = level["get_hit"] + level["get_miss"] + level["coalesced"]
+    return round(level["get_hit"] / seen, 4) if seen else 0.0
+
+
+def _run(lab: FabricLab, wl, mode: str, preset, block_bytes: int, log) -> dict:
+    ns = wl.params["ns"]
+    if wl.preload:
+        _preload(lab, ns, wl.preload, False, block_bytes)
+    pools, racks = lab.topo.pool_nodes, [b.name for b in lab.topo.rack_boxes]
+    running = {level: [b for b in names if b in lab.boxes]
+               for level, names in (("rack", racks), ("pool-side", [AGG]))}
+    before = ([lab.link_bytes(p.name, "tx") for p in pools],
+              [lab.uplink_bytes(r) for r in racks],
+              {b: lab.box_counters(b) for bs in running.values() for b in bs})
+    t0 = time.monotonic()
+    res = serve_phases(lab, wl, ns, preset.prefill_tokens_per_s, block_bytes)
+    egress = [lab.link_bytes(p.name, "tx") - b for p, b in zip(pools, before[0])]
+    uplinks = [lab.uplink_bytes(r) - b for r, b in zip(racks, before[1])]
+    moved = {b: {k: v - before[2][b].get(k, 0) for k, v in lab.box_counters(b).items()}
+             for bs in running.values() for b in bs}
+    levels = {level: _level([moved[b] for b in bs]) if bs else None
+              for level, bs in running.items()}
+    ttft = [x for r in res for x, w in zip(r["ttft"], r["warmup"]) if not w]
+    chunks = sum(r["chunks"] for r in res) or 1
+    row = {
+        "workload": wl.name, "mode": mode,
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+        "uplink_bytes": uplinks, "pool_egress_bytes": egress,
+        "hit_ratio": {level: hit_ratio(c) for level, c in levels.items()},
+        "byte_exact": all(r["byte_exact"] for r in res),
+        "wrong_bytes": sum(r["wrong_bytes"] for r in res),
+        "requests": len(ttft), "ttft_mean_s": round(float(np.mean(ttft)), 4) if ttft else 0,
+        "switch_answered_ratio": round(sum(r["from_switch"] for r in res) / chunks, 4),
+        "replica_ratio": round(sum(r["replicas"] for r in res) / chunks, 4),
+        "fetch_errors": sum(r["fetch_errors"] for r in res),
+        "hottest_pool_egress_x_mean": round(max(egress) / (sum(egress) / len(egress)), 3)
+        if sum(egress) else None,
+        "level_counters": levels, "seconds": round(time.monotonic() - t0, 1),
+    }
+    log(f"{wl.name:5} {mode:9} ttft p50 {row['ttft_p50_s']:.3f}s p99 {row['ttft_p99_s']:.3f}s "
+        f"uplinks {[round(u / 2**20, 1) for u in uplinks]} MiB pool "
+        f"{[round(e / 2**20, 1) for e in egress]} MiB hit {row['hit_ratio']} "
+        f"exact {row['byte_exact']} ({row['seconds']} s)")
+    return row
+
+
+def run_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2, oversub: float = 2.0,
+               link_gbit: float = 0.025, workloads=FABRIC_WORKLOADS, modes=FABRIC_MODES,
+               model: str = "llama3-8b", scale: float = 1.0, json_path: str | None = None,
+               plot_path: str | None = None, prefix: str = "sf", log=print) -> dict:
+    check(racks, hosts_per_rack, oversub, workloads, modes)
+    preset, block_bytes = MODELS[model], block_bytes_for(link_gbit)
+    nodes, results, wls, shape = racks * hosts_per_rack, [], {}, {}
+    for mode in modes:
+        with FabricLab(prefix, racks, hosts_per_rack, pools, oversub,
+                       switches=switches_for(mode, racks), chunk_size=CHUNK,
+                       pool_capacity="1GiB", link_gbit=link_gbit,
+                       pool_link_gbit=link_gbit) as lab:
+            shape = lab.topo.as_dict()
+            wls = make_workloads(workloads, nodes, lab.pool_addrs, preset, DEFAULT_TRACE, 0,
+                                 scale)
+            for name in workloads:
+                results.append(_run(lab, wls[name], mode, preset, block_bytes, log))
+    burst = wls.get("burst")
+    config = {**shape, "nodes": nodes, "chunk_bytes": CHUNK, "block_bytes": block_bytes,
+              "burst_prefix_bytes": burst.params["prefix_blocks"] * block_bytes if burst else 0,
+              "placement": "independent (inclusive) layers, switchd's default policy on each",
+              "preset": model, "prefill_tokens_per_s": preset.prefill_tokens_per_s,
+              "scale": scale, "workloads": {n: w.params for n, w in wls.items()},
+              "uplink_bytes": "bytes each rack's uplink delivered into its rack"}
+    out = {"config": config, "results": results, "summary": summary(results)}
+    write_json(json_path, out)
+    if plot_path:
+        plot(out, plot_path)
+    return out
+
+
+def summary(results: list[dict]) -> dict:
+    by = {(r["workload"], r["mode"]): r for r in results}
+    out = {"all_byte_exact": all(r["byte_exact"] for r in results)}
+    for (w, m), r in by.items():
+        base = by.get((w, "bridge"))
+        if base and m != "bridge" and r["ttft_p99_s"]:
+            out[f"{w}_p99_bridge_over_{m}"] = round(base["ttft_p99_s"] / r["ttft_p99_s"], 2)
+    return out
+
+
+def plot(out: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = out["results"]
+    names = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "ttft_p99_s", "TTFT p99 (s)"),
+                           (axes[1], "pool_egress_bytes", "pool egress (MiB)")):
+        for i, w in enumerate(names):
+            rs = [r for r in rows if r["workload"] == w]
+            vals = [r[key] if key != "pool_egress_bytes" else sum(r[key]) / 2**20 for r in rs]
+            ax.bar([j + 0.4 * i for j in range(len(rs))], vals, 0.4, label=w)
+            ax.set_xticks([j + 0.2 for j in range(len(rs))], [r["mode"] for r in rs])
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle(f"{out['config']['racks']} racks x {out['config']['hosts_per_rack']} hosts, "
+                 f"{out['config']['oversub']:g}:1 uplinks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,44 @@
+"""The `--racks` options of `testbed bench serve` (testbed.bench.serve_fabric): a decorator that
+adds them to the command and, when ``--racks`` is given, runs the fabric benchmark in place of
+the single-switch one (burst and Zipf; modes bridge, rack, pool-side, fabric)."""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import click
+
+FABRIC_JSON = "bench/results/serve-fabric.json"
+
+
+def _names(value: str) -> list[str]:
+    return [m.strip() for m in value.split(",") if m.strip()]
+
+
+def fabric_options(command):
+    @click.option("--racks", type=int, default=None,
+                  help="Serve on a fabric (#43) instead: this many rack switches of "
+                       "--hosts-per-rack nodes, uplinks to a pool-side switch; modes bridge, "
+                       "rack, pool-side, fabric.")
+    @click.option("--hosts-per-rack", type=int, default=4, show_default=True)
+    @click.option("--oversub", type=float, default=2.0, show_default=True,
+                  help="With --racks: a rack's host links in total : its uplink.")
+    @functools.wraps(command)
+    def wrapper(*args, racks, hosts_per_rack, oversub, **kw):
+        if racks is None:
+            return command(*args, **kw)
+        ctx = click.get_current_context()
+        given = lambda name: ctx.get_parameter_source(name).name != "DEFAULT"   # noqa: E731
+        json_path = kw["json_path"] if given("json_path") else FABRIC_JSON
+        plot_path = kw.get("plot_path") or (json_path and str(Path(json_path).with_suffix(".png")))
+        from .serve_fabric import FABRIC_MODES, FABRIC_WORKLOADS, run_fabric
+        out = run_fabric(racks, hosts_per_rack, kw["pools"] if given("pools") else 2, oversub,
+                         kw["link_gbit"],
+                         _names(kw["workloads"]) if given("workloads") else FABRIC_WORKLOADS,
+                         _names(kw["modes"]) if given("modes") else FABRIC_MODES, kw["model"],
+                         kw["scale"], json_path=json_path, plot_path=plot_path, log=click.echo)
+        click.echo(json.dumps(out["summary"], indent=2) + f"\nwrote {json_path}, {plot_path}")
+        if not out["summary"]["all_byte_exact"]:
+            raise click.ClickException("some block was not byte-exact")
+    return wrapper
