@@ -10,8 +10,8 @@ workloads. Four modes, each on a fabric built afresh:
   fabric     switchd on every switch (each deciding on the demand it sees: the pool side sees
              only what the racks missed; independent, inclusive layers).
 
-Per row: TTFT p50/p99, the bytes each rack's uplink carried down into its rack and each pool
-node sent, the hit ratio per level (GETs a level's switches answered from their caches over the
+Per row, over the measured phase (after a burst's warm-up): TTFT p50/p99, the bytes each rack's
+uplink carried down into its rack and each pool node sent, the hit ratio per level (GETs a level's switches answered from their caches over the
 GETs that reached that level), byte-exactness. Writes JSON and a plot."""
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ import numpy as np
 
 from ..lab import TestbedError, write_json
 from ..lab.fabric import AGG, FabricLab
-from ..sim.config import MODELS
+from ..sim.config import FRAME_OVERHEAD, MODELS
 from ..sim.trace import DEFAULT_TRACE
 from .serve import CHUNK, _pct, _preload, block_bytes_for, make_workloads, serve_phases
 
 FABRIC_MODES = ("bridge", "rack", "pool-side", "fabric")
 FABRIC_WORKLOADS = ("burst", "zipf")
 LEVEL_KEYS = ("get_hit", "get_miss", "coalesced", "replicated", "replicas", "fill",
-              "spec_fill")
+              "spec_fill", "expired", "reasked", "uncoalesced", "unsolicited")
 
 
 def switches_for(mode: str, racks: int) -> list[str]:
@@ -68,29 +68,43 @@ def _run(lab: FabricLab, wl, mode: str, preset, block_bytes: int, log) -> dict:
     pools, racks = lab.topo.pool_nodes, [b.name for b in lab.topo.rack_boxes]
     running = {level: [b for b in names if b in lab.boxes]
                for level, names in (("rack", racks), ("pool-side", [AGG]))}
-    before = ([lab.link_bytes(p.name, "tx") for p in pools],
-              [lab.uplink_bytes(r) for r in racks],
-              {b: lab.box_counters(b) for bs in running.values() for b in bs})
+    before = {}
+
+    def snapshot(_at=None):
+        """Links and counters as the measured phase starts (after a burst's warm-up, whose
+        write-through and misses are not the hot block's)."""
+        before.update(pools=[lab.link_bytes(p.name, "tx") for p in pools],
+                      replies=[lab.pool_counters(i).get("tx_bytes", 0)
+                               for i in range(len(pools))],
+                      uplinks=[lab.uplink_bytes(r) for r in racks],
+                      counters={b: lab.box_counters(b) for bs in running.values() for b in bs})
     t0 = time.monotonic()
-    res = serve_phases(lab, wl, ns, preset.prefill_tokens_per_s, block_bytes)
-    egress = [lab.link_bytes(p.name, "tx") - b for p, b in zip(pools, before[0])]
-    uplinks = [lab.uplink_bytes(r) - b for r, b in zip(racks, before[1])]
-    moved = {b: {k: v - before[2][b].get(k, 0) for k, v in lab.box_counters(b).items()}
+    res = serve_phases(lab, wl, ns, preset.prefill_tokens_per_s, block_bytes,
+                       at_start=snapshot)
+    egress = [lab.link_bytes(p.name, "tx") - b for p, b in zip(pools, before["pools"])]
+    uplinks = [lab.uplink_bytes(r) - b for r, b in zip(racks, before["uplinks"])]
+    replies = [lab.pool_counters(i).get("tx_bytes", 0) - b
+               for i, b in enumerate(before["replies"])]
+    moved = {b: {k: v - before["counters"][b].get(k, 0)
+                 for k, v in lab.box_counters(b).items()}
              for bs in running.values() for b in bs}
     levels = {level: _level([moved[b] for b in bs]) if bs else None
               for level, bs in running.items()}
     ttft = [x for r in res for x, w in zip(r["ttft"], r["warmup"]) if not w]
+    fetch = [x for r in res for x, w in zip(r["fetch"], r["warmup"]) if not w]
     chunks = sum(r["chunks"] for r in res) or 1
     row = {
         "workload": wl.name, "mode": mode,
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
-        "uplink_bytes": uplinks, "pool_egress_bytes": egress,
+        "uplink_bytes": uplinks, "pool_egress_bytes": egress, "pool_payload_bytes": replies,
         "hit_ratio": {level: hit_ratio(c) for level, c in levels.items()},
         "byte_exact": all(r["byte_exact"] for r in res),
         "wrong_bytes": sum(r["wrong_bytes"] for r in res),
         "requests": len(ttft), "ttft_mean_s": round(float(np.mean(ttft)), 4) if ttft else 0,
+        "fetch_p50_s": _pct(fetch, 50), "fetch_p99_s": _pct(fetch, 99),
         "switch_answered_ratio": round(sum(r["from_switch"] for r in res) / chunks, 4),
         "replica_ratio": round(sum(r["replicas"] for r in res) / chunks, 4),
+        "retransmit_ratio": round(sum(r["retransmits"] for r in res) / chunks, 5),
         "fetch_errors": sum(r["fetch_errors"] for r in res),
         "hottest_pool_egress_x_mean": round(max(egress) / (sum(egress) / len(egress)), 3)
         if sum(egress) else None,
@@ -104,7 +118,8 @@ def _run(lab: FabricLab, wl, mode: str, preset, block_bytes: int, log) -> dict:
 
 
 def run_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2, oversub: float = 2.0,
-               link_gbit: float = 0.025, workloads=FABRIC_WORKLOADS, modes=FABRIC_MODES,
+               link_gbit: float = 0.025, pool_link_gbit: float | None = None,
+               workloads=FABRIC_WORKLOADS, modes=FABRIC_MODES,
                model: str = "llama3-8b", scale: float = 1.0, json_path: str | None = None,
                plot_path: str | None = None, prefix: str = "sf", log=print) -> dict:
     check(racks, hosts_per_rack, oversub, workloads, modes)
@@ -114,7 +129,7 @@ def run_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2, oversub:
         with FabricLab(prefix, racks, hosts_per_rack, pools, oversub,
                        switches=switches_for(mode, racks), chunk_size=CHUNK,
                        pool_capacity="1GiB", link_gbit=link_gbit,
-                       pool_link_gbit=link_gbit) as lab:
+                       pool_link_gbit=pool_link_gbit or link_gbit) as lab:
             shape = lab.topo.as_dict()
             wls = make_workloads(workloads, nodes, lab.pool_addrs, preset, DEFAULT_TRACE, 0,
                                  scale)
@@ -127,16 +142,26 @@ def run_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2, oversub:
               "preset": model, "prefill_tokens_per_s": preset.prefill_tokens_per_s,
               "scale": scale, "workloads": {n: w.params for n, w in wls.items()},
               "uplink_bytes": "bytes each rack's uplink delivered into its rack"}
-    out = {"config": config, "results": results, "summary": summary(results)}
+    out = {"config": config, "results": results,
+           "summary": summary(results, config["burst_prefix_bytes"])}
     write_json(json_path, out)
     if plot_path:
         plot(out, plot_path)
     return out
 
 
-def summary(results: list[dict]) -> dict:
+def summary(results: list[dict], prefix_bytes: int = 0) -> dict:
+    """p99 ratios to the bridge; for the burst, how many times its hot prefix crossed each
+    uplink (frames as sent: the prefix's chunks with their headers) and left the pool nodes
+    (reply payloads)."""
     by = {(r["workload"], r["mode"]): r for r in results}
     out = {"all_byte_exact": all(r["byte_exact"] for r in results)}
+    wire = prefix_bytes / CHUNK * (CHUNK + FRAME_OVERHEAD)
+    for (w, m), r in by.items():
+        if w == "burst" and prefix_bytes:
+            out[f"burst_{m}_uplink_x_prefix"] = [round(u / wire, 3) for u in r["uplink_bytes"]]
+            out[f"burst_{m}_pool_x_prefix"] = round(sum(r["pool_payload_bytes"]) /
+                                                    prefix_bytes, 3)
     for (w, m), r in by.items():
         base = by.get((w, "bridge"))
         if base and m != "bridge" and r["ttft_p99_s"]:

@@ -24,8 +24,10 @@ def fabric_options(command):
     @click.option("--hosts-per-rack", type=int, default=4, show_default=True)
     @click.option("--oversub", type=float, default=2.0, show_default=True,
                   help="With --racks: a rack's host links in total : its uplink.")
+    @click.option("--pool-link-gbit", type=click.FloatRange(0, min_open=True), default=None,
+                  help="With --racks: the pool nodes' link rate (default --link-gbit).")
     @functools.wraps(command)
-    def wrapper(*args, racks, hosts_per_rack, oversub, **kw):
+    def wrapper(*args, racks, hosts_per_rack, oversub, pool_link_gbit, **kw):
         if racks is None:
             return command(*args, **kw)
         ctx = click.get_current_context()
@@ -34,7 +36,7 @@ def fabric_options(command):
         plot_path = kw.get("plot_path") or (json_path and str(Path(json_path).with_suffix(".png")))
         from .serve_fabric import FABRIC_MODES, FABRIC_WORKLOADS, run_fabric
         out = run_fabric(racks, hosts_per_rack, kw["pools"] if given("pools") else 2, oversub,
-                         kw["link_gbit"],
+                         kw["link_gbit"], pool_link_gbit,
                          _names(kw["workloads"]) if given("workloads") else FABRIC_WORKLOADS,
                          _names(kw["modes"]) if given("modes") else FABRIC_MODES, kw["model"],
                          kw["scale"], json_path=json_path, plot_path=plot_path, log=click.echo)
