@@ -117,6 +117,23 @@ def _run(lab: FabricLab, wl, mode: str, preset, block_bytes: int, log) -> dict:
     return row
 
 
+def unshaped_capacity(racks: int, hosts_per_rack: int, pools: int, prefix: str,
+                      block_mib: float = 4.0) -> dict:
+    """The box's own bound (links not shaped, kvswitch on every switch): every host reads one
+    block at once; the aggregate rate of the slowest reader's time, so a shaped run whose links
+    are far below it is bound by its links, not this machine's CPU."""
+    import os
+    block, key = os.urandom(int(block_mib * (1 << 20))), os.urandom(16)
+    with FabricLab(prefix, racks, hosts_per_rack, pools, chunk_size=CHUNK) as lab:
+        lab.put("h1", 1, key, block)
+        hosts = [n.name for n in lab.topo.host_nodes]
+        got = lab.get_many(hosts, 1, key)
+    slowest = max(r["seconds"] for r, _ in got)
+    return {"readers": len(hosts), "block_bytes": len(block), "slowest_s": round(slowest, 3),
+            "aggregate_gbit": round(8 * len(hosts) * len(block) / slowest / 1e9, 3),
+            "byte_exact": all(d == block for _, d in got)}
+
+
 def run_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2, oversub: float = 2.0,
                link_gbit: float = 0.025, pool_link_gbit: float | None = None,
                workloads=FABRIC_WORKLOADS, modes=FABRIC_MODES,
@@ -135,13 +152,16 @@ def run_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2, oversub:
                                  scale)
             for name in workloads:
                 results.append(_run(lab, wls[name], mode, preset, block_bytes, log))
+    unshaped = unshaped_capacity(racks, hosts_per_rack, pools, prefix)
+    log(f"unshaped: {unshaped}")
     burst = wls.get("burst")
     config = {**shape, "nodes": nodes, "chunk_bytes": CHUNK, "block_bytes": block_bytes,
               "burst_prefix_bytes": burst.params["prefix_blocks"] * block_bytes if burst else 0,
               "placement": "independent (inclusive) layers, switchd's default policy on each",
               "preset": model, "prefill_tokens_per_s": preset.prefill_tokens_per_s,
               "scale": scale, "workloads": {n: w.params for n, w in wls.items()},
-              "uplink_bytes": "bytes each rack's uplink delivered into its rack"}
+              "uplink_bytes": "bytes each rack's uplink delivered into its rack",
+              "unshaped_fabric": unshaped}
     out = {"config": config, "results": results,
            "summary": summary(results, config["burst_prefix_bytes"])}
     write_json(json_path, out)

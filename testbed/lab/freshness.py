@@ -51,6 +51,12 @@ MEASURES: list[tuple[str, list[str]]] = [
                                                               "testbed/bench/serve_tiers_node.py",
                                                               "testbed/bench/serve_tiers_pool.py",
                                                               "testbed/bench/serve_tiers_switch.py"]),
+    # a fabric: every switch runs switchd (its policy and trunk ports) over bench serve's loops
+    ("serve-fabric*", SWITCH + FETCH + POOL + LINKS + ["switchd", "testbed/lab/fabric.py",
+                                                       "testbed/bench/serve_fabric.py",
+                                                       "testbed/bench/serve.py",
+                                                       "testbed/bench/serve_node.py",
+                                                       "testbed/bench/serve_workloads.py"]),
     ("serve*", SWITCH + FETCH + POOL + LINKS + ["switchd/policy.py", "testbed/bench/serve.py",
                                                 "testbed/bench/serve_node.py",
                                                 "testbed/bench/serve_workloads.py"]),
