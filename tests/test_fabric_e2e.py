@@ -84,12 +84,17 @@ def test_tiny_fabric_serve_runs_every_mode_byte_exact(tmp_path):
     out = json.loads(path.read_text())
     assert out["config"]["burst_prefix_bytes"] > 0 and out["config"]["racks"] == 2
     rows = {(row["workload"], row["mode"]): row for row in out["results"]}
-    assert set(rows) == {(w, m) for w in ("burst", "zipf")
+    assert set(rows) == {(w, m) for w in ("burst", "zipf", "incast")
                          for m in ("bridge", "rack", "pool-side", "fabric")}
-    for row in rows.values():
-        assert row["byte_exact"] and row["wrong_bytes"] == 0, row
+    for (w, _), row in rows.items():
+        assert row["byte_exact"], row
         assert len(row["uplink_bytes"]) == 2 and len(row["pool_egress_bytes"]) == 1
-        assert set(row["hit_ratio"]) == {"rack", "pool-side"}
+        if w != "incast":
+            assert row["wrong_bytes"] == 0 and set(row["hit_ratio"]) == {"rack", "pool-side"}
     assert rows[("burst", "bridge")]["hit_ratio"] == {"rack": None, "pool-side": None}
     assert sum(rows[("burst", "fabric")]["pool_egress_bytes"]) < \
         sum(rows[("burst", "bridge")]["pool_egress_bytes"])
+    # four readers at once: the block leaves the pool once per rack with rack switches alone,
+    # once with both levels (frames' headers on top)
+    assert rows[("incast", "rack")]["pool_x_block"] > 1.9
+    assert rows[("incast", "fabric")]["pool_x_block"] < 1.1

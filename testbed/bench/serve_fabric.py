@@ -2,7 +2,8 @@
 testbed.lab.fabric). R racks of H inference nodes behind rack switches whose uplinks (2:1
 oversubscribed by default) reach a pool-side switch in front of P pool nodes; every node runs
 bench serve's serving loop (testbed.bench.serve_node) over its share of the burst and Zipf
-workloads. Four modes, each on a fabric built afresh:
+workloads; then every node reads one block of the burst prefix's size at the same instant
+(``incast``: the fetch alone, as bench incast does on one switch). Four modes, each on a fabric built afresh:
 
   bridge     no kvswitch anywhere: every switch a plain Linux bridge;
   rack       switchd on the rack switches only;
@@ -26,7 +27,8 @@ from ..sim.trace import DEFAULT_TRACE
 from .serve import CHUNK, _pct, _preload, block_bytes_for, make_workloads, serve_phases
 
 FABRIC_MODES = ("bridge", "rack", "pool-side", "fabric")
-FABRIC_WORKLOADS = ("burst", "zipf")
+FABRIC_WORKLOADS = ("burst", "zipf", "incast")
+INCAST_REPS = 3
 LEVEL_KEYS = ("get_hit", "get_miss", "coalesced", "replicated", "replicas", "fill",
               "spec_fill", "expired", "reasked", "uncoalesced", "unsolicited")
 
@@ -117,6 +119,34 @@ def _run(lab: FabricLab, wl, mode: str, preset, block_bytes: int, log) -> dict:
     return row
 
 
+def _incast(lab: FabricLab, mode: str, nbytes: int, log) -> dict:
+    """Every host reads one block of ``nbytes`` at the same instant (``INCAST_REPS`` blocks, one
+    after another): the fetch alone, without a serving loop's arrivals spread over a window."""
+    import os
+    pools, racks = lab.topo.pool_nodes, [b.name for b in lab.topo.rack_boxes]
+    hosts = [n.name for n in lab.topo.host_nodes]
+    secs, egress, uplinks, exact = [], [0] * len(pools), [0] * len(racks), True
+    for rep in range(INCAST_REPS):
+        key, block = os.urandom(16), os.urandom(nbytes)
+        lab.put(hosts[rep % len(hosts)], 1, key, block)
+        e0, u0 = [lab.link_bytes(p.name, "tx") for p in pools], [lab.uplink_bytes(r)
+                                                                  for r in racks]
+        got = lab.get_many(hosts, 1, key)
+        egress = [a + lab.link_bytes(p.name, "tx") - b for a, p, b in zip(egress, pools, e0)]
+        uplinks = [a + lab.uplink_bytes(r) - b for a, r, b in zip(uplinks, racks, u0)]
+        secs += [r["seconds"] for r, _ in got]
+        exact &= all(d == block for _, d in got)
+    row = {"workload": "incast", "mode": mode, "completion_p50_s": _pct(secs, 50),
+           "completion_p99_s": _pct(secs, 99), "block_bytes": nbytes,
+           "uplink_x_block": [round(u / INCAST_REPS / nbytes, 3) for u in uplinks],
+           "pool_x_block": round(sum(egress) / INCAST_REPS / nbytes, 3),
+           "uplink_bytes": uplinks, "pool_egress_bytes": egress, "byte_exact": exact}
+    log(f"incast {mode:9} completion p50 {row['completion_p50_s']:.3f}s p99 "
+        f"{row['completion_p99_s']:.3f}s uplinks x {row['uplink_x_block']} pool x "
+        f"{row['pool_x_block']} exact {exact}")
+    return row
+
+
 def unshaped_capacity(racks: int, hosts_per_rack: int, pools: int, prefix: str,
                       block_mib: float = 4.0) -> dict:
     """The box's own bound (links not shaped, kvswitch on every switch): every host reads one
@@ -148,10 +178,13 @@ def run_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2, oversub:
                        pool_capacity="1GiB", link_gbit=link_gbit,
                        pool_link_gbit=pool_link_gbit or link_gbit) as lab:
             shape = lab.topo.as_dict()
-            wls = make_workloads(workloads, nodes, lab.pool_addrs, preset, DEFAULT_TRACE, 0,
+            serving = [w for w in workloads if w != "incast"]
+            wls = make_workloads(serving, nodes, lab.pool_addrs, preset, DEFAULT_TRACE, 0,
                                  scale)
-            for name in workloads:
+            for name in serving:
                 results.append(_run(lab, wls[name], mode, preset, block_bytes, log))
+            if "incast" in workloads:       # the burst's prefix as one block
+                results.append(_incast(lab, mode, max(2, int(32 * scale)) * block_bytes, log))
     unshaped = unshaped_capacity(racks, hosts_per_rack, pools, prefix)
     log(f"unshaped: {unshaped}")
     burst = wls.get("burst")
@@ -184,8 +217,9 @@ def summary(results: list[dict], prefix_bytes: int = 0) -> dict:
                                                     prefix_bytes, 3)
     for (w, m), r in by.items():
         base = by.get((w, "bridge"))
-        if base and m != "bridge" and r["ttft_p99_s"]:
-            out[f"{w}_p99_bridge_over_{m}"] = round(base["ttft_p99_s"] / r["ttft_p99_s"], 2)
+        key = "completion_p99_s" if w == "incast" else "ttft_p99_s"
+        if base and m != "bridge" and r[key]:
+            out[f"{w}_p99_bridge_over_{m}"] = round(base[key] / r[key], 2)
     return out
 
 
@@ -196,13 +230,16 @@ def plot(out: dict, path: str) -> None:
     rows = out["results"]
     names = sorted({r["workload"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, label in ((axes[0], "ttft_p99_s", "TTFT p99 (s)"),
-                           (axes[1], "pool_egress_bytes", "pool egress (MiB)")):
+    width = 0.8 / len(names)
+    for ax, label in ((axes[0], "TTFT p99 (s; incast: completion p99)"),
+                      (axes[1], "pool egress (MiB)")):
         for i, w in enumerate(names):
             rs = [r for r in rows if r["workload"] == w]
-            vals = [r[key] if key != "pool_egress_bytes" else sum(r[key]) / 2**20 for r in rs]
-            ax.bar([j + 0.4 * i for j in range(len(rs))], vals, 0.4, label=w)
-            ax.set_xticks([j + 0.2 for j in range(len(rs))], [r["mode"] for r in rs])
+            vals = [sum(r["pool_egress_bytes"]) / 2**20 if ax is axes[1] else
+                    r.get("ttft_p99_s", r.get("completion_p99_s")) for r in rs]
+            ax.bar([j + width * i for j in range(len(rs))], vals, width, label=w)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rs))],
+                          [r["mode"] for r in rs])
         ax.set_ylabel(label)
         ax.legend()
     fig.suptitle(f"{out['config']['racks']} racks x {out['config']['hosts_per_rack']} hosts, "
