@@ -9,6 +9,8 @@ policies; operator pins are applied (expired ones become ordinary entries); admi
 policy knows (a restarted daemon's inheritance) are offered, and evicted if refused; the
 interval's hits feed the policies; every missed block is counted and, if not cached, offered
 (most missed first); speculatively filled blocks nobody missed since are offered. With
+``keep`` (a split placement: this cache's share of the blocks) nothing else is offered, and
+what else was filled is evicted. With
 speculative fill on (``headroom`` > 0) only blocks that were learned are offered: admitting one
 that was not would claim room that stays empty until its next miss. The fill budget is what the
 policies have not claimed.
@@ -49,8 +51,10 @@ class Decisions:
 
 class AdmissionLoop:
     def __init__(self, policy: str, total: float, headroom: float = 0.0,
-                 quotas: dict[int, float] | None = None, unit: str = "blocks"):
+                 quotas: dict[int, float] | None = None, unit: str = "blocks",
+                 keep=None):
         self.total, self.headroom = total, headroom
+        self.keep = keep            # None, or which blocks this cache may hold at all
         self.quotas = dict(quotas or {})
         shared = total - headroom - sum(self.quotas.values())
         if shared < 0:
@@ -90,7 +94,7 @@ class AdmissionLoop:
         for block, misses in sorted(obs.misses.items(), key=lambda kv: -kv[1]):
             pol = self.policy_for(block)
             pol.access(block, now, count=misses)
-            if block in pol or block in admitted:
+            if block in pol or block in admitted or (self.keep and not self.keep(block)):
                 continue
             learned = cached.get(block)
             if self.headroom and learned is None:
@@ -100,7 +104,10 @@ class AdmissionLoop:
         for block, learned in cached.items():
             if (learned[1] and block not in admitted and block not in offered
                     and block not in self.policy_for(block)):
-                self._offer(block, now, learned[0], learned)
+                if self.keep and not self.keep(block):
+                    self._evict([block])          # filled before its share was set
+                else:
+                    self._offer(block, now, learned[0], learned)
         self.steps += 1
         evict = [(b, self.sizes.get(b)) for b, adm in self._changes.items() if not adm]
         return Decisions([b for b, adm in self._changes.items() if adm], evict,

@@ -101,6 +101,10 @@ TABLE_KEYS = ("quotas", "port_namespaces", "port_bindings")
               help="Port to a switch below, a rack of inference nodes (repeatable): many "
                    "nodes' GETs, no replies; never bound to a source (the switch below binds "
                    "each of its nodes).")
+@click.option("--cache-share", metavar="K/N", default=None,
+              help="Cache only blocks whose key falls in share K of N (a split placement in a "
+                   "fabric: the switches of different levels hold different parts of the hot "
+                   "set, DistCache-style; default: every block).")
 @click.option("--port-security", is_flag=True, default=False,
               help="Bind every port to one source (MAC, IPv4): pool ports to their node, the "
                    "others to the first source they send that no other port owns (sticky: "
@@ -135,9 +139,19 @@ def run(obj: Context, config, **_):
         ports, pool_ports, v["mode"], v["coalesce"], v["pending_timeout_ms"] / 1000,
         None if v["policy"] == "off" else v["policy"], v["interval"], _parse_quotas(v["quotas"]),
         v["metrics_port"], _parse_port_ns(v["port_ns"], ports), v["fill_headroom"],
-        v["port_security"], bindings, v["force"], uplinks, downlinks)
+        v["port_security"], bindings, v["force"], uplinks, downlinks,
+        _parse_share(v["cache_share"]))
     obj.enter()
     Daemon(dep, settings).run()
+
+
+def _parse_share(spec: str | None) -> tuple[int, int] | None:
+    if spec is None:
+        return None
+    k, sep, n = spec.partition("/")
+    if not (sep and k.isdigit() and n.isdigit() and 0 <= int(k) < int(n)):
+        raise SwitchError(f"--cache-share {spec!r} is not K/N with 0 <= K < N (e.g. 0/2)")
+    return (int(k), int(n)) if int(n) > 1 else None
 
 
 def _check_trunks(uplinks, downlinks, pool_ports, bindings) -> None:

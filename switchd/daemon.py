@@ -45,6 +45,7 @@ class Settings:
     # links to other switches (never bound to a source): towards the pool nodes / a rack
     uplinks: list[str] = field(default_factory=list)
     downlinks: list[str] = field(default_factory=list)
+    share: tuple[int, int] | None = None          # (K, N): cache only blocks in share K of N
 
 
 class PinLock:
@@ -119,7 +120,11 @@ class Daemon:
         dp.set("coalesce", int(s.coalesce))
         dp.set("pending_ns", int(s.pending_timeout * 1e9))
         dp.set("spec_fill", 0)           # until the policy says how much room it leaves
-        manager = (CacheManager(dp, s.policy, s.quotas, s.fill_headroom) if s.policy else None)
+        k, n = s.share or (0, 1)
+        dp.set("share_k", k)
+        dp.set("share_n", n)
+        manager = (CacheManager(dp, s.policy, s.quotas, s.fill_headroom, s.share)
+                   if s.policy else None)
         # without a policy, blocks admitted by hand still get their slots: a fill region kept
         # open and a range for each once its size is known (the manager does both otherwise)
         self.hand_cache = None if manager else Cache(dp)

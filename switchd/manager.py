@@ -22,6 +22,12 @@ from .popularity import BlockId, Popularity, Snapshot
 log = logging.getLogger("switchd.manager")
 
 
+def in_share(key: bytes, share: tuple[int, int] | None) -> bool:
+    """Whether a block key is in share (K, N): its first 8 bytes, little-endian, mod N are K
+    (as the data plane's learn_reply tests it)."""
+    return share is None or int.from_bytes(key[:8], "little") % share[1] == share[0]
+
+
 def default_headroom(entries: int) -> int:
     """Chunks kept free for speculative fills: a sixteenth of the cache."""
     return entries // 16
@@ -29,14 +35,16 @@ def default_headroom(entries: int) -> int:
 
 class CacheManager:
     def __init__(self, dp: DataPlane, policy: str = "prefix",
-                 quotas: dict[int, int] | None = None, fill_headroom: int | None = None):
+                 quotas: dict[int, int] | None = None, fill_headroom: int | None = None,
+                 share: tuple[int, int] | None = None):
         chunk, total = dp.deployment.chunk_size, dp.deployment.cache_entries
         headroom = default_headroom(total) if fill_headroom is None else fill_headroom
         self.dp, self.popularity = dp, Popularity(dp)
         self.cache = Cache(dp)
         self.quota_chunks = {ns: max(1, q // chunk) for ns, q in (quotas or {}).items()}
         try:
-            self.loop = AdmissionLoop(policy, total, headroom, self.quota_chunks, unit="chunks")
+            self.loop = AdmissionLoop(policy, total, headroom, self.quota_chunks, unit="chunks",
+                                      keep=share and (lambda b: in_share(b[1], share)))
         except ValueError as exc:
             raise SwitchError(str(exc)) from None
         self._hits: dict[BlockId, int] = {}       # chunk-0 hit counters at the last step

@@ -41,6 +41,8 @@ def test_switchd_config_errors(tmp_path, config, message):
     (["--uplink", "u1", "--pool-port", "u1"], "is given as --uplink and --pool-port"),
     (["--uplink", "u1", "--downlink", "u1"], "is given as --uplink and --downlink"),
     (["--downlink", "r1", "--port-bind", "r1=198.18.0.1"], "cannot be bound to one source"),
+    (["--cache-share", "2/2"], "is not K/N with 0 <= K < N"),
+    (["--cache-share", "half"], "is not K/N with 0 <= K < N"),
 ])
 def test_switchd_option_errors(args, message):
     assert message in _one_line_error("switchd", "run", "--port", "h1", *args)

@@ -135,3 +135,23 @@ def test_a_trunk_is_never_bound_and_checks_nothing(sw):
     roles = {row["port"]: (row["role"], row["secured"]) for row in table(sw)}
     assert roles["trunkup"] == ("uplink", False) and roles["trunkdn"] == ("downlink", False)
     assert sw.get("port_checks") == 0, "no port lookups on the hit path for trunks"
+
+
+def test_a_switch_with_a_share_learns_speculatively_only_its_share(sw):
+    """A split placement: with share 0 of 2, a reply for a block not admitted is learned only if
+    its key's first 8 bytes (little-endian) are even; an admitted block is learned either way."""
+    cache = Cache(sw)
+    sw.set("spec_fill", 100)
+    sw.set("share_n", 2)
+    try:
+        odd = (1).to_bytes(8, "little") + KEY[8:]
+        for key, learned in ((bytes(8) + KEY[8:], True), (odd, False)):
+            run(sw, get_frame(key=key), "host")
+            run(sw, reply_frame(key=key), "trunkup")
+            assert (cache.get(5, key, 3) is not None) == learned, key.hex()
+        cache.admit(5, odd)
+        run(sw, get_frame(key=odd, chunk=4), "host")
+        run(sw, reply_frame(key=odd, chunk=4), "trunkup")
+        assert cache.get(5, odd, 4) is not None, "admitted: switchd's own decision"
+    finally:
+        sw.set("share_n", 0)

@@ -436,3 +436,17 @@ def test_default_policy_is_not_below_lru_on_traces_it_was_not_tuned_on(sharing, 
                 for i in order]
     hit = evaluate(requests, capacity, ["lru", "prefix"])["hit_ratio"]
     assert hit["prefix"] >= hit["lru"] - 0.002, hit
+
+
+def test_a_cache_with_a_share_admits_only_its_blocks_and_evicts_what_else_was_filled():
+    """A split placement (docs/fabric.md): a switch caching share 0 of 2 never admits a block
+    of the other share, and a block of it filled speculatively (before the share was set) goes."""
+    from switchd.admission import AdmissionLoop, Observation
+    from switchd.manager import in_share
+    mine, other = (1, bytes(16)), (1, (1).to_bytes(8, "little") + bytes(8))
+    assert in_share(mine[1], (0, 2)) and not in_share(other[1], (0, 2))
+    loop = AdmissionLoop("lru", 100, keep=lambda b: in_share(b[1], (0, 2)))
+    d = loop.step(Observation(1.0, misses={mine: 3, other: 3}, sizes={mine: 1, other: 1}))
+    assert d.admit == [mine] and not d.evict
+    d = loop.step(Observation(2.0, misses={}, cached={other: (1, True)}))
+    assert d.evict == [(other, 1)] and not d.admit

@@ -641,6 +641,9 @@ static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
     if (a && a->expires_ns && a->expires_ns < bpf_ktime_get_ns())
         return;
     if (!a) {
+        __u64 share_n = setting(KV_SET_SHARE_N);
+        if (share_n > 1 && le64(k->key) % share_n != setting(KV_SET_SHARE_K))
+            return;                /* another switch's share of the hot set */
         /* Not admitted: learn it anyway while switchd's speculative budget lasts, so a block
          * is cached from its first miss and switchd decides at its next step whether it stays
          * (as an offline policy would on the miss itself) instead of waiting for a second. */

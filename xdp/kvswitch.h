@@ -227,7 +227,11 @@ struct kv_ns_stats {
 #define KV_SET_FILL_END 7          /* [next, end) for blocks with no slots yet (kvswitch.c, carve) */
 #define KV_SET_DP_GEN 8            /* the data plane's allocation counter (KV_GEN_DATAPLANE | n) */
 #define KV_SET_GEN 9               /* switchd's allocation counter (under its allocator's lock) */
-#define KV_SET_MAX 10
+#define KV_SET_SHARE_N 10         /* > 1: blocks not admitted are learned only if their key's
+                                      first 8 bytes (little-endian) mod N are KV_SET_SHARE_K: the
+                                      switch's share of the hot set in a split placement */
+#define KV_SET_SHARE_K 11
+#define KV_SET_MAX 12
 #define KV_ROUND_CAP 8             /* a round times out after max(pending, SRTT + 4 RTTVAR), at
                                       most this many pending timeouts: a reply queued behind a
                                       shaped link's backlog is late, not lost */

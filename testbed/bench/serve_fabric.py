@@ -27,10 +27,21 @@ from ..sim.trace import DEFAULT_TRACE
 from .serve import CHUNK, _pct, _preload, block_bytes_for, make_workloads, serve_phases
 
 FABRIC_MODES = ("bridge", "rack", "pool-side", "fabric")
+PLACEMENTS = ("independent", "split")
 FABRIC_WORKLOADS = ("burst", "zipf", "incast")
 INCAST_REPS = 3
 LEVEL_KEYS = ("get_hit", "get_miss", "coalesced", "replicated", "replicas", "fill",
               "spec_fill", "expired", "reasked", "uncoalesced", "unsolicited")
+
+
+def placement_args(placement: str, racks: int) -> dict[str, tuple[str, ...]]:
+    """switchd's options per switch for a placement: ``independent`` (each caches on the
+    demand it sees: inclusive layers), ``split`` (DistCache-style: the rack switches cache one
+    half of the block keys, the pool-side switch the other)."""
+    if placement == "independent":
+        return {}
+    return {**{f"r{k}": ("--cache-share", "0/2") for k in range(1, racks + 1)},
+            AGG: ("--cache-share", "1/2")}
 
 
 def switches_for(mode: str, racks: int) -> list[str]:
@@ -38,12 +49,14 @@ def switches_for(mode: str, racks: int) -> list[str]:
     return {"bridge": [], "rack": rack, "pool-side": [AGG], "fabric": rack + [AGG]}[mode]
 
 
-def check(racks: int, hosts_per_rack: int, oversub: float, workloads, modes) -> None:
+def check(racks: int, hosts_per_rack: int, oversub: float, workloads, modes,
+          placement: str = "independent") -> None:
     """Bad options: one line, before any testbed is built (the fabric checks its shape)."""
     from ..lab.fabric import Fabric
     Fabric("fcheck", 0, 1, racks=racks, hosts_per_rack=hosts_per_rack, oversub=oversub)
     for kind, given, allowed in (("workload", workloads, FABRIC_WORKLOADS),
-                                 ("mode", modes, FABRIC_MODES)):
+                                 ("mode", modes, FABRIC_MODES),
+                                 ("placement", [placement], PLACEMENTS)):
         bad = [g for g in given if g not in allowed]
         if bad or not given:
             raise TestbedError(f"{kind} {bad[0] if bad else '(none)'!r}: choose from "
@@ -168,13 +181,15 @@ def run_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2, oversub:
                link_gbit: float = 0.025, pool_link_gbit: float | None = None,
                workloads=FABRIC_WORKLOADS, modes=FABRIC_MODES,
                model: str = "llama3-8b", scale: float = 1.0, json_path: str | None = None,
-               plot_path: str | None = None, prefix: str = "sf", log=print) -> dict:
-    check(racks, hosts_per_rack, oversub, workloads, modes)
+               plot_path: str | None = None, prefix: str = "sf", log=print,
+               placement: str = "independent", cache_entries: int = 65536) -> dict:
+    check(racks, hosts_per_rack, oversub, workloads, modes, placement)
     preset, block_bytes = MODELS[model], block_bytes_for(link_gbit)
     nodes, results, wls, shape = racks * hosts_per_rack, [], {}, {}
     for mode in modes:
         with FabricLab(prefix, racks, hosts_per_rack, pools, oversub,
                        switches=switches_for(mode, racks), chunk_size=CHUNK,
+                       box_args=placement_args(placement, racks), cache_entries=cache_entries,
                        pool_capacity="1GiB", link_gbit=link_gbit,
                        pool_link_gbit=pool_link_gbit or link_gbit) as lab:
             shape = lab.topo.as_dict()
@@ -190,7 +205,8 @@ def run_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2, oversub:
     burst = wls.get("burst")
     config = {**shape, "nodes": nodes, "chunk_bytes": CHUNK, "block_bytes": block_bytes,
               "burst_prefix_bytes": burst.params["prefix_blocks"] * block_bytes if burst else 0,
-              "placement": "independent (inclusive) layers, switchd's default policy on each",
+              "placement": placement, "cache_entries": cache_entries,
+              "policy": "switchd's default on every switch",
               "preset": model, "prefill_tokens_per_s": preset.prefill_tokens_per_s,
               "scale": scale, "workloads": {n: w.params for n, w in wls.items()},
               "uplink_bytes": "bytes each rack's uplink delivered into its rack",

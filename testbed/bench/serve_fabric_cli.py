@@ -26,8 +26,15 @@ def fabric_options(command):
                   help="With --racks: a rack's host links in total : its uplink.")
     @click.option("--pool-link-gbit", type=click.FloatRange(0, min_open=True), default=None,
                   help="With --racks: the pool nodes' link rate (default --link-gbit).")
+    @click.option("--placement", type=click.Choice(["independent", "split"]),
+                  default="independent", show_default=True,
+                  help="With --racks: each switch caches on its own demand, or the rack and "
+                       "pool-side switches split the block keys between them.")
+    @click.option("--switch-entries", type=click.IntRange(64), default=65536,
+                  show_default=True, help="With --racks: chunks each switch's cache holds.")
     @functools.wraps(command)
-    def wrapper(*args, racks, hosts_per_rack, oversub, pool_link_gbit, **kw):
+    def wrapper(*args, racks, hosts_per_rack, oversub, pool_link_gbit, placement,
+                switch_entries, **kw):
         if racks is None:
             return command(*args, **kw)
         ctx = click.get_current_context()
@@ -39,7 +46,8 @@ def fabric_options(command):
                          kw["link_gbit"], pool_link_gbit,
                          _names(kw["workloads"]) if given("workloads") else FABRIC_WORKLOADS,
                          _names(kw["modes"]) if given("modes") else FABRIC_MODES, kw["model"],
-                         kw["scale"], json_path=json_path, plot_path=plot_path, log=click.echo)
+                         kw["scale"], json_path=json_path, plot_path=plot_path, log=click.echo,
+                         placement=placement, cache_entries=switch_entries)
         click.echo(json.dumps(out["summary"], indent=2) + f"\nwrote {json_path}, {plot_path}")
         if not out["summary"]["all_byte_exact"]:
             raise click.ClickException("some block was not byte-exact")

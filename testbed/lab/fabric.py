@@ -171,7 +171,7 @@ class FabricLab(Lab):
 
     def __init__(self, prefix: str = "kf", racks: int = 2, hosts_per_rack: int = 2,
                  pools: int = 1, oversub: float = 2.0, switches: list[str] | None = None,
-                 **kw):
+                 box_args: dict[str, tuple[str, ...]] | None = None, **kw):
         super().__init__(prefix, racks * hosts_per_rack, pools, switch=False, **kw)
         t = self.topo
         self.topo = Fabric(prefix, t.hosts, pools, t.mtu, t.master, t.links, racks=racks,
@@ -181,6 +181,7 @@ class FabricLab(Lab):
         if unknown:
             raise TestbedError(f"no switch {unknown[0]!r} in this fabric ({', '.join(names)})")
         self.want_boxes = names if switches is None else list(switches)
+        self.box_args = dict(box_args or {})      # switchd's options for one switch alone
         self.boxes: dict[str, subprocess.Popen] = {}
         self._box_seen: dict[str, int] = {}
 
@@ -244,7 +245,8 @@ class FabricLab(Lab):
         with open(self.box_log_path(name), "ab") as log:
             self._box_seen[name] = log.tell()
             self.boxes[name] = subprocess.Popen(
-                self.box_argv(name, *argv, *self.switchd_args, *(["--force"] if replace else [])),
+                self.box_argv(name, *argv, *self.switchd_args, *self.box_args.get(name, ()),
+                              *(["--force"] if replace else [])),
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         line, self._box_seen[name] = _await_log_line(
             self.boxes[name], self.box_log_path(name), self._box_seen[name], "switchd: serving",
