@@ -21,7 +21,11 @@ the fetch engine's round trip and the box's wake-up latency (a sleeping node wak
 for an arrival and at the end of a modelled prefill). The switch's cache is the testbed's
 (entries / chunks per block) and switchd has run since before the workload (its fill budget is
 there from the first fetch). Bytes on a link are the frames' (chunk + PAYLOAD_OFF per chunk;
-one header-only frame per NOT_FOUND and per acknowledged chunk)."""
+one header-only frame per NOT_FOUND and per acknowledged chunk).
+
+``replay`` is the serving loops and the fluid links alone, the network a caller's (callbacks
+giving each fetch's links and upstream; testbed.sim.fabric_serve_model is a fabric of
+switches); ``simulate_serve`` is one switch (or a bridge) in front of the pool nodes."""
 from __future__ import annotations
 
 import math
@@ -66,13 +70,17 @@ class HeldSwitch(SwitchModel):
         super().__init__(*a, **kw)
         self.next_step = None
 
-    def fetch(self, k, t: float, inflight: bool) -> int:
+    def advance(self, t: float) -> None:
+        """switchd's policy steps up to ``t``."""
         if self.next_step is None:          # switchd has run since before the workload:
             self.step(t)                    # its fill budget is there from the start
             self.next_step = t + self.interval
         while t >= self.next_step:
             self.step(self.next_step)
             self.next_step += self.interval
+
+    def fetch(self, k, t: float, inflight: bool) -> int:
+        self.advance(t)
         if inflight and self.coalesce:
             self.misses[k] += 1
             self.sizes[k] = 1.0
@@ -94,35 +102,28 @@ class HeldSwitch(SwitchModel):
 
 
 class _Transfer:
-    __slots__ = ("left", "links", "done", "after")
+    __slots__ = ("left", "links", "done", "after", "caught")
 
     def __init__(self, size: float, links: tuple, after=None):
         self.left, self.links, self.done, self.after = size, links, None, after
+        self.caught = None      # bytes its upstream still had to send when it caught up
 
 
-def simulate_serve(requests: list[list[dict]], preload, mode: str, pools: list[str], ns: int,
-                   cal: Calibration, prefill_tok_s: float, cache_blocks: float = 10_000,
-                   headroom_blocks: float | None = None, interval: float = 1.0,
-                   policy: str = "prefix", dt: float = 5e-4, seed: int = 0) -> dict:
-    """Replay one workload in one mode (bridge, switch or replicas). Result: per request TTFT,
-    queueing, fetch and prefill (and whether it is a warm-up), the share of fetched blocks per
-    tier (switch hit, switch replica, pool), cached blocks / blocks, pool egress bytes per pool
-    node, and the chunks fetched."""
-    rng = random.Random(seed)
-    P = len(pools)
-    addrs = [(a, PORT) for a in pools]
-    owner = {}
-
-    def own(k: bytes) -> int:
-        if k not in owner:
-            owner[k] = addrs.index(pool_for(addrs, ns, k))
-        return owner[k]
-
-    bps = cal.link_bytes_per_s
-    avail = {bytes.fromhex(k): 0.0 for k in preload}
-    headroom = cache_blocks / 16 if headroom_blocks is None else headroom_blocks
-    sw = (HeldSwitch(policy, cache_blocks, headroom, interval) if mode == "switch" else None)
+def replay(requests: list[list[dict]], avail: dict, cal: Calibration, prefill_tok_s: float,
+           fetch, not_found, computed, rates: dict | None = None, dt: float = 5e-4) -> list:
+    """The nodes' serving loops over shared links, as bench serve's nodes run them (module
+    docstring): per request TTFT, queueing, fetch and prefill. The network is the caller's:
+    ``fetch(i, k, t)`` gives the _Transfer of node i's fetch of block k (available in the pool
+    at t), with the links it crosses and the upstream transfer it is a replica of (``after``);
+    ``not_found(i, k, t)`` is a lookup of a block the pool lacks; ``computed(i, k, t)`` gives
+    the links of the writes of a block node i computed (it accounts the pool's acks). ``avail``
+    (block -> time it is in the pool) is updated as writes are acknowledged. A link's rate is
+    ``rates[link]`` (frame bytes per second), else ``cal.link_bytes_per_s``. A transfer that
+    finishes its own bytes while its upstream is still under way waits for it, and notes the
+    upstream's bytes left then (``caught``)."""
     queues = [[(r, bytes_keys(r)) for r in q] for q in requests]
+    step_of: dict = {}                     # link -> bytes it moves in dt
+    rates = rates or {}
     nxt = [0] * len(queues)
     free_at = [0.0] * len(queues)
     busy: dict[int, dict] = {}             # node -> the request it is fetching
@@ -130,9 +131,6 @@ def simulate_serve(requests: list[list[dict]], preload, mode: str, pools: list[s
     writes = [[] for _ in queues]          # per node: blocks waiting to be written
     writing: dict[int, _Transfer] = {}
     active: list[_Transfer] = []
-    upstream: dict[bytes, _Transfer] = {}  # block -> its fetch from a pool node under way
-    egress = [0.0] * P
-    tiers = {"switch": 0, "switch_replica": 0, "pool": 0}
     out = []
     t = 0.0
     total = sum(len(q) for q in queues)
@@ -148,27 +146,9 @@ def simulate_serve(requests: list[list[dict]], preload, mode: str, pools: list[s
         missing = len(keys) - len(held)
         for k in keys:
             if avail.get(k, math.inf) > t:
-                p = own(k)
-                egress[p] += FRAME_OVERHEAD              # NOT_FOUND
+                not_found(i, k, t)
                 continue
-            if sw is not None:
-                up = upstream.get(k)
-                o = sw.fetch(k, t, up is not None and up.done is None)
-            else:
-                o = POOL
-            if o == POOL:
-                p = rng.randrange(P) if mode == "replicas" else own(k)
-                x = _Transfer(cal.wire, (("pe", p), ("nd", i)))
-                egress[p] += cal.wire
-                upstream[k] = x
-                tiers["pool"] += 1
-            elif o == SWITCH:
-                x = _Transfer(cal.wire, (("nd", i),))
-                tiers["switch"] += 1
-            else:
-                x = _Transfer(cal.wire, (("nd", i),), after=upstream[k])
-                tiers["switch_replica"] += 1
-            xs.append(x)
+            xs.append(fetch(i, k, t))
         active.extend(xs)
         busy[i] = {"r": r, "keys": keys, "xs": xs, "start": t, "cached": cached,
                    "fetched": len(held), "missing": missing}
@@ -186,8 +166,8 @@ def simulate_serve(requests: list[list[dict]], preload, mode: str, pools: list[s
         # writers: one block at a time per node (to every pool node in the replicas mode)
         for i, w in enumerate(writes):
             if i not in writing and w:
-                k, p = w.pop(0)
-                writing[i] = x = _Transfer(cal.wire, (("nu", i), ("pi", p)))
+                k, links = w.pop(0)
+                writing[i] = x = _Transfer(cal.wire, links)
                 x.after = k                       # the block it makes available
                 active.append(x)
         # the links: each transfer gets its fair share of the slowest link it crosses
@@ -195,13 +175,17 @@ def simulate_serve(requests: list[list[dict]], preload, mode: str, pools: list[s
         for x in active:
             for link in x.links:
                 count[link] = count.get(link, 0) + 1
+                if link not in step_of:
+                    step_of[link] = dt * rates.get(link, cal.link_bytes_per_s)
         t += dt
         still = []
         for x in active:
-            x.left -= dt * bps / max(count[link] for link in x.links)
+            x.left -= min(step_of[link] / count[link] for link in x.links)
             if x.left <= 0 and not (isinstance(x.after, _Transfer) and x.after.done is None):
                 x.done = t
             else:
+                if x.left <= 0 and x.caught is None:
+                    x.caught = max(0.0, x.after.left)
                 still.append(x)
         active[:] = still
         for i, x in list(writing.items()):
@@ -227,9 +211,60 @@ def simulate_serve(requests: list[list[dict]], preload, mode: str, pools: list[s
             prefilling.remove(item)
             _, i, rest = item
             for k in rest:
-                for p in (range(P) if mode == "replicas" else [own(k)]):
-                    writes[i].append((k, p))
-                    egress[p] += cal.chunks * FRAME_OVERHEAD      # acknowledgements
+                for links in computed(i, k, t):
+                    writes[i].append((k, links))
+    return out
+
+
+def simulate_serve(requests: list[list[dict]], preload, mode: str, pools: list[str], ns: int,
+                   cal: Calibration, prefill_tok_s: float, cache_blocks: float = 10_000,
+                   headroom_blocks: float | None = None, interval: float = 1.0,
+                   policy: str = "prefix", dt: float = 5e-4, seed: int = 0) -> dict:
+    """Replay one workload in one mode (bridge, switch or replicas). Result: per request TTFT,
+    queueing, fetch and prefill (and whether it is a warm-up), the share of fetched blocks per
+    tier (switch hit, switch replica, pool), cached blocks / blocks, pool egress bytes per pool
+    node, and the chunks fetched."""
+    rng = random.Random(seed)
+    P = len(pools)
+    own = owner(pools, ns)
+    avail = {bytes.fromhex(k): 0.0 for k in preload}
+    headroom = cache_blocks / 16 if headroom_blocks is None else headroom_blocks
+    sw = (HeldSwitch(policy, cache_blocks, headroom, interval) if mode == "switch" else None)
+    upstream: dict[bytes, _Transfer] = {}  # block -> its fetch from a pool node under way
+    egress = [0.0] * P
+    tiers = {"switch": 0, "switch_replica": 0, "pool": 0}
+
+    def fetch(i: int, k: bytes, t: float) -> _Transfer:
+        if sw is not None:
+            up = upstream.get(k)
+            o = sw.fetch(k, t, up is not None and up.done is None)
+        else:
+            o = POOL
+        if o == POOL:
+            p = rng.randrange(P) if mode == "replicas" else own(k)
+            x = _Transfer(cal.wire, (("pe", p), ("nd", i)))
+            egress[p] += cal.wire
+            upstream[k] = x
+            tiers["pool"] += 1
+        elif o == SWITCH:
+            x = _Transfer(cal.wire, (("nd", i),))
+            tiers["switch"] += 1
+        else:
+            x = _Transfer(cal.wire, (("nd", i),), after=upstream[k])
+            tiers["switch_replica"] += 1
+        return x
+
+    def not_found(i: int, k: bytes, t: float) -> None:
+        egress[own(k)] += FRAME_OVERHEAD              # NOT_FOUND
+
+    def computed(i: int, k: bytes, t: float) -> list:
+        links = []
+        for p in (range(P) if mode == "replicas" else [own(k)]):
+            links.append((("nu", i), ("pi", p)))
+            egress[p] += cal.chunks * FRAME_OVERHEAD      # acknowledgements
+        return links
+
+    out = replay(requests, avail, cal, prefill_tok_s, fetch, not_found, computed, dt=dt)
     fetched = sum(tiers.values())
     blocks = sum(o["blocks"] for o in out)
     return {"mode": mode, "requests": out,
@@ -239,6 +274,18 @@ def simulate_serve(requests: list[list[dict]], preload, mode: str, pools: list[s
             "pool_egress_bytes": [int(round(e)) for e in egress],
             "chunks_fetched": fetched * cal.chunks, "calibration": asdict(cal),
             "policy_steps": sw.steps if sw else 0}
+
+
+def owner(pools: list[str], ns: int):
+    """Block -> index of its owner pool node (bench serve's rendezvous placement), cached."""
+    addrs = [(a, PORT) for a in pools]
+    memo: dict = {}
+
+    def own(k: bytes) -> int:
+        if k not in memo:
+            memo[k] = addrs.index(pool_for(addrs, ns, k))
+        return memo[k]
+    return own
 
 
 def bytes_keys(r: dict) -> list[bytes]:
