@@ -80,6 +80,12 @@ MEASURES: list[tuple[str, list[str]]] = [
     ("pool-put-abuse.*", POOL + ["tests/pool_abuse.py"]),
     ("policy-*", POLICY), ("replay-*", POLICY + ["testbed/sim/replay.py"]),
     # the validations run the model against a live testbed: its switch, policy and nodes
+    ("sim-validate-fabric*", SWITCH + FETCH + POOL + LINKS + ["switchd", "testbed/sim",
+                                                              "testbed/lab/fabric.py",
+                                                              "testbed/bench/serve_fabric.py",
+                                                              "testbed/bench/serve.py",
+                                                              "testbed/bench/serve_node.py",
+                                                              "testbed/bench/serve_workloads.py"]),
     ("sim-validate-serve*", SWITCH + FETCH + POOL + LINKS + ["switchd", "testbed/sim",
                                                              "testbed/bench/serve.py",
                                                              "testbed/bench/serve_node.py",
