@@ -96,6 +96,11 @@ bench:
 	$(VENV)/bin/testbed bench vllm --json bench/results/vllm-serve.json
 	$(VENV)/bin/testbed bench vllm --pool-link-gbit 0.25 --json bench/results/vllm-serve-pool-shared.json
 	$(VENV)/bin/testbed bench faults --json bench/results/faults.json
+	$(VENV)/bin/testbed bench serve --racks 2 --json bench/results/serve-fabric.json
+	$(VENV)/bin/testbed bench serve --racks 2 --modes rack,fabric --switch-entries 320 \
+	  --placement independent --json bench/results/serve-fabric-place-independent.json
+	$(VENV)/bin/testbed bench serve --racks 2 --modes rack,fabric --switch-entries 320 \
+	  --placement split --json bench/results/serve-fabric-place-split.json
 	$(VENV)/bin/testbed bench lmcache --json bench/results/lmcache.json
 	OMP_NUM_THREADS=1 $(VENV)/bin/testbed bench compress --trace $(TRACE) \
 	  --json bench/results/compress.json --plot bench/results/compress.png
@@ -128,6 +133,9 @@ bench-sim:
 	$(VENV)/bin/testbed sim validate --trace $(TRACE) --json bench/results/sim-validate.json
 	$(VENV)/bin/testbed sim validate --serve --trace $(TRACE) \
 	  --json bench/results/sim-validate-serve.json
+	$(VENV)/bin/testbed sim fabric --trace $(TRACE) --json bench/results/sim-fabric.json \
+	  --plot bench/results/sim-fabric.png
+	$(VENV)/bin/testbed sim validate --serve --racks 2 --json bench/results/sim-validate-fabric.json
 
 clean:
 	-$(VENV)/bin/testbed down --all 2>/dev/null

@@ -207,7 +207,6 @@ def test_a_result_file_without_constants_takes_the_serve_validations(tmp_path):
 def test_validate_calibrates_each_mode_runs_the_bench_then_the_model(tmp_path, monkeypatch):
     # the orchestration alone: no testbed (the fabric, the probe and the bench are stand-ins)
     import testbed.bench.serve_fabric as bench
-    import testbed.lab.fabric as fabric
     import testbed.sim.validate_serve as vs
     from testbed.sim.validate_fabric import run_validate_fabric
     built = []
@@ -228,7 +227,7 @@ def test_validate_calibrates_each_mode_runs_the_bench_then_the_model(tmp_path, m
         out = _live([_row(m, 0.1, 0.5 if m == "rack" else None) for m in modes])
         out["config"].update(placement=kw["placement"], cache_entries=kw["cache_entries"])
         return {**out, "summary": {"all_byte_exact": True}}
-    monkeypatch.setattr(fabric, "FabricLab", Lab)
+    monkeypatch.setattr(bench, "FabricLab", Lab)           # as serve_fabric.fabric_lab builds it
     monkeypatch.setattr(vs, "calibrate", lambda lab, bb, chunk, gbit: Calibration(
         gbit * 1e9 / 8, 0.002, chunk, bb, source={"probed_rate_vs_configured": 1.0}))
     monkeypatch.setattr(bench, "run_fabric", run_fabric)

@@ -44,6 +44,17 @@ def placement_args(placement: str, racks: int) -> dict[str, tuple[str, ...]]:
             AGG: ("--cache-share", "1/2")}
 
 
+def fabric_lab(prefix: str, mode: str, racks: int, hosts_per_rack: int, pools: int,
+               oversub: float, link_gbit: float, pool_link_gbit: float | None,
+               placement: str = "independent", cache_entries: int = 65536) -> FabricLab:
+    """The fabric of one mode as the benchmark (and the model's validation) builds it."""
+    return FabricLab(prefix, racks, hosts_per_rack, pools, oversub,
+                     switches=switches_for(mode, racks), chunk_size=CHUNK,
+                     box_args=placement_args(placement, racks), cache_entries=cache_entries,
+                     pool_capacity="1GiB", link_gbit=link_gbit,
+                     pool_link_gbit=pool_link_gbit or link_gbit)
+
+
 def switches_for(mode: str, racks: int) -> list[str]:
     rack = [f"r{k}" for k in range(1, racks + 1)]
     return {"bridge": [], "rack": rack, "pool-side": [AGG], "fabric": rack + [AGG]}[mode]
@@ -187,11 +198,8 @@ def run_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2, oversub:
     preset, block_bytes = MODELS[model], block_bytes_for(link_gbit)
     nodes, results, wls, shape = racks * hosts_per_rack, [], {}, {}
     for mode in modes:
-        with FabricLab(prefix, racks, hosts_per_rack, pools, oversub,
-                       switches=switches_for(mode, racks), chunk_size=CHUNK,
-                       box_args=placement_args(placement, racks), cache_entries=cache_entries,
-                       pool_capacity="1GiB", link_gbit=link_gbit,
-                       pool_link_gbit=pool_link_gbit or link_gbit) as lab:
+        with fabric_lab(prefix, mode, racks, hosts_per_rack, pools, oversub, link_gbit,
+                        pool_link_gbit, placement, cache_entries) as lab:
             shape = lab.topo.as_dict()
             serving = [w for w in workloads if w != "incast"]
             wls = make_workloads(serving, nodes, lab.pool_addrs, preset, DEFAULT_TRACE, 0,

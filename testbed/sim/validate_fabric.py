@@ -186,9 +186,8 @@ def run_validate_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2,
                         cache_entries: int = CACHE_ENTRIES) -> dict:
     """Calibrate a fabric of each mode, run the bench, run the model, compare."""
     from ..bench import serve as bench_serve
-    from ..bench.serve_fabric import check, placement_args, run_fabric, switches_for
+    from ..bench.serve_fabric import check, fabric_lab, run_fabric
     from ..lab import write_json
-    from ..lab.fabric import FabricLab
     from .validate_serve import calibrate
     check(racks, hosts_per_rack, oversub, workloads, modes, placement)
     bad = [w for w in workloads if w not in MODEL_WORKLOADS]
@@ -200,11 +199,8 @@ def run_validate_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2,
     gbit = bottleneck_gbit(link_gbit, pool_link_gbit, hosts_per_rack, oversub)
     t0, cals = time.monotonic(), {}
     for mode in modes:
-        with FabricLab(prefix, racks, hosts_per_rack, pools, oversub,
-                       switches=switches_for(mode, racks), chunk_size=chunk,
-                       box_args=placement_args(placement, racks), cache_entries=cache_entries,
-                       pool_capacity="1GiB", link_gbit=link_gbit,
-                       pool_link_gbit=pool_link_gbit or link_gbit) as lab:
+        with fabric_lab(prefix, mode, racks, hosts_per_rack, pools, oversub, link_gbit,
+                        pool_link_gbit, placement, cache_entries) as lab:
             cal = calibrate(lab, block_bytes, chunk, gbit)
         cals[mode] = _cal_entry(cal)
         log(f"{mode}: round trip {cal.rtt_s * 1e3:.1f} ms, wake-up {cal.wake_s * 1e3:.1f} ms "
