@@ -18,7 +18,7 @@ from .bench.compress import command as compress_command
 from .bench.faults_cli import command as faults_command
 from .bench.lmcache_cli import command as lmcache_command
 from .bench.serve_vllm import command as vllm_bench_command
-from .bench.serve_fabric_cli import fabric_options
+from .bench.serve_fabric_cli import fabric_options, fabric_up_options
 from .bench.serve_tiers_cli import tiers_options
 from .demos.inference import BLOCK_TOKENS, MODEL_CHOICES as DEMO_MODELS
 from .demos.vllm import MODELS_DIR as DEMO_MODEL_DIR
@@ -46,21 +46,12 @@ def main():
 @click.option("--store", type=click.Choice(["memory", "mooncake"]), default="memory",
               show_default=True, help="mooncake: also run a Mooncake master (node m1) for the "
                                       "pool nodes' `hostagent serve --store mooncake`.")
-@click.option("--racks", type=int, default=None,
-              help="A fabric: this many rack switches, each with --hosts-per-rack inference "
-                   "nodes and an uplink to one pool-side switch in front of the pool nodes.")
-@click.option("--hosts-per-rack", type=int, default=2, show_default=True)
-@click.option("--oversub", type=float, default=2.0, show_default=True,
-              help="A rack's hosts' link rates in total : its uplink's rate.")
 @link_options
-def up(name, hosts, pools, mtu, store, racks, hosts_per_rack, oversub, link_gbit,
-       pool_link_gbit, link_delay_us):
+@fabric_up_options
+def up(name, hosts, pools, mtu, store, link_gbit, pool_link_gbit, link_delay_us):
     """Build a switch namespace with a bridge, inference nodes h1.. and pool nodes p1.. (with
     --racks: rack switches r1.. and a pool-side switch agg)."""
     links = link_spec(link_gbit, pool_link_gbit, link_delay_us)
-    if racks is not None:
-        _fabric_up(name, racks, hosts_per_rack, pools, oversub, mtu, store, links)
-        return
     t = Topology(name, hosts, pools, mtu, master=store == "mooncake", links=links).up()
     click.echo(f"testbed {name}: switch netns {t.switch_ns} (bridge ports "
                f"{', '.join(t.ports)}), pin dir {t.pin_dir}")
@@ -79,24 +70,6 @@ def up(name, hosts, pools, mtu, store, racks, hosts_per_rack, oversub, link_gbit
         click.echo(f"  m1   mooncake_master netns {t.master_node.netns} {master.address}, log "
                    f"{log}\n  pool nodes: ip netns exec {name}-p1 hostagent serve --store "
                    f"mooncake --mooncake-master {t.master_node.ip}")
-
-
-def _fabric_up(name, racks, hosts_per_rack, pools, oversub, mtu, store, links):
-    from .lab.fabric import Fabric
-    if store != "memory":
-        raise TestbedError("a fabric runs with --store memory for now")
-    t = Fabric(name, 0, pools, mtu, links=links, racks=racks, hosts_per_rack=hosts_per_rack,
-               oversub=oversub).up()
-    up_rate = t.uplink_gbit()
-    for b in t.boxes:
-        click.echo(f"switch {b.name:3} netns {b.netns:10} ports {', '.join(b.ports)}, pin dir "
-                   f"{b.pin_dir}" + (f", uplink {up_rate:g} Gbit/s" if b.uplinks and up_rate
-                                     else ""))
-    for n in t.nodes:
-        rate = links.rate(n.role) if links else None
-        box = t.rack_of(n.name).name if n.role == "host" else "agg"
-        click.echo(f"  {n.name:4} {n.role:5} on {box:3} netns {n.netns:10} {n.ip}" +
-                   (f"  link {rate:g} Gbit/s" if rate else ""))
 
 
 @main.command("down")

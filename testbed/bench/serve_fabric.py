@@ -3,7 +3,8 @@ testbed.lab.fabric). R racks of H inference nodes behind rack switches whose upl
 oversubscribed by default) reach a pool-side switch in front of P pool nodes; every node runs
 bench serve's serving loop (testbed.bench.serve_node) over its share of the burst and Zipf
 workloads; then every node reads one block of the burst prefix's size at the same instant
-(``incast``: the fetch alone, as bench incast does on one switch). Four modes, each on a fabric built afresh:
+(``incast``: the fetch alone, as bench incast does on one switch). Four modes, each on a
+fabric built afresh:
 
   bridge     no kvswitch anywhere: every switch a plain Linux bridge;
   rack       switchd on the rack switches only;
@@ -12,8 +13,9 @@ workloads; then every node reads one block of the burst prefix's size at the sam
              only what the racks missed; independent, inclusive layers).
 
 Per row, over the measured phase (after a burst's warm-up): TTFT p50/p99, the bytes each rack's
-uplink carried down into its rack and each pool node sent, the hit ratio per level (GETs a level's switches answered from their caches over the
-GETs that reached that level), byte-exactness. Writes JSON and a plot."""
+uplink carried down into its rack and each pool node sent, the hit ratio per level (GETs a
+level's switches answered from their caches over the GETs that reached that level),
+byte-exactness. Writes JSON and a plot."""
 from __future__ import annotations
 
 import time
@@ -153,8 +155,8 @@ def _incast(lab: FabricLab, mode: str, nbytes: int, log) -> dict:
     for rep in range(INCAST_REPS):
         key, block = os.urandom(16), os.urandom(nbytes)
         lab.put(hosts[rep % len(hosts)], 1, key, block)
-        e0, u0 = [lab.link_bytes(p.name, "tx") for p in pools], [lab.uplink_bytes(r)
-                                                                  for r in racks]
+        e0 = [lab.link_bytes(p.name, "tx") for p in pools]
+        u0 = [lab.uplink_bytes(r) for r in racks]
         got = lab.get_many(hosts, 1, key)
         egress = [a + lab.link_bytes(p.name, "tx") - b for a, p, b in zip(egress, pools, e0)]
         uplinks = [a + lab.uplink_bytes(r) - b for a, r, b in zip(uplinks, racks, u0)]
