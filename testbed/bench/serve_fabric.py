@@ -155,8 +155,8 @@ def _incast(lab: FabricLab, mode: str, nbytes: int, log) -> dict:
     for rep in range(INCAST_REPS):
         key, block = os.urandom(16), os.urandom(nbytes)
         lab.put(hosts[rep % len(hosts)], 1, key, block)
-        e0 = [lab.link_bytes(p.name, "tx") for p in pools]
-        u0 = [lab.uplink_bytes(r) for r in racks]
+        e0, u0 = [lab.link_bytes(p.name, "tx") for p in pools], [lab.uplink_bytes(r)
+                                                                  for r in racks]
         got = lab.get_many(hosts, 1, key)
         egress = [a + lab.link_bytes(p.name, "tx") - b for a, p, b in zip(egress, pools, e0)]
         uplinks = [a + lab.uplink_bytes(r) - b for a, r, b in zip(uplinks, racks, u0)]
