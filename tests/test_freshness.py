@@ -55,3 +55,19 @@ def test_a_result_is_stale_only_when_a_statement_it_measures_changed(tmp_path):
                       "docs/a.md": "see fetch.json and serve-burst-ab.json\n"}, "dated")
     commit(tmp_path, {"hostagent/pool/util.py": "def helper():\n    return 5\n"}, "again")
     assert {f.name: f.status for f in check(tmp_path)}["serve-burst-ab.json"] == "dated"
+
+
+def test_a_plot_drawn_again_byte_for_byte_is_as_fresh_as_its_json(tmp_path):
+    """A rerun whose plot comes out the same bytes leaves git nothing to record in the PNG:
+    it counts as written with the JSON its Makefile command writes beside it."""
+    run(tmp_path, "init", "-q")
+    commit(tmp_path, {"testbed/sim/model.py": "def f():\n    return 1\n",
+                      "Makefile": "sim:\n\ttestbed sim sweep --json bench/results/sim-sweep.json"
+                                  " \\\n\t  --plot bench/results/sim-breakeven.png\n",
+                      "docs/a.md": "see sim-breakeven.png\n", "README.md": "r\n",
+                      "bench/results/sim-sweep.json": '{"wall": 1}',
+                      "bench/results/sim-breakeven.png": "png"}, "first run")
+    commit(tmp_path, {"testbed/sim/model.py": "def f():\n    return 2\n"}, "change")
+    assert {f.name: f.status for f in check(tmp_path)}["sim-breakeven.png"] == "stale"
+    commit(tmp_path, {"bench/results/sim-sweep.json": '{"wall": 2}'}, "rerun, same plot")
+    assert {f.name: f.status for f in check(tmp_path)}["sim-breakeven.png"] == "fresh"

@@ -230,6 +230,21 @@ def cited(root: Path) -> dict[str, list[str]]:
     return found
 
 
+def plot_partners(root: Path) -> dict[str, str]:
+    """PNG name -> the JSON name one Makefile command writes beside it (``--json X ... --plot
+    Y``): a rerun that draws the same bytes leaves nothing for git to record in the PNG, so it
+    was written when its JSON last was."""
+    makefile = root / "Makefile"
+    text = makefile.read_text().replace("\\\n", " ") if makefile.exists() else ""
+    out = {}
+    for line in text.splitlines():
+        j = re.search(r"--json\s+\S*?([\w.-]+\.json)", line)
+        p = re.search(r"--plot\s+\S*?([\w.-]+\.png)", line)
+        if j and p:
+            out[p.group(1)] = j.group(1)
+    return out
+
+
 def measured_by(name: str) -> list[str] | None:
     return next((paths for pattern, paths in MEASURES if fnmatch.fnmatch(name, pattern)), None)
 
@@ -238,11 +253,13 @@ def check(root: str | Path = ".") -> list[Finding]:
     """Every result file the README and docs cite, with its status."""
     root = Path(root)
     head = git(root, "rev-parse", "HEAD").strip()          # a commit, not a name: lines_at caches
-    findings = []
+    findings, partners = [], plot_partners(root)
     for name, docs in sorted(cited(root).items()):
         f = Finding(name, docs, measures=measured_by(name))
-        f.result_commit = git(root, "log", "-1", "--format=%h", "--",
-                              f"{RESULTS}/{name}").strip() or None
+        written = [f"{RESULTS}/{name}"]
+        if name in partners and (root / RESULTS / name).exists():
+            written.append(f"{RESULTS}/{partners[name]}")     # the later of the two commits
+        f.result_commit = git(root, "log", "-1", "--format=%h", "--", *written).strip() or None
         if f.result_commit and f.measures:
             f.changed_lines, f.changed_files = changes_since(root, f.result_commit, head,
                                                               f.measures)
