@@ -26,7 +26,8 @@ from ..lab import TestbedError, write_json
 from ..lab.fabric import AGG, FabricLab
 from ..sim.config import FRAME_OVERHEAD, MODELS
 from ..sim.trace import DEFAULT_TRACE
-from .serve import CHUNK, _pct, _preload, block_bytes_for, make_workloads, serve_phases
+from .serve import (CHUNK, _pct, _preload, block_bytes_for, check_choices, make_workloads,
+                    serve_phases)
 
 FABRIC_MODES = ("bridge", "rack", "pool-side", "fabric")
 PLACEMENTS = ("independent", "split")
@@ -70,10 +71,9 @@ def check(racks: int, hosts_per_rack: int, oversub: float, workloads, modes,
     for kind, given, allowed in (("workload", workloads, FABRIC_WORKLOADS),
                                  ("mode", modes, FABRIC_MODES),
                                  ("placement", [placement], PLACEMENTS)):
-        bad = [g for g in given if g not in allowed]
-        if bad or not given:
-            raise TestbedError(f"{kind} {bad[0] if bad else '(none)'!r}: choose from "
-                               f"{', '.join(allowed)}")
+        if not given:
+            raise TestbedError(f"no {kind} given: choose from {', '.join(allowed)}")
+        check_choices(kind, given, allowed)
 
 
 def _level(counters: list[dict]) -> dict:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from switchd.dataplane import CONSTANTS
 
 from .lab import Lab, _await_log_line
-from .links import LinkSpec, build_link, link_netns
+from .links import LinkSpec, build_link
 from .topology import (BRIDGE, Node, TestbedError, Topology, _bridge_without_netfilter,
                        _quiet_namespace, attach_pass_programs, bridge_pass, ip, pass_program,
                        python_argv)
@@ -157,11 +157,6 @@ class Fabric(Topology):
             ip("link", "add", far.name, "type", "veth", "peer", "name", far_end, "netns",
                far.netns, ns=box.netns)
         ip("link", "set", far_end, "mtu", str(self.mtu), "up", ns=far.netns)
-
-
-def uplink_netns(fabric: Fabric, rack: str) -> str:
-    """The link namespace of a rack's uplink (named after the pool side's downlink)."""
-    return link_netns(fabric.prefix, rack)
 
 
 class FabricLab(Lab):
