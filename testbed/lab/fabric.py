@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from switchd.dataplane import CONSTANTS
 
-from .lab import Lab, _await_log_line
+from .lab import Lab
 from .links import LinkSpec, build_link
 from .topology import (BRIDGE, Node, TestbedError, Topology, _bridge_without_netfilter,
                        _quiet_namespace, attach_pass_programs, bridge_pass, ip, pass_program,
@@ -178,7 +178,6 @@ class FabricLab(Lab):
         self.want_boxes = names if switches is None else list(switches)
         self.box_args = dict(box_args or {})      # switchd's options for one switch alone
         self.boxes: dict[str, subprocess.Popen] = {}
-        self._box_seen: dict[str, int] = {}
 
     def __enter__(self) -> FabricLab:
         super().__enter__()
@@ -190,17 +189,8 @@ class FabricLab(Lab):
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        for name in list(self.boxes):
-            if self.boxes[name].poll() is None:
-                self.boxes[name].terminate()
-        for name, p in list(self.boxes.items()):
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        self.boxes.clear()
-        super().__exit__(*exc)
+    def switch_procs(self) -> list[subprocess.Popen]:
+        return list(self.boxes.values())
 
     # ---- the switches --------------------------------------------------------------------
     def box_argv(self, name: str, *args: str) -> list[str]:
@@ -229,23 +219,15 @@ class FabricLab(Lab):
         b = self.topo.box(name)
         if not replace:
             bridge_pass(b.netns, b.ports, False)
-        argv = ["run", "--chunk-size", str(self.chunk_size),
-                "--cache-entries", str(self.cache_entries)]
+        argv = self.switchd_run_argv()
         argv += [a for h in b.hosts for a in ("--port", h)]
         argv += [a for u in b.uplinks for a in ("--uplink", u)]
         argv += [a for d in b.downlinks for a in ("--downlink", d)]
-        for p in b.pools:
-            n = self.topo.node(p)
-            argv += ["--pool-port", f"{p}={n.ip}", "--port-bind", f"{p}={self.mac(p)},{n.ip}"]
-        with open(self.box_log_path(name), "ab") as log:
-            self._box_seen[name] = log.tell()
-            self.boxes[name] = subprocess.Popen(
-                self.box_argv(name, *argv, *self.switchd_args, *self.box_args.get(name, ()),
-                              *(["--force"] if replace else [])),
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        line, self._box_seen[name] = _await_log_line(
-            self.boxes[name], self.box_log_path(name), self._box_seen[name], "switchd: serving",
-            60, f"switchd on {name}")
+        argv += [a for p in b.pools for a in self.pool_port_argv(p)]
+        self.boxes[name], line, _ = self.launch_switchd(
+            self.box_argv(name, *argv, *self.switchd_args, *self.box_args.get(name, ()),
+                          *(["--force"] if replace else [])),
+            self.box_log_path(name), f"switchd on {name}")
         return line
 
     def stop_box(self, name: str, sig: int = signal.SIGTERM, timeout: float = 60) -> int:

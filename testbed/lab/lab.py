@@ -100,13 +100,13 @@ class Lab:
         return self
 
     def __exit__(self, *exc) -> None:
-        procs = [p for p in self.pools if p] + ([self.switch] if self.switch else [])
+        procs = [p for p in self.pools if p] + self.switch_procs()
         for p in procs:
             if p.poll() is None:
                 p.terminate()
         for p in procs:
             try:
-                p.wait(10)
+                p.wait(30)             # a loaded switch: seconds to detach every port
             except subprocess.TimeoutExpired:
                 p.kill()
         if self.master is not None:
@@ -161,8 +161,8 @@ class Lab:
         """The first line with ``marker`` the running pool server ``index`` has logged (it
         is killed and TestbedError raised if none comes in ``timeout`` seconds)."""
         return await_log_line(self.pools[index], self.pool_log_path(index),
-                               self._log_offsets[index], marker, timeout,
-                               f"pool server on {self.topo.pool_nodes[index].name}")
+                              self._log_offsets[index], marker, timeout,
+                              f"pool server on {self.topo.pool_nodes[index].name}")
 
     def stop_pool(self, index: int, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
         """Signal a pool server (SIGKILL: as if its node died) and wait for it to end."""
@@ -182,20 +182,40 @@ class Lab:
             extra = (*extra, "--force")
         else:
             plain_bridge_ports(self.topo, False)
-        argv = ["run", "--chunk-size", str(self.chunk_size),
-                "--cache-entries", str(self.cache_entries)]
+        argv = self.switchd_run_argv()
         for n in self.topo.nodes:   # a pool port is bound to its node before any frame
-            argv += (["--pool-port", f"{n.name}={n.ip}",
-                      "--port-bind", f"{n.name}={self.mac(n.name)},{n.ip}"]
-                     if n.role == "pool" else ["--port", n.name])
-        # its output goes to a file: a pipe nobody reads while it serves fills up with its log
-        # lines, and a daemon blocked writing one never stops
-        with open(self.switch_log_path(), "ab") as log:
-            self._switch_seen = log.tell()
-            self.switch = subprocess.Popen(self.switchd_argv(*argv, *self.switchd_args, *extra),
-                                           stdout=log, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL)
-        return self.await_switch_line("switchd: serving")
+            argv += (self.pool_port_argv(n.name) if n.role == "pool" else ["--port", n.name])
+        self.switch, line, self._switch_seen = self.launch_switchd(
+            self.switchd_argv(*argv, *self.switchd_args, *extra), self.switch_log_path(),
+            "switchd")
+        return line
+
+    def switchd_run_argv(self) -> list[str]:
+        """``switchd run`` with the lab's chunk size and cache size (ports are added to it)."""
+        return ["run", "--chunk-size", str(self.chunk_size),
+                "--cache-entries", str(self.cache_entries)]
+
+    def pool_port_argv(self, node: str) -> list[str]:
+        """switchd's options for pool node ``node``'s port, bound to the node."""
+        ip = self.topo.node(node).ip
+        return ["--pool-port", f"{node}={ip}", "--port-bind", f"{node}={self.mac(node)},{ip}"]
+
+    @staticmethod
+    def launch_switchd(argv: list[str], log_path: str,
+                       what: str) -> tuple[subprocess.Popen, str, int]:
+        """Start switchd (``argv``) and wait for its serving line: the process, that line and
+        the log offset past it. Its output goes to a file: a pipe nobody reads while it serves
+        fills up with its log lines, and a daemon blocked writing one never stops."""
+        with open(log_path, "ab") as log:
+            seen = log.tell()
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+        line, seen = _await_log_line(proc, log_path, seen, "switchd: serving", 60, what)
+        return proc, line, seen
+
+    def switch_procs(self) -> list[subprocess.Popen]:
+        """The switchd processes this lab started and has not stopped."""
+        return [self.switch] if self.switch else []
 
     def switch_log_path(self) -> str:
         return os.path.join(self.tmp.name, "switchd.log")
