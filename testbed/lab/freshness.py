@@ -125,6 +125,8 @@ DATED = {
     "pool-put-abuse.json": "the issue-26 PUT abuse before the fixes (a snapshot) and after",
     "faults-detach.json": "the detach fault alone before restarts loaded from the bytecode "
                           "cache, kept beside faults.json",
+    "fetch-slow-cores.json": "bench fetch on the trunk-port data plane, on the cores of "
+                             "throughput-slow-cores.json",
     "throughput-slow-cores.json": "bench throughput on the trunk-port data plane, on cores "
                                   "that ran the bare reflector 3.2x slower than "
                                   "throughput.json's run (the model prices at that one's)",
