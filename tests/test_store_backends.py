@@ -232,3 +232,74 @@ def test_docs_name_every_option():
     text = (ROOT / "docs" / "connectors.md").read_text()
     for name in StoreSettings.__dataclass_fields__:
         assert re.search(rf"`{name}`", text), name
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # LMCache's opentelemetry
+def test_lmcache_chunks_land_in_memory_objs_bit_exact(pool_node):
+    """``get`` lands a chunk in a MemoryObj on the I/O thread when LMCache has one free without
+    an eviction, else hands the bytes to LMCache's loop, which allocates (evicting if it must);
+    a block whose metadata lies is a miss; a landed chunk whose caller gave up is released."""
+    require_lmcache()
+    import asyncio
+    import concurrent.futures
+    import torch
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.metadata import LMCacheMetadata
+    from hostagent.inference.lmcache_connector import KVSwitchConnector, _drop_landed
+
+    class Obj:                       # a MemoryObj as the connector uses one
+        def __init__(self, shapes, dtypes, fmt):
+            self.shapes, self.dtypes, self.fmt = shapes, dtypes, fmt
+            self.byte_array = bytearray(sum(torch.empty(s, dtype=d).nbytes
+                                            for s, d in zip(shapes, dtypes)))
+            self.refs = 1
+
+        def get_shapes(self):
+            return self.shapes
+
+        def get_dtypes(self):
+            return self.dtypes
+
+        def get_memory_format(self):
+            return self.fmt
+
+        def ref_count_down(self):
+            self.refs -= 1
+
+    class Backend:                   # LocalCPUBackend.allocate: None without room to spare
+        def __init__(self):
+            self.room, self.calls = True, []
+
+        def allocate(self, shapes, dtypes, fmt, busy_loop=True):
+            self.calls.append(busy_loop)
+            return Obj(shapes, dtypes, fmt) if self.room or busy_loop else None
+
+    extra = {"remote_storage_plugin.kvswitch.pools": pool_node,
+             "remote_storage_plugin.kvswitch.fetch_engine": "off",
+             "remote_storage_plugin.kvswitch.deadline": 2}
+    config = LMCacheEngineConfig.from_dict({"chunk_size": 256, "extra_config": extra})
+    meta = LMCacheMetadata(model_name="m", world_size=1, local_world_size=1, worker_id=0,
+                           local_worker_id=0, kv_dtype=torch.bfloat16,
+                           kv_shape=(2, 2, 256, 1, 64))
+    backend = Backend()
+    c = KVSwitchConnector(None, backend, config, meta, plugin_name="kvswitch")
+    key = CacheEngineKey(model_name="m", world_size=1, worker_id=0, chunk_hash=7,
+                         dtype=torch.bfloat16)
+    src = Obj([torch.Size((2, 2, 256, 64))], [torch.bfloat16], MemoryFormat.KV_2LTD)
+    src.byte_array[:] = os.urandom(len(src.byte_array))
+    asyncio.run(c.put(key, src))
+    got = asyncio.run(c.get(key))                       # landed on the I/O thread
+    assert backend.calls == [False] and got.byte_array == src.byte_array
+    backend.room, backend.calls = False, []
+    got = asyncio.run(c.get(key))                       # no room there: LMCache's loop
+    assert backend.calls == [False, True] and got.byte_array == src.byte_array
+    liar = CacheEngineKey(model_name="m", world_size=1, worker_id=0, chunk_hash=8,
+                          dtype=torch.bfloat16)
+    assert c.io.put_many(c.ns, [c.block_key(liar)], [b"\0" * 4096]) == [True]
+    assert asyncio.run(c.get(liar)) is None
+    landed = concurrent.futures.Future()
+    landed.set_result(Obj(src.shapes, src.dtypes, src.fmt))
+    _drop_landed(landed)
+    assert landed.result().refs == 0

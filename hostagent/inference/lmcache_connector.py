@@ -17,6 +17,8 @@ A chunk (one MemoryObj) is one block: LMCache's remote metadata (length, shapes,
 format, as its FS connector writes it) followed by the MemoryObj's bytes; its key is
 ``store_key(model id, layout, CacheEngineKey.to_string())``, the layout being the connector's
 full-chunk shapes, dtypes, format and LMCache's chunk size. ``exists`` probes chunk 0 only.
+``get`` lands a block in its MemoryObj with one copy out of the fetch engine's arena, on the
+I/O thread, where a MemoryObj is free without an eviction; else LMCache's loop allocates.
 The wrapper LMCache puts around a connector drops the MemoryObj's reference after ``put``, so
 ``put`` here does not.
 
@@ -27,6 +29,7 @@ engine's start instead.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import List, Optional
 from urllib.parse import urlparse
@@ -124,13 +127,23 @@ class KVSwitchConnector(RemoteConnector):
 
     # ---- chunks ----------------------------------------------------------------------------
     async def get(self, key: CacheEngineKey) -> Optional[MemoryObj]:
-        data = await self.io.awaitable(self.io._get(self.ns, self.block_key(key)))
-        return None if data is None else self._memory_obj(key, data)
+        """The chunk, landed in a MemoryObj straight from the fetch engine's arena where one
+        can be allocated there without waiting for an eviction, else through a copy."""
+        fut = asyncio.run_coroutine_threadsafe(
+            self.io._get(self.ns, self.block_key(key), lambda view: self._land(key, view)),
+            self.io.loop)
+        try:
+            got = await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(_drop_landed)   # landed after all: give its memory back
+            raise
+        return self._memory_obj(key, got) if isinstance(got, bytes) else got
 
-    def _memory_obj(self, key: CacheEngineKey, data: bytes) -> Optional[MemoryObj]:
+    def _meta(self, key: CacheEngineKey, data) -> Optional[RemoteMetadata]:
+        """The block's LMCache metadata, or None (logged) when it has none or it lies."""
         head = self.remote_metadata_bytes
         try:
-            meta = RemoteMetadata.deserialize(data[:head])
+            meta = RemoteMetadata.deserialize(bytes(data[:head]))
         except Exception as exc:
             log.warning("kvswitch: block of %s has no LMCache metadata: %s", key, exc)
             return None
@@ -138,14 +151,33 @@ class KVSwitchConnector(RemoteConnector):
             log.warning("kvswitch: block of %s holds %d bytes, its metadata says %d",
                         key, len(data) - head, meta.length)
             return None
-        obj = self.local_cpu_backend.allocate(meta.shapes, meta.dtypes, meta.fmt)
-        if obj is None:
+        return meta
+
+    def _land(self, key: CacheEngineKey, view: memoryview):
+        """On the I/O thread: the block in a new MemoryObj (one copy, out of the engine's
+        arena), its bytes when no MemoryObj is free without an eviction, or None."""
+        meta = self._meta(key, view)
+        if meta is None:
             return None
+        obj = self.local_cpu_backend.allocate(meta.shapes, meta.dtypes, meta.fmt,
+                                              busy_loop=False)
+        if obj is None:
+            return bytes(view)          # LMCache's loop allocates, evicting if it must
+        return self._fill(obj, meta, view)
+
+    def _memory_obj(self, key: CacheEngineKey, data: bytes) -> Optional[MemoryObj]:
+        meta = self._meta(key, data)
+        if meta is None:
+            return None
+        obj = self.local_cpu_backend.allocate(meta.shapes, meta.dtypes, meta.fmt)
+        return None if obj is None else self._fill(obj, meta, memoryview(data))
+
+    def _fill(self, obj: MemoryObj, meta: RemoteMetadata, data: memoryview):
         dst = memoryview(obj.byte_array).cast("B")
         if dst.nbytes < meta.length:
             obj.ref_count_down()
             return None
-        dst[:meta.length] = memoryview(data)[head:]
+        dst[:meta.length] = data[self.remote_metadata_bytes:]
         return obj
 
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj):
@@ -163,6 +195,15 @@ class KVSwitchConnector(RemoteConnector):
 
     def __repr__(self) -> str:
         return f"<KVSwitchConnector pools={','.join(self.settings.pools)} ns={self.ns}>"
+
+
+def _drop_landed(fut) -> None:
+    """A get's I/O future whose caller gave up: its MemoryObj, if it landed, is released."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    got = fut.result()
+    if got is not None and not isinstance(got, bytes):
+        got.ref_count_down()
 
 
 class KVSwitchAdapter(ConnectorAdapter):
