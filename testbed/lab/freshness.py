@@ -127,6 +127,9 @@ DATED = {
                           "cache, kept beside faults.json",
     "fetch-slow-cores.json": "bench fetch on the trunk-port data plane, on the cores of "
                              "throughput-slow-cores.json",
+    "throughput-2026-11-28.json": "bench throughput on the trunk-port data plane, on cores at "
+                                  "throughput.json's pace (the model prices at that one's until "
+                                  "the sim results are repriced)",
     "throughput-slow-cores.json": "bench throughput on the trunk-port data plane, on cores "
                                   "that ran the bare reflector 3.2x slower than "
                                   "throughput.json's run (the model prices at that one's)",
