@@ -238,16 +238,16 @@ def test_docs_name_every_option():
 def test_lmcache_chunks_land_in_memory_objs_bit_exact(pool_node):
     """``get`` lands a chunk in a MemoryObj on the I/O thread when LMCache has one free without
     an eviction, else hands the bytes to LMCache's loop, which allocates (evicting if it must);
-    a block whose metadata lies is a miss; a landed chunk whose caller gave up is released."""
+    a block whose metadata lies is a miss; a landed chunk whose caller gave up is released
+    (``test_a_result_the_caller_gave_up_on_is_handed_back`` shows when that is called)."""
     require_lmcache()
     import asyncio
-    import concurrent.futures
     import torch
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.memory_management import MemoryFormat
     from lmcache.v1.metadata import LMCacheMetadata
-    from hostagent.inference.lmcache_connector import KVSwitchConnector, _drop_landed
+    from hostagent.inference.lmcache_connector import KVSwitchConnector, _release_landed
 
     class Obj:                       # a MemoryObj as the connector uses one
         def __init__(self, shapes, dtypes, fmt):
@@ -299,7 +299,62 @@ def test_lmcache_chunks_land_in_memory_objs_bit_exact(pool_node):
                           dtype=torch.bfloat16)
     assert c.io.put_many(c.ns, [c.block_key(liar)], [b"\0" * 4096]) == [True]
     assert asyncio.run(c.get(liar)) is None
-    landed = concurrent.futures.Future()
-    landed.set_result(Obj(src.shapes, src.dtypes, src.fmt))
-    _drop_landed(landed)
-    assert landed.result().refs == 0
+    landed = Obj(src.shapes, src.dtypes, src.fmt)
+    _release_landed(landed)
+    _release_landed(b"bytes are collected")
+    _release_landed(None)
+    assert landed.refs == 0
+
+
+def test_a_result_the_caller_gave_up_on_is_handed_back():
+    """``await_on(..., abandoned=f)``: a caller cancelled while its coroutine finishes on the
+    I/O loop (before the cancel reaches that loop) never sees the result, and ``f`` gets it,
+    once; a result the caller receives, or a coroutine cancelled before it finished, never
+    reaches ``f``. A real cancellation across two loops, not a hand-made future."""
+    import asyncio
+    import threading
+    from hostagent.inference.store_io import await_on
+
+    io = asyncio.new_event_loop()
+    thread = threading.Thread(target=io.run_forever, daemon=True)
+    thread.start()
+    handed: list = []
+    started, release = threading.Event(), threading.Event()
+
+    async def lands_late():
+        started.set()
+        release.wait(10)             # holds the I/O loop: the caller's cancel waits behind it
+        return "memory obj"
+
+    async def slow():
+        await asyncio.sleep(10)
+        return "never"
+
+    async def main():
+        caller = asyncio.ensure_future(await_on(io, lands_late(), handed.append))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        assert handed == []          # not finished yet: nothing to give back
+        release.set()
+        for _ in range(500):
+            if handed:
+                break
+            await asyncio.sleep(0.01)
+        assert handed == ["memory obj"]
+        assert await await_on(io, asyncio.sleep(0, "kept"), handed.append) == "kept"
+        caller = asyncio.ensure_future(await_on(io, slow(), handed.append))
+        await asyncio.sleep(0.1)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await asyncio.sleep(0.2)
+        assert handed == ["memory obj"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        io.call_soon_threadsafe(io.stop)
+        thread.join(5)

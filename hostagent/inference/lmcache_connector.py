@@ -29,7 +29,6 @@ engine's start instead.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import List, Optional
 from urllib.parse import urlparse
@@ -129,14 +128,9 @@ class KVSwitchConnector(RemoteConnector):
     async def get(self, key: CacheEngineKey) -> Optional[MemoryObj]:
         """The chunk, landed in a MemoryObj straight from the fetch engine's arena where one
         can be allocated there without waiting for an eviction, else through a copy."""
-        fut = asyncio.run_coroutine_threadsafe(
+        got = await self.io.awaitable(
             self.io._get(self.ns, self.block_key(key), lambda view: self._land(key, view)),
-            self.io.loop)
-        try:
-            got = await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            fut.add_done_callback(_drop_landed)   # landed after all: give its memory back
-            raise
+            abandoned=_release_landed)           # landed for a caller who gave up
         return self._memory_obj(key, got) if isinstance(got, bytes) else got
 
     def _meta(self, key: CacheEngineKey, data) -> Optional[RemoteMetadata]:
@@ -197,11 +191,8 @@ class KVSwitchConnector(RemoteConnector):
         return f"<KVSwitchConnector pools={','.join(self.settings.pools)} ns={self.ns}>"
 
 
-def _drop_landed(fut) -> None:
-    """A get's I/O future whose caller gave up: its MemoryObj, if it landed, is released."""
-    if fut.cancelled() or fut.exception() is not None:
-        return
-    got = fut.result()
+def _release_landed(got) -> None:
+    """What a get's I/O returned to a caller who gave up: a landed MemoryObj is released."""
     if got is not None and not isinstance(got, bytes):
         got.ref_count_down()
 

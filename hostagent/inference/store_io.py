@@ -136,6 +136,39 @@ class StoreSettings:
 
 
 # ---- I/O -------------------------------------------------------------------------------------
+async def await_on(loop: asyncio.AbstractEventLoop, coro,
+                   abandoned: Callable[[Any], Any] | None = None):
+    """``coro``'s result, run on ``loop`` (another thread's) and awaited from this one.
+
+    A caller that is cancelled cancels ``coro`` too, but ``coro`` may finish in the meantime
+    (the cancel reaches ``loop`` later), and asyncio then drops its result. Where that result
+    holds something that must be given back (a MemoryObj), pass ``abandoned``: it is called
+    with every result the caller never received, exactly once, on whichever thread learns
+    second that the result exists and that the caller has gone."""
+    if abandoned is None:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+    lock, state = threading.Lock(), {"gone": False, "done": False, "result": None}
+
+    async def run():
+        result = await coro
+        with lock:                   # no await between coro's end and this: a cancel from
+            gone = state["gone"]     # the caller cannot come between them
+            state["done"], state["result"] = True, result
+        if gone:
+            abandoned(result)
+        return result
+
+    try:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), loop))
+    except asyncio.CancelledError:
+        with lock:
+            state["gone"] = True
+            done, result = state["done"], state["result"]
+        if done:                     # finished, but the result never reached the caller
+            abandoned(result)
+        raise
+
+
 class StoreIO:
     """Blocking and awaitable calls into the pool, run on one I/O thread. Thread-safe."""
 
@@ -168,9 +201,10 @@ class StoreIO:
                         timeout)
             return fallback
 
-    async def awaitable(self, coro):
-        """Await ``coro`` (one of the ``_`` coroutines) from another event loop."""
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+    async def awaitable(self, coro, abandoned: Callable[[Any], Any] | None = None):
+        """Await ``coro`` (one of the ``_`` coroutines) from another event loop; see
+        ``await_on`` for ``abandoned``."""
+        return await await_on(self.loop, coro, abandoned)
 
     # ---- existence (chunk 0 alone) ---------------------------------------------------------
     async def _exists(self, ns: int, key: bytes) -> bool:
