@@ -97,6 +97,7 @@ bench:
 	$(VENV)/bin/testbed bench vllm --pool-link-gbit 0.25 --json bench/results/vllm-serve-pool-shared.json
 	$(VENV)/bin/testbed bench faults --json bench/results/faults.json
 	$(VENV)/bin/testbed bench serve --racks 2 --json bench/results/serve-fabric.json
+	$(VENV)/bin/testbed bench serve --racks 2 --pools 1 --json bench/results/serve-fabric-1pool.json
 	$(VENV)/bin/testbed bench serve --racks 2 --modes rack,fabric --switch-entries 320 \
 	  --placement independent --json bench/results/serve-fabric-place-independent.json
 	$(VENV)/bin/testbed bench serve --racks 2 --modes rack,fabric --switch-entries 320 \
