@@ -355,12 +355,21 @@ def get(pools, ns, key, out, no_cache, start_at, chunk_size, window, deadline, a
 async def _until_available(fetch, deadline: float, pause_s: float = 0.5):
     """``await fetch()``, asked again while the pool node refuses with UNAVAILABLE (it cannot
     reach its store right now: a Mooncake replica on a node that died stays listed until the
-    master's client TTL ends) and the deadline leaves time; one line says so the first time."""
+    master's client TTL ends) and the deadline leaves time; one line says so the first time.
+    An ask after the first gets what is left of the deadline, so the whole takes at most about
+    one deadline (the first ask is bounded by the client's own)."""
     give_up = time.monotonic() + deadline
     said = False
     while True:
         try:
-            return await fetch()
+            if not said:
+                return await fetch()
+            return await asyncio.wait_for(fetch(), max(0.0, give_up - time.monotonic()))
+        except TransferTimeout:
+            raise
+        except TimeoutError:         # wait_for's: what was left of the deadline ran out
+            raise TransferTimeout(f"the block was still unavailable when the {deadline:g} s "
+                                  "deadline passed") from None
         except Refused as exc:
             if exc.status != Status.UNAVAILABLE or time.monotonic() + pause_s > give_up:
                 raise

@@ -151,8 +151,9 @@ def test_an_unreachable_pool_is_one_line(op):
 
 def test_get_asks_again_while_refused_unavailable_and_only_until_its_deadline():
     import asyncio
+    import time
     from hostagent.cli import _until_available
-    from hostagent.common.transfer import Refused
+    from hostagent.common.transfer import Refused, TransferTimeout
     from kvproto import Status
 
     def fetcher(refusals, status=Status.UNAVAILABLE):
@@ -176,3 +177,14 @@ def test_get_asks_again_while_refused_unavailable_and_only_until_its_deadline():
     with pytest.raises(Refused, match="UNAVAILABLE"):
         asyncio.run(_until_available(fetch, 0.2, pause_s=0.05))
     assert 2 <= len(calls) <= 5
+
+    async def refused_then_slow():    # an ask again that would outlast the deadline
+        calls.append(1)
+        if len(calls) == 1:
+            raise Refused(Status.UNAVAILABLE, "GET of block 00")
+        await asyncio.sleep(30)
+    calls = []
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeout, match="0.3 s deadline passed"):
+        asyncio.run(_until_available(refused_then_slow, 0.3, pause_s=0.05))
+    assert len(calls) == 2 and time.monotonic() - t0 < 1.0
