@@ -25,6 +25,7 @@ from kvproto.cli import SizeType, one_line_errors, with_config
 from .pool.server import serve as serve_forever
 from .pool.store import MemoryStore, PutBudgets
 
+
 def _key(text: str) -> bytes:
     try:
         key = bytes.fromhex(text)
@@ -48,6 +49,8 @@ pool_opt = click.option("--pool", "pools", multiple=True, required=True, metavar
 ns_opt = click.option("--ns", type=click.IntRange(0, 0xFFFFFFFF), default=1, show_default=True,
                       help="Namespace id.")
 key_opt = click.option("--key", required=True, help="Block key, 32 hex digits.")
+
+
 def _chunk_size(ctx, param, value):
     if value is not None and value % 8:
         raise click.BadParameter(f"{value} is not a multiple of 8 (the switch and the fetch "

@@ -140,8 +140,8 @@ def test_an_unreachable_pool_is_one_line(op):
     """In a fresh network namespace (loopback down, no route at all) the kernel refuses the first
     datagram at once (ENETUNREACH): one error line, no traceback, exit 1; nothing leaves the box."""
     extra = ["--file", "/etc/hostname"] if op == "put" else []
-    argv = ["unshare", "--net", *python_argv("hostagent", op, "--pool", "10.9.9.9", "--key", KEY0,
-                                           "--deadline", "2", *extra)]
+    argv = ["unshare", "--net", *python_argv("hostagent", op, "--pool", "10.9.9.9", "--key",
+                                             KEY0, "--deadline", "2", *extra)]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("hostagent: error:")]
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
