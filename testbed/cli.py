@@ -18,7 +18,7 @@ from .bench.compress import command as compress_command
 from .bench.faults_cli import command as faults_command
 from .bench.lmcache_cli import command as lmcache_command
 from .bench.serve_vllm import command as vllm_bench_command
-from .bench.serve_fabric_cli import fabric_options, fabric_up_options
+from .bench.serve_fabric_cli import fabric_options
 from .bench.serve_tiers_cli import tiers_options
 from .demos.inference import BLOCK_TOKENS, MODEL_CHOICES as DEMO_MODELS
 from .demos.vllm import MODELS_DIR as DEMO_MODEL_DIR
@@ -26,9 +26,9 @@ from .lab.lab import STORES
 from .sim.cli import sim as sim_group
 from .sim.config import MODELS as SIM_MODELS
 from .lab.topology import TestbedError, Topology, down, namespaces_of
-from .options import (capacity_value, chunk_list, cpu_list, fail_unless, float_list,
-                      int_list, json_opt, link_options, link_spec, numbers, percent_list,
-                      policy_list, trace_opt)
+from .options import (capacity_value, chunk_list, cpu_list, fabric_up_options, fail_unless,
+                      float_list, int_list, json_opt, link_options, link_spec, numbers,
+                      percent_list, policy_list, trace_opt)
 
 
 # ---- topologies and demos ----------------------------------------------------------------------
@@ -133,7 +133,7 @@ def demo_inference(sizes, chunk_size, concurrency, window, new_tokens, model, kv
         raise click.BadParameter(f"must be multiples of --block-tokens ({block_tokens})",
                                  param_hint="--sizes")
     fail_unless(run_inference_demo(sizes, chunk_size, window, concurrency, new_tokens, model,
-                                    dtype, block_tokens, name, json_path, codecs=codecs))
+                                   dtype, block_tokens, name, json_path, codecs=codecs))
 
 
 @main.command("demo-vllm")
@@ -475,6 +475,7 @@ def results_check(root):
                f"files are fresh ({dated} dated: history)"
                + (f"; not: {', '.join(f.name for f in bad)}" if bad else ""))
     fail_unless(not bad)
+
 
 # ---- the cluster model (testbed.sim.cli) -------------------------------------------------------
 main.add_command(sim_group)

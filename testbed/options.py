@@ -1,7 +1,9 @@
 """Option values and option groups shared by the `testbed` commands (testbed.cli): number lists,
-CPU sets, capacities, policy names, the cluster model's options and its error handling."""
+CPU sets, capacities, policy names, the cluster model's options and its error handling, and
+`testbed up --racks` (a fabric of switches in place of the single switch: testbed.lab.fabric)."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -182,3 +184,34 @@ def link_spec(link_gbit, pool_link_gbit, link_delay_us):
                                      param_hint="--link-delay-us")
         return None
     return LinkSpec(link_gbit, pool, link_delay_us)
+
+
+def fabric_up_options(command):
+    @click.option("--racks", type=int, default=None,
+                  help="A fabric: this many rack switches r1.. of --hosts-per-rack nodes, each "
+                       "with an uplink to a pool-side switch agg in front of the pool nodes.")
+    @click.option("--hosts-per-rack", type=int, default=2, show_default=True)
+    @click.option("--oversub", type=float, default=2.0, show_default=True,
+                  help="With --racks: a rack's host links in total : its uplink.")
+    @functools.wraps(command)
+    def wrapper(*args, racks, hosts_per_rack, oversub, **kw):
+        if racks is None:
+            return command(*args, **kw)
+        from .lab.fabric import Fabric
+        from .lab.topology import TestbedError
+        if kw["store"] != "memory":
+            raise TestbedError("a fabric runs with --store memory for now")
+        links = link_spec(kw["link_gbit"], kw["pool_link_gbit"], kw["link_delay_us"])
+        t = Fabric(kw["name"], 0, kw["pools"], kw["mtu"], links=links, racks=racks,
+                   hosts_per_rack=hosts_per_rack, oversub=oversub).up()
+        rate = t.uplink_gbit()
+        for b in t.boxes:
+            click.echo(f"switch {b.name:3} netns {b.netns:10} ports {', '.join(b.ports)}, "
+                       f"pin dir {b.pin_dir}" +
+                       (f", uplink {rate:g} Gbit/s" if b.uplinks and rate else ""))
+        for n in t.nodes:
+            gbit = links.rate(n.role) if links else None
+            box = t.rack_of(n.name).name if n.role == "host" else "agg"
+            click.echo(f"  {n.name:4} {n.role:5} on {box:3} netns {n.netns:10} {n.ip}" +
+                       (f"  link {gbit:g} Gbit/s" if gbit else ""))
+    return wrapper

@@ -1,8 +1,7 @@
-"""The `--racks` options of `testbed up` and `testbed bench serve` (testbed.lab.fabric,
-testbed.bench.serve_fabric): decorators that add them to the command and, when ``--racks`` is
-given, build a fabric of switches in place of the single switch, or run the fabric benchmark in
-place of the single-switch one (burst, Zipf and incast; modes bridge, rack, pool-side,
-fabric)."""
+"""The `--racks` options of `testbed bench serve` (testbed.bench.serve_fabric): a decorator that
+adds them to the command and, when ``--racks`` is given, runs the fabric benchmark in place of
+the single-switch one (burst, Zipf and incast; modes bridge, rack, pool-side, fabric).
+`testbed up --racks` is testbed.options.fabric_up_options."""
 from __future__ import annotations
 
 import functools
@@ -53,36 +52,4 @@ def fabric_options(command):
         click.echo(json.dumps(out["summary"], indent=2) + f"\nwrote {json_path}, {plot_path}")
         if not out["summary"]["all_byte_exact"]:
             raise click.ClickException("some block was not byte-exact")
-    return wrapper
-
-
-def fabric_up_options(command):
-    @click.option("--racks", type=int, default=None,
-                  help="A fabric: this many rack switches r1.. of --hosts-per-rack nodes, each "
-                       "with an uplink to a pool-side switch agg in front of the pool nodes.")
-    @click.option("--hosts-per-rack", type=int, default=2, show_default=True)
-    @click.option("--oversub", type=float, default=2.0, show_default=True,
-                  help="With --racks: a rack's host links in total : its uplink.")
-    @functools.wraps(command)
-    def wrapper(*args, racks, hosts_per_rack, oversub, **kw):
-        if racks is None:
-            return command(*args, **kw)
-        from ..lab.fabric import Fabric
-        from ..lab.topology import TestbedError
-        from ..options import link_spec
-        if kw["store"] != "memory":
-            raise TestbedError("a fabric runs with --store memory for now")
-        links = link_spec(kw["link_gbit"], kw["pool_link_gbit"], kw["link_delay_us"])
-        t = Fabric(kw["name"], 0, kw["pools"], kw["mtu"], links=links, racks=racks,
-                   hosts_per_rack=hosts_per_rack, oversub=oversub).up()
-        rate = t.uplink_gbit()
-        for b in t.boxes:
-            click.echo(f"switch {b.name:3} netns {b.netns:10} ports {', '.join(b.ports)}, "
-                       f"pin dir {b.pin_dir}" +
-                       (f", uplink {rate:g} Gbit/s" if b.uplinks and rate else ""))
-        for n in t.nodes:
-            gbit = links.rate(n.role) if links else None
-            box = t.rack_of(n.name).name if n.role == "host" else "agg"
-            click.echo(f"  {n.name:4} {n.role:5} on {box:3} netns {n.netns:10} {n.ip}" +
-                       (f"  link {gbit:g} Gbit/s" if gbit else ""))
     return wrapper
