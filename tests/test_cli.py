@@ -187,4 +187,4 @@ def test_get_asks_again_while_refused_unavailable_and_only_until_its_deadline():
     t0 = time.monotonic()
     with pytest.raises(TransferTimeout, match="0.3 s deadline passed"):
         asyncio.run(_until_available(refused_then_slow, 0.3, pause_s=0.05))
-    assert len(calls) == 2 and time.monotonic() - t0 < 1.0
+    assert len(calls) == 2 and time.monotonic() - t0 < 5.0   # the old code: 30 s
