@@ -119,6 +119,8 @@ DATED = {
                             "beside fetch.json",
     "serve-burst-ab.json": "the fetch engine before and after 9cfb6cc on the serve burst",
     "serve-tiers-repeat.json": "an earlier serve-tiers run of the same code, for the spread",
+    "serve-fabric-1pool-repeat.json": "a second run of bench serve --racks 2 --pools 1 on the "
+                                      "same code, for the spread",
     "blend-variants.json": "blending recipes compared on six prompts (docs/cacheblend.md)",
     "security-stall.json": "the issue-26 stall before the fixes (a snapshot of the code) and "
                            "after",
