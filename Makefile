@@ -137,6 +137,9 @@ bench-sim:
 	$(VENV)/bin/testbed sim fabric --trace $(TRACE) --json bench/results/sim-fabric.json \
 	  --plot bench/results/sim-fabric.png
 	$(VENV)/bin/testbed sim validate --serve --racks 2 --json bench/results/sim-validate-fabric.json
+	$(VENV)/bin/testbed sim validate --serve --racks 2 --pools 1 \
+	  --live-json bench/results/serve-fabric-1pool.json \
+	  --json bench/results/sim-validate-fabric-1pool.json
 
 clean:
 	-$(VENV)/bin/testbed down --all 2>/dev/null
