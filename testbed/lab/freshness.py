@@ -121,6 +121,8 @@ DATED = {
     "serve-tiers-repeat.json": "an earlier serve-tiers run of the same code, for the spread",
     "serve-fabric-1pool-repeat.json": "a second run of bench serve --racks 2 --pools 1 on the "
                                       "same code, for the spread",
+    "sim-validate-fabric-repeat.json": "a second run of sim validate --serve --racks 2 on the "
+                                       "same code, for the spread",
     "blend-variants.json": "blending recipes compared on six prompts (docs/cacheblend.md)",
     "security-stall.json": "the issue-26 stall before the fixes (a snapshot of the code) and "
                            "after",
