@@ -28,9 +28,9 @@ CACHE_VAL_HEADER = CONSTANTS["KV_CACHE_VAL_HEADER"]  # bytes of kv_cache_val bef
 # The largest chunk a deployment can use: a frame's IPv4 + UDP + KV header and the chunk within
 # the largest MTU native XDP takes on a veth, rounded down to a multiple of 8 (3424)
 MAX_CHUNK = (VETH_MAX_MTU - CONSTANTS["KV_PAYLOAD_OFF"] + CONSTANTS["KV_ETH_LEN"]) // 8 * 8
-MAP_NAMES = ("kv_cache", "kv_blocks", "kv_admit", "kv_ports", "kv_stats", "kv_settings", "kv_pending",
-             "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats", "kv_port_ns", "kv_ns_low",
-             "kv_src_macs", "kv_src_ips")
+MAP_NAMES = ("kv_cache", "kv_blocks", "kv_admit", "kv_ports", "kv_stats", "kv_settings",
+             "kv_pending", "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats", "kv_port_ns",
+             "kv_ns_low", "kv_src_macs", "kv_src_ips")
 # every map kvmaps.h pins, read from its KV_MAP(...) lines: what a failed first start removes
 PINNED_MAPS = tuple(re.findall(r"^KV_F?MAP\((?:[^,]*,){3}\s*(kv_\w+)\s*,",
                                xdp.source("kvmaps.h").read_text(), re.M))
@@ -135,7 +135,8 @@ class DataPlane(Program, source="kvswitch.c", header="kvswitch.h", stats="KV_STA
             self.writer = fns["kv_write"]
         (self.cache, self.blocks, self.admit, self.ports, self.stats, self.settings,
          self.pending, self.waiters, self.sketch, self.recent, self.ns_stats, self.port_ns,
-         self.ns_low, self.src_macs, self.src_ips) = (self.bpf.get_table(n.encode()) for n in MAP_NAMES)
+         self.ns_low, self.src_macs, self.src_ips) = (self.bpf.get_table(n.encode())
+                                                      for n in MAP_NAMES)
         self.attached: dict[str, int] = {}
 
     @staticmethod

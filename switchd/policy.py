@@ -383,7 +383,7 @@ class PrefixAware(_HeapPolicy):
             self._heap.push(key, self._prio(key, now))
         if parent is not None and hit:
             mine = self._heap.prio(key)[0] if key in self._heap else self._value(st[0], depth,
-                                                                                   fill)
+                                                                                 fill)
             self._lift(parent, mine, now)
 
     def _lift(self, key, floor, now):

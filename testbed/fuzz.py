@@ -222,7 +222,7 @@ def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print
     rng = random.Random(seed)
     corpus = Corpus(rng)
     violations, kinds = [], {"valid": 0, "invalid": 0, "not_kv": 0, "tx": 0, "port_drops": 0,
-                         "reply_drops": 0}
+                             "reply_drops": 0}
     start = time.monotonic()
     with scratch_ports(("host", "pool"), ("tenant", "spare"), prefix="kvfz") as ports:
         dp = DataPlane(Deployment(chunk_size=CHUNK, cache_entries=256, pin_dir=None))

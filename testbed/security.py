@@ -113,7 +113,7 @@ def impersonate(victim_mac: str, victim_ip: str, seconds: float, period: float =
     time.sleep(0.3)
     captured = sniffer.stop() or []
     kv = sum(1 for p in captured if p.haslayer("UDP") and PORT in (p["UDP"].sport,
-                                                                  p["UDP"].dport))
+                                                                   p["UDP"].dport))
     return {"sent": sent, "captured": len(captured), "captured_kv": kv}
 
 

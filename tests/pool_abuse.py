@@ -1,14 +1,14 @@
 """The PUT abuse of issue #26 against a real pool node, and what it does to another tenant.
 
-``hog`` runs in one inference node (namespace 2, its own source address): many incomplete
-blocks, blocks sent but for their last chunk until its namespace's budget is full, a block of
-one-byte chunks, then chunk 0 of every incomplete block re-sent every second; first of all a
-complete block of 64,000 one-byte chunks (the slot hog). ``run_scenario`` starts a testbed (no switch: the
-pool node's own XDP program serves), the hog, and meanwhile has another node (namespace 1) PUT
-and GET blocks with ``hostagent``; it returns the other tenant's PUT successes, the share of its
-chunks the pool's XDP program answered, the pool process's memory growth per byte its assembler
-charged, and the pool's counters. Used by tests/test_serve_xdp.py; run as a script it writes
-the figures with the pool's default budgets:
+``hog`` runs in one inference node (namespace 2, its own source address): many incomplete blocks,
+blocks sent but for their last chunk until its namespace's budget is full, a block of one-byte
+chunks, then chunk 0 of every incomplete block re-sent every second; first of all a complete block
+of 64,000 one-byte chunks (the slot hog). ``run_scenario`` starts a testbed (no switch: the pool
+node's own XDP program serves), the hog, and meanwhile has another node (namespace 1) PUT and GET
+blocks with ``hostagent``; it returns the other tenant's PUT successes, the share of its chunks the
+pool's XDP program answered, the pool process's memory growth per byte its assembler charged, and
+the pool's counters. Used by tests/test_serve_xdp.py; run as a script it writes the figures with the
+pool's default budgets:
 
     .venv/bin/python tests/pool_abuse.py --json bench/results/pool-put-abuse.json
 """
@@ -153,7 +153,8 @@ def run_scenario(prefix: str, pool_args: tuple[str, ...] = (), seconds: float = 
         "pool_rss_growth": rss1 - rss0,
         "rss_per_charged_byte": (rss1 - rss0) / charged if charged else None,
         "end": {k: end.get(k, 0) for k in (
-            "assembling_bytes", "assembling_payload_bytes", "assembling_blocks", "expired_blocks", "refused_ns",
+            "assembling_bytes", "assembling_payload_bytes", "assembling_blocks", "expired_blocks",
+            "refused_ns",
             "refused_source", "refused_total", "refused_too_large", "reclaimed_blocks",
             "resent_chunks", "err_no_space", "err_bad_request", "xdp_published",
             "xdp_unpublished", "xdp_dense_refused", "xdp_dense_slots_used", "staged_blocks")},

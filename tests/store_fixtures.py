@@ -83,7 +83,7 @@ def sglang_generic(extra: dict) -> dict:
     raw = lambda t: t.contiguous().view(torch.uint8).numpy().tobytes()  # noqa: E731
     target = torch.zeros_like(pages[0])
     out = {"set": backend.set(keys[0], pages[0]), "batch_set": backend.batch_set(keys[1:],
-                                                                               pages[1:]),
+                                                                                 pages[1:]),
            "exists": [backend.exists(keys[0]), backend.exists("flat-absent")],
            "batch_exists": backend.batch_exists(keys + ["flat-absent"])}
     out["get_is_target"] = backend.get(keys[1], target) is target

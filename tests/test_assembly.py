@@ -27,7 +27,7 @@ def test_assembler_takes_chunks_in_any_order_once():
         _put(a, 1, 4, b"yy")
     assert _put(a, 1, 3, b"yy")
     assert a.take(1, KEY) == (2, [b"xx", b"yy", b"z"], [checksum(c) for c in (b"xx", b"yy",
-                                                                                b"z")])
+                                                                              b"z")])
     assert a.used == 0 and len(a) == 0
     with pytest.raises(StoreError, match="longer than the others"):
         _put(a, 0, 2, b"ab")

@@ -225,7 +225,7 @@ def test_int4h_kernel_rotates_back_exactly():
     q = torch.randint(0, 16, kv.shape, generator=g).double()
     q[..., 0, :], q[..., 1, :] = 0, 15                  # each K channel spans 0..15
     q[..., 0], q[..., 1] = 0, 15                        # and so does each V token
-    on_grid = (0.5 * q - 2) @ codec.rotation().double() # scale 0.5, minimum -2: fp16-exact
+    on_grid = (0.5 * q - 2) @ codec.rotation().double()  # scale 0.5, minimum -2: fp16-exact
     back = c.decode(c.encode(on_grid.float())).double()
     err = (back - on_grid).abs()
     assert err[:, 0].max().item() < 1e-5
@@ -265,7 +265,7 @@ def test_real_model_loads_offline(smollm2):
     assert mid.startswith("smollm2-135m-instruct@sha256:")
     assert model.config.num_hidden_layers == 30 and model.config.num_key_value_heads == 3
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of "
-                                                                "France?"}],
+                                    "France?"}],
                                   add_generation_prompt=True, return_tensors="pt")
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     with torch.inference_mode():

@@ -81,7 +81,7 @@ print("ok" if got == hashlib.sha256(data).hexdigest() else "mismatch " + got)
 def test_ordinary_traffic_crosses_the_switch(lab):
     pool_ip = lab.pool_addrs[0]
     assert " 0% packet loss" in lab.topo.run("h2", ["ping", "-c", "3", "-i", "0.2",
-                                                   pool_ip]).stdout
+                                                    pool_ip]).stdout
     server = lab.topo.popen("p1", ["python3", "-c", TCP_SERVER], stdout=subprocess.PIPE,
                             text=True)
     try:
@@ -247,7 +247,7 @@ def test_dead_daemon_fails_open_and_a_restart_carries_on(lab):
     lab.put("h2", NS, other, b"fresh" * 100)                 # misses still reach the pool
     assert lab.get("h1", NS, other)[1] == b"fresh" * 100
     assert " 0% packet loss" in lab.topo.run("h1", ["ping", "-c", "2", "-i", "0.2",
-                                                   lab.pool_addrs[0]]).stdout
+                                                    lab.pool_addrs[0]]).stdout
     lab.start_switch()
     hit, data = lab.get("h1", NS, key)
     assert data == block and hit["from_switch"] == 30

@@ -102,7 +102,6 @@ def test_a_pool_node_killed_with_a_second_mooncake_replica_loses_no_block(tmp_pa
     assert r["store"] == "mooncake" and r["blocks_lost"] == 0
 
 
-
 def test_failover_blames_only_the_node_that_failed_the_blocks():
     from hostagent.common.transfer import BlockNotFound, NoAnswer, Refused, pool_for
     from kvproto import Status

@@ -15,8 +15,8 @@ from switchd.cache import Cache
 from switchd.dataplane import ROLE_POOL, DataPlane, Deployment
 from testbed.bench.throughput import fill_cache
 from testbed.bench.generator import (GEN_PORT, MC_PORT, Endpoint, Generator, Iperf3,
-                               check_kv_reply, check_memcached_reply, check_reflected, endpoint,
-                               kv_get, memcached_get, payload)
+                                     check_kv_reply, check_memcached_reply, check_reflected,
+                                     endpoint, kv_get, memcached_get, payload)
 from testbed.lab.topology import Topology
 from xdp import netns
 from xdp.libbpf import xdp_test_run
@@ -75,7 +75,7 @@ def test_gen_frame_rewrites_headers_key_and_request_id(gen, one_cpu):
         assert out[:t.hdr_len] == bytes(expect)
         msg = Message.decode(out[t.hdr_len - 48:])
         assert (msg.op, msg.chunk, msg.room, msg.ns, msg.key) == (Op.GET, 100 + i % 5, 256, NS,
-                                                                   KEY)
+                                                                  KEY)
     assert gen.sent() == 7
 
 

@@ -6,7 +6,8 @@ it; a restarted pool process serves what the cluster holds; a missing block is a
 master that is down is a clear error for clients by their deadline and a log line on the pool
 nodes, which recover when it returns. The tests run in order on one testbed (the last one
 restarts the master, which loses every object). Without Mooncake installed they fail and say
-how to install it. Some waits are Mooncake's: a killed node's replicas stay listed for its client TTL (10 s)."""
+how to install it. Some waits are Mooncake's: a killed node's replicas stay listed for its client
+TTL (10 s)."""
 import os
 import signal
 import time

@@ -54,7 +54,7 @@ def kernel_tokens(t: torch.Tensor, vid: int, k: int) -> torch.Tensor:
 
 CASES = ([("FLASH_ATTN", lay) for lay in KVCacheLayout] +
          [("FLASHINFER", lay) for lay in (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC,
-                                           KVCacheLayout.BLHNC)] +
+                                          KVCacheLayout.BLHNC)] +
          [("TRITON_ATTN", KVCacheLayout.LBNHC), ("CPU_ATTN", KVCacheLayout.LBHNC)])
 
 

@@ -336,7 +336,7 @@ def test_cli_writes_the_json_document(tmp_path):
     generate_sessions(400, seed=5).save(trace)
     out = tmp_path / "out" / "r.json"
     res = CliRunner().invoke(main, ["policy-eval", "--trace", str(trace), "--capacity", "0.05",
-                                           "--json", str(out)])
+                                    "--json", str(out)])
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     assert doc["trace"] == str(trace) and doc["default_policy"] == DEFAULT_POLICY
@@ -383,7 +383,7 @@ def test_cli_sweep_writes_json_and_plot(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["capacities"] == [0.05, 0.2] and len(doc["results"]) == 2
     assert len(doc["plotted"]) == 3 and set(doc["plotted"]) <= {"lcs:ARC", "lcs:LIRS",
-                                                                 "lcs:TwoQ", "lcs:LRU"}
+                                                                "lcs:TwoQ", "lcs:LRU"}
     assert doc["results"][0]["capacity_blocks"] < doc["results"][1]["capacity_blocks"]
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -1,7 +1,8 @@
 """Pool-node stores without Mooncake: the block object format and key mapping (PUT assembly:
-tests/test_assembly.py), the staging arena and its LRU, the in-memory default, and the Mooncake store's logic (fills,
-writes, CRC checks, a master that goes away and comes back) against an in-process stand-in for
-the Mooncake client, with real pool servers and clients over loopback UDP."""
+tests/test_assembly.py), the staging arena and its LRU, the in-memory default, and the Mooncake
+store's logic (fills, writes, CRC checks, a master that goes away and comes back) against an
+in-process stand-in for the Mooncake client, with real pool servers and clients over loopback
+UDP."""
 import asyncio
 import contextlib
 import ctypes

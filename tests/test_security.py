@@ -94,6 +94,7 @@ def test_black_holed_rounds_cannot_stall_another_hosts_fetch(lab):
                              "testbed.security:stall_rounds", "198.18.0.250",
                              "02:00:00:00:00:fa", VICTIM_NS, key.hex(), chunks, 1024, 2.0)
     deadline = time.monotonic() + 20
+
     def met_own_round(c):          # its GETs met its own open rounds: held, or asked again
         return c["coalesced"] + c["reasked"]
 

@@ -148,9 +148,9 @@ def test_serve_model_shares_links_holds_concurrent_misses_and_writes_through():
     assert switch["tier_share"]["switch_replica"] == 0.5
     wire = 3 * (1000 + 90)
     assert max(o["fetch"] for o in bridge["requests"]) == pytest.approx(8 * wire / 1e6 + 0.002,
-                                                                         abs=1e-3)
+                                                                        abs=1e-3)
     assert max(o["fetch"] for o in switch["requests"]) == pytest.approx(4 * wire / 1e6 + 0.002,
-                                                                         abs=1e-3)
+                                                                        abs=1e-3)
     # a later request finds the blocks in the switch (learned under the fill budget)
     later = [[_req(0.0, hot), _req(3.0, hot)]]
     r = simulate_serve(later, hot, "switch", POOLS, 1, CAL, 10_000)

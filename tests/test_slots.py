@@ -69,7 +69,7 @@ def test_the_writer_never_takes_a_slot_another_writer_holds(dp, cache):
 
 
 def test_a_block_learned_before_it_was_placed_gets_a_prefix_of_what_the_region_has_left(dp,
-                                                                                         cache):
+                                                                                        cache):
     """An admitted block of unknown size is carved from the fill region when its first reply
     passes: its first chunks if the region cannot hold them all; switchd gives it its whole range
     once admitted with a known size (a new allocation: the carved chunks are not served again)."""

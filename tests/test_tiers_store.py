@@ -135,7 +135,7 @@ def test_the_disk_tier_survives_a_pool_process_restart(tmp_path):
                                         "--port", str(port), "--capacity", "64KiB",
                                         "--disk-dir", str(tmp_path), "--disk-bytes", "1MiB"),
                             stderr=subprocess.PIPE, text=True, env={**os.environ,
-                                                                   "HOSTAGENT_XDP_SERVE": "0"})
+                                                                    "HOSTAGENT_XDP_SERVE": "0"})
     try:
         for line in proc.stderr:
             if "ready" in line or "error" in line:

@@ -154,7 +154,7 @@ def test_planner_reloads_a_preempted_request_and_forgets_an_aborted_one():
     p.allocated("r", 24)
     [again] = p.build([], [("r", True, list(range(40, 47)), 0, 25)]).loads
     assert again.keys == keys[:3] and again.targets == [[(0, 40), (1, 41)], [(0, 42), (1, 43)],
-                                                       [(0, 44), (1, 45)]]
+                                                        [(0, 44), (1, 45)]]
     # aborted between allocation and its first step: nothing is loaded for it
     assert p.matched("x", keys, 3, 0) == 24
     p.allocated("x", 24)
@@ -232,7 +232,7 @@ def test_a_failed_block_ends_the_load_there():
     paged = PagedKV(caches, layout)
     good = [bytes([i + 1]) * layout.block_bytes for i in range(3)]
     ld = LoadSpec("r", [b"k0", b"k1", b"k2"], 0, [[(0, 0), (1, 1)], [(0, 2), (1, 3)],
-                                                 [(0, 4), (1, 5)]], 24)
+                                                  [(0, 4), (1, 5)]], 24)
 
     def queued(*items):
         q = queue.SimpleQueue()

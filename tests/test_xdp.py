@@ -450,7 +450,7 @@ def test_two_ports_never_learn_the_same_source(dp, cache):
         assert dp.port_sources()[host2] == (OTHER_MAC, HOST2_IP)
         macs, ips = ports.owners(dp)
         assert sorted(macs.values()) == sorted(ips.values()) == sorted([PORTS["host"],
-                                                                         PORTS["host2"]])
+                                                                        PORTS["host2"]])
     finally:
         _unsecure(dp, "host", "host2")
     assert ports.owners(dp) == ({}, {}), "unsecured ports own nothing"

@@ -81,11 +81,11 @@ class Case:
     admitted: tuple = ()              # (ns, key) of blocks in the admit set
     port_ns: dict = field(default_factory=dict)   # port -> namespaces it is limited to
     secure: dict = field(default_factory=dict)    # port -> (MAC, IP) it is bound to (None:
-                                                  # secured, bound to nothing yet)
+    # secured, bound to nothing yet)
     counters: dict = field(default_factory=dict)  # counter -> expected increase
     cache_unchanged: bool = True
     writing: tuple = ()               # (ns, key, chunk) of cached chunks whose slot a writer
-                                      # holds (sequence word odd, kvslot.h) as the frame arrives
+    # holds (sequence word odd, kvslot.h) as the frame arrives
 
 
 def _with_udp_checksum(value: int | None) -> bytes:
@@ -202,9 +202,11 @@ CASES = [
          cached=CACHED + ((6, KEY, 3, b"other tenant", 9),),
          port_ns={"host": [20, 21, 22, 23, 24, 25, 26, 27, 28, 6]}, cache_unchanged=False),
     Case("a port with more tenants than its config holds: another is denied",
-         bytes(get_frame(ns=5)), XDP.DROP, port_ns={"host": [20, 21, 22, 23, 24, 25, 26, 27, 28, 6]},
+         bytes(get_frame(ns=5)), XDP.DROP,
+         port_ns={"host": [20, 21, 22, 23, 24, 25, 26, 27, 28, 6]},
          counters={"denied": 1}),
-    Case("a port with eight tenants (all its config holds): one is served", bytes(get_frame(ns=6)), XDP.TX,
+    Case("a port with eight tenants (all its config holds): one is served",
+         bytes(get_frame(ns=6)), XDP.TX,
          switch_reply(b"other tenant", ns=6), cached=CACHED + ((6, KEY, 3, b"other tenant", 9),),
          port_ns={"host": [1, 2, 3, 4, 7, 8, 9, 6]}, cache_unchanged=False),
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .netns import Netns  # the one namespace handle, for users that need only it
+from .netns import Netns  # noqa: F401 (the one namespace handle, for users that need only it)
+
 
 class NoXdp(RuntimeError):
     """XDP cannot be used here (no BCC, not root, a compile, load or attach refused, the

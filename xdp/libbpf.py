@@ -291,7 +291,8 @@ class XdpRunner:
     def run(self, frame: bytes) -> int:
         ctypes.memmove(self.buf, frame, len(frame))
         self.opts.data_size_in, self.opts.data_size_out = len(frame), 0
-        check_ret(_lib.bpf_prog_test_run_opts(self.fd, ctypes.byref(self.opts)), "BPF_PROG_TEST_RUN")
+        check_ret(_lib.bpf_prog_test_run_opts(self.fd, ctypes.byref(self.opts)),
+                  "BPF_PROG_TEST_RUN")
         return self.opts.retval
 
 

@@ -1,13 +1,13 @@
 """The inference-node client: puts and gets whole KV blocks over the KV block protocol.
 
 A block is cut into chunks of ``chunk_size`` bytes; each chunk is one request. Requests are
-pipelined (a window of them in flight per block, halved when a timeout fires and regrown by one
-per window's worth of answers, as TCP does), lost ones are sent again after an adaptive
-retransmission timeout (RFC 6298 estimator, Karn's rule, exponential backoff), and the whole
-operation fails with TransferTimeout after ``deadline`` seconds. Every reply is checked against
-what was asked (sender, namespace, key, chunk) and its payload against its CRC-32; a chunk whose bytes
-are wrong is counted and fetched again with KV_F_NO_CACHE so the switch's copy is bypassed.
-Which pool node owns a block is decided by rendezvous hashing over the configured pools.
+pipelined (a window of them in flight per block, halved when a timeout fires and regrown by one per
+window's worth of answers, as TCP does), lost ones are sent again after an adaptive retransmission
+timeout (RFC 6298 estimator, Karn's rule, exponential backoff), and the whole operation fails with
+TransferTimeout after ``deadline`` seconds. Every reply is checked against what was asked (sender,
+namespace, key, chunk) and its payload against its CRC-32; a chunk whose bytes are wrong is counted
+and fetched again with KV_F_NO_CACHE so the switch's copy is bypassed. Which pool node owns a block
+is decided by rendezvous hashing over the configured pools.
 
 Request ids are random (``secrets``) and never reused while a reply to them can arrive: one
 in use or retired less than ``RID_HOLD`` seconds ago is not drawn again, so an off-path host
@@ -65,7 +65,8 @@ class _Transfer:
             client, addr, build, accept, stats)
         self.todo = list(reversed(items))
         self.left = self.total = len(items)
-        self.outstanding: dict[int, tuple[int, float, float, int]] = {}  # item -> rid, sent, due, tries
+        # item -> rid, sent, due, tries
+        self.outstanding: dict[int, tuple[int, float, float, int]] = {}
         self.rid_item: dict[int, int] = {}
         self.loop = asyncio.get_running_loop()
         self.future = self.loop.create_future()

@@ -58,7 +58,6 @@ def dec4(packed, scales, mins, out, group, dim, rows, row_len, out_stride, out_o
                     b[d] = (v >> 4) * s[d] + m[d]
 
 
-
 @njit(cache=True, fastmath=True, nogil=True, boundscheck=False, inline="always")
 def _h8(o):
     """The last butterfly stage (8) of the inverse rotation, in place on a token's 64 values."""

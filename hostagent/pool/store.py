@@ -12,13 +12,13 @@ answered. ``PoolStore`` is that common part and the interface the server uses: `
 NOT_FOUND and the least recently used blocks go when space runs out. The Mooncake Store one is
 ``hostagent.pool.mooncake_store``. Either may have a pool disk tier (``disk=``, a
 ``hostagent.pool.disk_tier.DiskTier``): a block evicted from the arena is written there first (if
-``demote_fn(ns, key, nbytes)`` says so; default: every one), and a GET the arena misses is
-staged back from it (read in a worker thread, every chunk checked) before the backing store is
-asked; at a clean stop (``close``) the blocks only in DRAM are written there too. The eviction order is ``lru`` or ``value`` (``value_fn(ns, key, nbytes)``, lowest
-first: ``set_policy``); ``on_get(ns, key)``, if set, hears of every fetch (a GET of chunk 0)
-the server process sees (not the ones XDP answers: run with ``HOSTAGENT_XDP_SERVE=0`` to see
-them all). Blocks are immutable: a PUT of a chunk that differs from the
-stored one is refused; one that matches (a retransmission) is acknowledged again.
+``demote_fn(ns, key, nbytes)`` says so; default: every one), and a GET the arena misses is staged
+back from it (read in a worker thread, every chunk checked) before the backing store is asked; at a
+clean stop (``close``) the blocks only in DRAM are written there too. The eviction order is ``lru``
+or ``value`` (``value_fn(ns, key, nbytes)``, lowest first: ``set_policy``); ``on_get(ns, key)``, if
+set, hears of every fetch (a GET of chunk 0) the server process sees (not the ones XDP answers: run
+with ``HOSTAGENT_XDP_SERVE=0`` to see them all). Blocks are immutable: a PUT of a chunk that differs
+from the stored one is refused; one that matches (a retransmission) is acknowledged again.
 """
 from __future__ import annotations
 

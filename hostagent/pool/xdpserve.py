@@ -1,21 +1,20 @@
 """A pool node's GETs answered from XDP (xdp/kvserve.c) on its interface.
 
-``ServeProgram`` (an ``xdp.program.Program``) compiles and loads kvserve.c for an arena of a
-given size (BCC, a few seconds) and maps its memory: the arena (the program's segment array, one
-contiguous mmap), the chunk slots (a numpy structured array over the mmapped slot map) and the
-block index. ``XdpArena``
-is a ``staging.Arena`` whose buffer *is* that arena, so stores read blocks into the memory XDP
-serves from (no copy), and whose ``publish``/``retract`` hooks keep the slots and the index in
-the order kvserve.c relies on: a published block's slots are written with their generation
-last, then its index entry; a retracted block's index entry is deleted and its generations
-zeroed before its slots or bytes can be reused. A block's slots lie where its pages do (no
-tenant can take another's); blocks of small chunks share a few dense slots, a namespace's share
-at most (issue #26: one block of 64,000 one-byte chunks used to take 64,000 of 65,536). ``XdpServer`` attaches the program to the
-interface that holds the bind address in generic mode (replacing a crashed server's program)
-and on close puts back a native program holding no map if one was there (a veth end needs one
-to receive what a switch sends it with XDP_TX). ``start`` is what ``hostagent serve`` calls: an
-``XdpServer``, or None when XDP cannot serve (not root, no interface, another port, no BCC),
-with one log line saying which path answers GETs (HOSTAGENT_XDP_SERVE=0 turns XDP off).
+``ServeProgram`` (an ``xdp.program.Program``) compiles and loads kvserve.c for an arena of a given
+size (BCC, a few seconds) and maps its memory: the arena (the program's segment array, one
+contiguous mmap), the chunk slots (a numpy structured array over the mmapped slot map) and the block
+index. ``XdpArena`` is a ``staging.Arena`` whose buffer *is* that arena, so stores read blocks into
+the memory XDP serves from (no copy), and whose ``publish``/``retract`` hooks keep the slots and the
+index in the order kvserve.c relies on: a published block's slots are written with their generation
+last, then its index entry; a retracted block's index entry is deleted and its generations zeroed
+before its slots or bytes can be reused. A block's slots lie where its pages do (no tenant can take
+another's); blocks of small chunks share a few dense slots, a namespace's share at most (issue #26:
+one block of 64,000 one-byte chunks used to take 64,000 of 65,536). ``XdpServer`` attaches the
+program to the interface that holds the bind address in generic mode (replacing a crashed server's
+program) and on close puts back a native program holding no map if one was there (a veth end needs
+one to receive what a switch sends it with XDP_TX). ``start`` is what ``hostagent serve`` calls: an
+``XdpServer``, or None when XDP cannot serve (not root, no interface, another port, no BCC), with
+one log line saying which path answers GETs (HOSTAGENT_XDP_SERVE=0 turns XDP off).
 """
 from __future__ import annotations
 
@@ -41,7 +40,6 @@ from xdp.program import Program
 from .staging import DEFAULT_PAGE, Arena, Runs, StagedBlock
 
 log = logging.getLogger("hostagent.xdpserve")
-
 
 
 class ServeProgram(Program, source="kvserve.c", stats="KV_SERVE_STAT_"):
@@ -97,6 +95,7 @@ class ServeProgram(Program, source="kvserve.c", stats="KV_SERVE_STAT_"):
             except BufferError:
                 pass                       # views still alive: the GC unmaps
         self.bpf.cleanup()
+
 
 C = ServeProgram.C
 SEG_SHIFT = C["KV_SERVE_SEG_SHIFT"]

@@ -40,8 +40,8 @@ from .serve_workloads import mixed_workload
 STORES = ("memory", "mooncake", "disk")
 REQUEST_TIMEOUT_S = 30.0      # a request without its first token by then has failed
 READ_BACK_DEADLINE_S = 10.0   # reading a block back after a run, from each pool node in turn
-DEADLINE_S = 5.0              # a block fetch's deadline in the nodes (silence: 1 s; then
-                              # the next pool node is asked)
+# a block fetch's deadline in the nodes (silence: 1 s; then the next pool node is asked)
+DEADLINE_S = 5.0
 AFTER_S = 2.0                 # "during" reaches this far past the fault's end
 WINDOW_S = 1.0                # the sliding window of recovery_s (its error: half of it)
 DISK_POOL_DRAM = "2MiB"       # with the disk tier: most blocks live on disk

@@ -18,6 +18,8 @@ from switchd.dataplane import DataPlane, pinned_deployment
 from ..lab import Lab, write_json
 from .fetch import AUTH_KEY, MIB, NS, NS_AUTH, PREFIX, _block, _engine, _gbps, _key, _merge
 from .throughput import fill_cache
+
+
 def auth_ab(chunk_sizes=(3072,), sizes_mib=(2, 64), reps: int = 30, json_path: str | None = None,
             log=print) -> dict:
     """The engine fetching the same data plain and sealed (hostagent/common/auth.py), alternating

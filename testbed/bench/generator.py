@@ -142,7 +142,7 @@ class Generator(Program, source=str(SOURCE), stats="KV_CNT_"):
             fns[n] for n in ("gen_frame", "count_replies", "reflect"))
         (self.cfg, self.state, self.zipf, self.rx_cfg, self.rx_count, self.rx_sample) = (
             self.bpf.get_table(n) for n in (b"gen_cfg", b"gen_state", b"gen_zipf", b"rx_cfg",
-                                             b"rx_count", b"rx_sample"))
+                                            b"rx_count", b"rx_sample"))
         self._sample_gen = 0
         self.clear_sample()
         self.template: Template | None = None
@@ -328,7 +328,7 @@ def check_memcached_reply(frame: bytes | None, src: Endpoint, value_size: int) -
         return "no reply sampled"
     pkt = Ether(frame)
     if UDP not in pkt or (pkt[IP].dst, pkt[UDP].sport, pkt[UDP].dport) != (src.ip, MC_PORT,
-                                                                            GEN_PORT):
+                                                                           GEN_PORT):
         return "reply is not addressed from memcached to the generator"
     data = bytes(pkt[UDP].payload)[:pkt[UDP].len - 8]
     seq, total = int.from_bytes(data[2:4], "big"), int.from_bytes(data[4:6], "big")

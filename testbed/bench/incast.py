@@ -62,7 +62,8 @@ def _measure(lab: Lab, readers: int, key: bytes, block: bytes, reps: int,
 
 
 def run_incast(readers: list[int], block_mib: float, reps: int, json_path: str | None,
-               plot_path: str | None, chunk_size: int = DEFAULT_CHUNK, link_gbit: float | None = None,
+               plot_path: str | None, chunk_size: int = DEFAULT_CHUNK,
+               link_gbit: float | None = None,
                pool_link_gbit: float | None = None, store: str = "memory",
                link_delay_us: float = 0.0, log=print) -> dict:
     block = os.urandom(int(block_mib * (1 << 20)))
@@ -80,9 +81,10 @@ def run_incast(readers: list[int], block_mib: float, reps: int, json_path: str |
     nchunks = -(-len(block) // chunk_size)
     for r in results:
         r["retransmit_ratio"] = round(r["retransmits"] / (r["readers"] * nchunks *
-                                                         r["repetitions"]), 5)
+                                                          r["repetitions"]), 5)
     out = {"block_bytes": len(block), "chunk_bytes": chunk_size, "link_gbit": link_gbit,
-           "pool_link_gbit": pool_link_gbit, "link_delay_us": link_delay_us, "store": store, "cpus": os.cpu_count(),
+           "pool_link_gbit": pool_link_gbit, "link_delay_us": link_delay_us, "store": store,
+           "cpus": os.cpu_count(),
            "results": results, "unshaped_switch": unshaped,
            "summary": _summary(results, len(block))}
     write_json(json_path, out)
@@ -114,8 +116,9 @@ def _run_modes(readers, block, key, reps, chunk_size, links, store, modes, log) 
                 row = {"mode": mode, "shaped": link_gbit is not None or
                        pool_link_gbit is not None, **_measure(lab, n, key, block, reps, cold)}
                 results.append(row)
-                log(f"{mode:8} readers={n:2} pool egress {row['pool_egress_bytes'] / len(block):5.2f}"
-                    f" x block, completion p50 {row['completion_s_p50']:.3f}s "
+                log(f"{mode:8} readers={n:2} pool egress "
+                    f"{row['pool_egress_bytes'] / len(block):5.2f} x block, "
+                    f"completion p50 {row['completion_s_p50']:.3f}s "
                     f"p99 {row['completion_s_p99']:.3f}s, retransmits {row['retransmits']}, "
                     f"byte-exact {row['byte_exact']} ({time.monotonic() - t0:.0f}s)")
     return results

@@ -156,7 +156,7 @@ def _incast(lab: FabricLab, mode: str, nbytes: int, log) -> dict:
         key, block = os.urandom(16), os.urandom(nbytes)
         lab.put(hosts[rep % len(hosts)], 1, key, block)
         e0, u0 = [lab.link_bytes(p.name, "tx") for p in pools], [lab.uplink_bytes(r)
-                                                                  for r in racks]
+                                                                 for r in racks]
         got = lab.get_many(hosts, 1, key)
         egress = [a + lab.link_bytes(p.name, "tx") - b for a, p, b in zip(egress, pools, e0)]
         uplinks = [a + lab.uplink_bytes(r) - b for a, r, b in zip(uplinks, racks, u0)]

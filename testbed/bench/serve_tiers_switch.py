@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import threading
 
+
 def clear_maps(dp) -> None:
     """Zero every array and empty every hash of ``dp``'s switch, as a fresh start finds them:
     all but the constant CRC table, the replication devmap (the start writes it anew, the

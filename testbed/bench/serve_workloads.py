@@ -81,7 +81,6 @@ def trace_workload(trace_path: str, nodes: int, prefill_tok_s: float, requests: 
                                           "trace": trace_path})
 
 
-
 def arrivals(rng: np.random.Generator, rate: float, start: float, end: float):
     """Poisson arrival times at ``rate`` per second after ``start``, up to ``end``; drawn one at
     a time, so a caller's own draws between arrivals keep their place in ``rng``'s stream."""
@@ -97,6 +96,7 @@ def zipf_weights(n: int, alpha: float) -> np.ndarray:
     """Zipf(alpha) probabilities of ranks 1..n."""
     p = 1 / np.arange(1, n + 1) ** alpha
     return p / p.sum()
+
 
 def burst_workload(nodes: int, prefill_tok_s: float, prefix_blocks: int = 32,
                    burst_per_node: int = 2, window: float = 0.2, suffix_tokens: int = 256,

@@ -91,7 +91,7 @@ class Memcached:
                     time.sleep(0.05)
         with s:
             s.sendall(b"".join(b"set %s 0 0 %d noreply\r\n%s\r\n" % (memcached_key(i), size,
-                                                                      payload(i, size))
+                                                                     payload(i, size))
                                for i in range(n)) + b"mn\r\n")
             buf = b""
             while not buf.endswith(b"MN\r\n"):

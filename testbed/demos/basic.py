@@ -48,7 +48,8 @@ def run_demo(chunks: int = 256, chunk_size: int = DEFAULT_CHUNK, prefix: str = "
     for node, res, data in results:
         exact[node] = data == block and res["sha256"] == want
         table.add_row(node, str(res["from_pool"]), str(res["from_switch"]),
-                      str(res["retransmits"]), f"{res['seconds']:.3f}", "yes" if exact[node] else "NO")
+                      str(res["retransmits"]), f"{res['seconds']:.3f}",
+                      "yes" if exact[node] else "NO")
     console.print(table)
     console.print(f"switch counters: hits={counters['get_hit']} misses={counters['get_miss']} "
                   f"learned={counters['fill']} served {counters['hit_bytes']:,} bytes")

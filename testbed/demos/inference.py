@@ -14,13 +14,13 @@ The default model is the real SmolLM2-135M-Instruct (``testbed.demos.realmodel``
 (``hostagent.inference.codec``) the same prompts' blocks move again, coded (their own keys); codec
 none must give greedy tokens and KV identical to recompute, the others report their greedy agreement
 with it. The seeded-random models stay for fast runs and tests: "llama3-mini" is a scaled-down
-Llama-3: grouped-query attention with 16 query heads and 2 KV heads, a 3.5x SwiGLU MLP, fp32, 8 layers of width 1024 (~0.17 B parameters, 0.35 GFLOP
-per token outside attention), so 8 KiB of KV per token: ~42 kFLOP of prefill per KV byte. That is
-below Llama-3-8B's ratio (~107 kFLOP/B in bf16: 14 GFLOP and 128 KiB per token) and a tenth of
-Llama-3-70B's (~420 kFLOP/B), so the fetch path gets no help from the model choice. Prefill runs
-in 512-token chunks (one block each) on both paths. fp32 by default: this machine's CPU has AVX2
-and no AMX, and torch's CPU build multiplies bf16 about 5x slower than fp32 here
-(``--dtype bfloat16`` still runs).
+Llama-3: grouped-query attention with 16 query heads and 2 KV heads, a 3.5x SwiGLU MLP, fp32, 8
+layers of width 1024 (~0.17 B parameters, 0.35 GFLOP per token outside attention), so 8 KiB of KV
+per token: ~42 kFLOP of prefill per KV byte. That is below Llama-3-8B's ratio (~107 kFLOP/B in bf16:
+14 GFLOP and 128 KiB per token) and a tenth of Llama-3-70B's (~420 kFLOP/B), so the fetch path gets
+no help from the model choice. Prefill runs in 512-token chunks (one block each) on both paths. fp32
+by default: this machine's CPU has AVX2 and no AMX, and torch's CPU build multiplies bf16 about 5x
+slower than fp32 here (``--dtype bfloat16`` still runs).
 
 The orchestrator runs here; the model runs inside the node namespaces (tasks ``node_a`` and
 ``node_b``). B and C fetch through the XDP fetch engine (``hostagent.inference.fetch``; the asyncio
@@ -78,7 +78,8 @@ class _Node:
     """The model of one inference node (the same seeded weights on every node) and its layout."""
 
     def __init__(self, model: str, dtype: str, block_tokens: int):
-        from hostagent.inference.hf_connector import BlockLayout  # first: keeps transformers offline
+        # first: keeps transformers offline
+        from hostagent.inference.hf_connector import BlockLayout
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
         self.dtype = getattr(torch, dtype)

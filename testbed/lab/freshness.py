@@ -47,10 +47,9 @@ MEASURES: list[tuple[str, list[str]]] = [
     ("fetch*", SWITCH + FETCH + POOL + ["testbed/bench/fetch.py"]),
     ("incast-mooncake*", SWITCH + FETCH + POOL + MOONCAKE + LINKS + ["testbed/bench/incast.py"]),
     ("incast*", SWITCH + FETCH + POOL + LINKS + ["testbed/bench/incast.py"]),
-    ("serve-tiers*", SWITCH + FETCH + POOL + LINKS + TIERS + ["testbed/bench/serve_tiers.py",
-                                                              "testbed/bench/serve_tiers_node.py",
-                                                              "testbed/bench/serve_tiers_pool.py",
-                                                              "testbed/bench/serve_tiers_switch.py"]),
+    ("serve-tiers*", SWITCH + FETCH + POOL + LINKS + TIERS + [
+        "testbed/bench/serve_tiers.py", "testbed/bench/serve_tiers_node.py",
+        "testbed/bench/serve_tiers_pool.py", "testbed/bench/serve_tiers_switch.py"]),
     # a fabric: every switch runs switchd (its policy and trunk ports) over bench serve's loops
     ("serve-fabric*", SWITCH + FETCH + POOL + LINKS + ["switchd", "testbed/lab/fabric.py",
                                                        "testbed/bench/serve_fabric.py",
@@ -61,12 +60,12 @@ MEASURES: list[tuple[str, list[str]]] = [
                                                 "testbed/bench/serve_node.py",
                                                 "testbed/bench/serve_workloads.py"]),
     ("soak-faults*", SWITCH + FETCH + POOL + LINKS + ["switchd", "testbed/bench/serve.py",
-                                                       "testbed/bench/serve_node.py",
-                                                       "testbed/bench/serve_workloads.py",
-                                                       "testbed/bench/faults.py",
-                                                       "testbed/bench/fault_kinds.py",
-                                                       "testbed/bench/fault_soak.py",
-                                                       "hostagent/common/netif.py"]),
+                                                      "testbed/bench/serve_node.py",
+                                                      "testbed/bench/serve_workloads.py",
+                                                      "testbed/bench/faults.py",
+                                                      "testbed/bench/fault_kinds.py",
+                                                      "testbed/bench/fault_soak.py",
+                                                      "hostagent/common/netif.py"]),
     # restarts load programs from the bytecode cache: how fast a restarted daemon serves
     ("faults*", SWITCH + FETCH + POOL + MOONCAKE + LINKS + [
         "xdp/loader.py", "xdp/cache.py", "switchd", "testbed/bench/serve.py",
@@ -274,6 +273,6 @@ def check(root: str | Path = ".") -> list[Finding]:
         f.result_commit = git(root, "log", "-1", "--format=%h", "--", *written).strip() or None
         if f.result_commit and f.measures:
             f.changed_lines, f.changed_files = changes_since(root, f.result_commit, head,
-                                                              f.measures)
+                                                             f.measures)
         findings.append(f)
     return findings

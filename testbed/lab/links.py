@@ -1,11 +1,11 @@
 """Links that behave like links: a node's cable to the switch as a namespace of its own
-(``<prefix>-l<node>``) holding a plain Linux bridge between two veths, one towards the switch
-port and one towards the node, each with a tc tbf qdisc on its egress. Both directions of the
-link queue at the configured rate whatever sent the frame: the node's stack, the node's XDP
-programs (XDP_TX, the fetch engine's live-frames test runs, a pool node's XDP GET server) or the
-switch's XDP (hits sent with XDP_TX, devmap broadcasts). XDP-sent frames skip every qdisc of the
-interface that sends them; in the link namespace they arrive as skbs (an XDP_PASS program on
-each end accepts them, as ``pass_program`` in testbed.lab.topology does) and the bridge's egress queues them.
+(``<prefix>-l<node>``) holding a plain Linux bridge between two veths, one towards the switch port
+and one towards the node, each with a tc tbf qdisc on its egress. Both directions of the link queue
+at the configured rate whatever sent the frame: the node's stack, the node's XDP programs (XDP_TX,
+the fetch engine's live-frames test runs, a pool node's XDP GET server) or the switch's XDP (hits
+sent with XDP_TX, devmap broadcasts). XDP-sent frames skip every qdisc of the interface that sends
+them; in the link namespace they arrive as skbs (an XDP_PASS program on each end accepts them, as
+``pass_program`` in testbed.lab.topology does) and the bridge's egress queues them.
 
 tbf queues rather than polices: a frame waits while the link is busy, up to ``buffer_ms`` of
 queue or ``MIN_BUFFER`` bytes, whichever is more (then it is dropped, as a switch port with that

@@ -52,7 +52,7 @@ def sim_run(trace_path, requests, sharing, json_path, **kw):
     from .model import point
     from .trace import load_trace
     out = sim_errors(lambda: point(load_trace(trace_path), SimConfig(**kw), requests, sharing,
-                                    log=lambda m: click.echo(m, err=True)))
+                                   log=lambda m: click.echo(m, err=True)))
     write_json(json_path, out)
     for mode in ("pool_off", "pool_on"):
         r = out[mode]

@@ -106,7 +106,7 @@ class SimConfig:
             raise SimError(f"unknown demotion {self.demote!r} (choose from {', '.join(DEMOTES)})")
         if self.switch_policy not in POLICIES:
             raise SimError(f"unknown policy {self.switch_policy!r} "
-                             f"(choose from {', '.join(POLICIES)})")
+                           f"(choose from {', '.join(POLICIES)})")
         if not (1 <= self.block_tokens <= BLOCK_TOKENS and BLOCK_TOKENS % self.block_tokens == 0):
             raise SimError(f"block tokens must divide {BLOCK_TOKENS}, got {self.block_tokens}")
         for name in ("hbm_gib", "dram_gib", "switch_gib", "skew"):
@@ -123,7 +123,6 @@ class SimConfig:
     @property
     def block_bytes(self) -> int:
         return BLOCK_TOKENS * self.kv_per_token
-
 
 
 def default_requests(nodes: int) -> int:
@@ -185,7 +184,7 @@ def throughput_entries(doc: dict) -> list[dict]:
             if not isinstance(r, dict) or not r.get("chunk_bytes"):
                 continue
             entries = r.get("entries", r.get("cache_entries",
-                                            (keys or 0) if section == "results" else None))
+                                             (keys or 0) if section == "results" else None))
             if entries is None:
                 continue
             own = r.get("switch_hit_ns_per_frame") or r.get("ns_per_frame")

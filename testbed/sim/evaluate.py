@@ -213,7 +213,8 @@ def plot_sweep(out: dict, path) -> None:
         ax.plot(x, y, label=label, **style)
         if key not in ("static", BELADY):
             rel.plot(x, 100 * (y - best), label=label, **style)
-    ax.plot(x, best, color="tab:purple", lw=7, alpha=0.18, label="best libCacheSim at each capacity")
+    ax.plot(x, best, color="tab:purple", lw=7, alpha=0.18,
+            label="best libCacheSim at each capacity")
     rel.axhline(0, color="tab:purple", lw=7, alpha=0.18)
     rel.set_ylabel("points vs the best libCacheSim algorithm at that capacity")
     ax.set_ylabel("hit ratio (hits / block requests)")

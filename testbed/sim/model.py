@@ -25,9 +25,9 @@ GPU HBM -> node DRAM (both per node) -> switch pool -> pool-node DRAM -> recompu
   windows (x 1/R), everything else stays exact (``pool_on.switch.sample_rate`` says so).
 
 KV codec (``--kv-codec``, testbed.sim.codec): blocks on the wire and in the switch and pool nodes
-shrink by the codec's measured ratio; a fetched block is decoded on the node's CPU, overlapping
-the fetch of later blocks. Costs and timing: see docs/sim.md. ``point`` computes one point for ``sim run`` and ``sim sweep``
-alike; result keys: see ``run`` and ``summary``.
+shrink by the codec's measured ratio; a fetched block is decoded on the node's CPU, overlapping the
+fetch of later blocks. Costs and timing: see docs/sim.md. ``point`` computes one point for ``sim
+run`` and ``sim sweep`` alike; result keys: see ``run`` and ``summary``.
 """
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def _percentiles(x: np.ndarray) -> dict:
     if not len(x):
         return {"p50": None, "p99": None, "mean": None}
     p50, p99 = np.percentile(x, [50, 99])
-    return {"p50": round(float(p50), 4), "p99": round(float(p99), 4), "mean": round(float(x.mean()), 4)}
+    return {"p50": round(float(p50), 4), "p99": round(float(p99), 4),
+            "mean": round(float(x.mean()), 4)}
 
 
 def _incast(keys, times, windows) -> dict:

@@ -114,4 +114,3 @@ def run_replay(trace_path: str, capacity: float, limit: int | None = None,
         f"byte-exact {live['byte_exact']}, {live['seconds']}s")
     write_json(json_path, out)
     return out
-

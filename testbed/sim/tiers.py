@@ -122,8 +122,6 @@ def che_ttl(seg: np.ndarray, g: np.ndarray, size: np.ndarray, capacity: float, n
     return T
 
 
-
-
 def dram_hits(cfg, key, node, prev_n, next_n, nbytes, T_hbm, span, demote, orders) -> np.ndarray:
     """Which accesses find their block in the node's DRAM (demoted from HBM, still there)."""
     if demote == "none" or cfg.dram_gib <= 0:
@@ -155,8 +153,6 @@ def dram_hits(cfg, key, node, prev_n, next_n, nbytes, T_hbm, span, demote, order
     Th += T_d[node]
     prev_valued &= prev_n < Th
     return prev_valued
-
-
 
 
 # ---- the switch tier ---------------------------------------------------------------------------

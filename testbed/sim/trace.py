@@ -243,7 +243,8 @@ def generate_sessions(n_requests: int, seed: int, *, system_prompts: int = 20,
     chains, il = [], []
     for _ in range(n_requests):
         if rng.random() < 0.2:
-            chain = sys_chains[rng.choice(system_prompts, p=sys_p)] + fresh(int(rng.integers(2, 61)))
+            chain = (sys_chains[rng.choice(system_prompts, p=sys_p)]
+                     + fresh(int(rng.integers(2, 61))))
         else:
             c = int(rng.choice(sessions, p=conv_p))
             if c not in conv_of or len(conv_of[c]) > 300:

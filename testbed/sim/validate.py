@@ -1,16 +1,16 @@
 """`testbed sim validate`: the cluster model against the veth testbed at the scale it reaches.
 
 The first ``limit`` requests of a trace are replayed on a testbed with 4 inference nodes and one
-pool node (namespaces ``simv<pid>-*``, always removed): every trace block is a 1024-byte KV block
-of one chunk (keys and payloads as testbed.replay makes them), all put on the pool node first;
-requests are routed to the 4 nodes as the model routes them, and each node's client fetches its
-requests' blocks in chain order at ``speedup`` times the trace's pace, all four at once from a
-common start. switchd runs its default policy every ``interval`` seconds over a cache of
-``capacity`` blocks plus fill headroom. Measured: the share of block fetches the switch answered
-(hits and coalesced replicas, from the clients' reply flags) and the bytes every node's interface
-sent and received during the replay. The model runs the same requests with the same routing,
-capacity, headroom, interval and clock (trace time / speedup), the pool preloaded and no node
-tiers (the testbed's clients cache nothing), and predicts both. Result: bench/results/sim-validate.json.
+pool node (namespaces ``simv<pid>-*``, always removed): every trace block is a 1024-byte KV block of
+one chunk (keys and payloads as testbed.replay makes them), all put on the pool node first; requests
+are routed to the 4 nodes as the model routes them, and each node's client fetches its requests'
+blocks in chain order at ``speedup`` times the trace's pace, all four at once from a common start.
+switchd runs its default policy every ``interval`` seconds over a cache of ``capacity`` blocks plus
+fill headroom. Measured: the share of block fetches the switch answered (hits and coalesced
+replicas, from the clients' reply flags) and the bytes every node's interface sent and received
+during the replay. The model runs the same requests with the same routing, capacity, headroom,
+interval and clock (trace time / speedup), the pool preloaded and no node tiers (the testbed's
+clients cache nothing), and predicts both. Result: bench/results/sim-validate.json.
 """
 from __future__ import annotations
 
@@ -130,7 +130,8 @@ def run_validate(trace_path: str, limit: int = 2000, capacity: float = 0.05,
         counters = lab.stats()
     delta = {node: {d: after[node][d] - before[node][d] for d in ("tx", "rx")} for node in after}
     measured_bytes = {link: sum(v[d] for node, v in delta.items()
-                                if (node.startswith("h") if role == "host" else node.startswith("p")))
+                                if (node.startswith("h") if role == "host"
+                                    else node.startswith("p")))
                       for link, (role, d) in LINKS.items()}
     total = sum(r["block_requests"] for r in live)
     sw = sum(r["switch_hits"] + r["replicas"] for r in live)
@@ -168,4 +169,3 @@ def run_validate(trace_path: str, limit: int = 2000, capacity: float = 0.05,
         + ", ".join(f"{k} {v['error']:+.1%}" for k, v in bytes_cmp.items()))
     write_json(json_path, out)
     return out
-

@@ -41,7 +41,8 @@ class Workload:
 def _partial_tail_fresh(offsets, ids, input_length, start_id):
     """Give the partial last block of every prompt an id of its own (its text is the request's)."""
     lens = np.diff(offsets)
-    partial = (input_length % BLOCK_TOKENS != 0) & (lens > input_length // BLOCK_TOKENS) & (lens > 0)
+    partial = ((input_length % BLOCK_TOKENS != 0) & (lens > input_length // BLOCK_TOKENS)
+               & (lens > 0))
     last = offsets[1:][partial] - 1
     ids = ids.copy()
     ids[last] = start_id + np.arange(len(last))
@@ -148,4 +149,3 @@ def route(wl: Workload, cfg: SimConfig) -> np.ndarray:
         out[r] = node
         heapq.heapreplace(busy, (max(free, t) + w, node))
     return out
-

@@ -29,4 +29,5 @@ from .engine import EngineStats, FetchEngine, NoReply
 from xdp import NoXdp
 
 
-__all__ = ["AsyncFetchClient", "Block", "EngineStats", "FetchEngine", "NoReply", "NoXdp", "open_client"]
+__all__ = ["AsyncFetchClient", "Block", "EngineStats", "FetchEngine", "NoReply", "NoXdp",
+           "open_client"]

@@ -68,8 +68,9 @@ class FetchEngine:
                  deadline: float = 30.0, burst: int = 1024, batch_size: int = 64,
                  start_window: int = 1024, max_window: int = 16384, rto_floor: float = 0.001,
                  reo_floor: float = 0.0001, tail_wait: float = 0.0002,
-                 call_frames: int = 1024, poll_interval: float = 50e-6, threaded: bool | None = None,
-                 first_reply_timeout: float = 2.0, auth=auth_mod.DEFAULT):
+                 call_frames: int = 1024, poll_interval: float = 50e-6,
+                 threaded: bool | None = None, first_reply_timeout: float = 2.0,
+                 auth=auth_mod.DEFAULT):
         self.pools = [parse_addr(p) if isinstance(p, str) else tuple(p) for p in pools]
         if not self.pools:
             raise ValueError("no pool nodes configured")

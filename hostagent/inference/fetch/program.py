@@ -92,7 +92,8 @@ class FetchProgram(Program, source="kvfetch.c", stats="KV_FETCH_STAT_"):
         x["gen"] = 0
         self.meta[base:base + nslots] = 0
         x["ns"], x["key"] = ns, np.frombuffer(key, np.uint8)
-        x["nchunks"], x["base"], x["nslots"], x["route"] = nchunks, base, nslots, route | flags << 16
+        x["nchunks"], x["base"], x["nslots"], x["route"] = (
+            nchunks, base, nslots, route | flags << 16)
         for f in ("status", "err", "received", "tail_len", "seen_nchunks", "bad"):
             x[f] = 0
         x["gen"] = gen
