@@ -5,8 +5,8 @@ import pytest
 from switchd.cache import Cache
 from switchd.manager import CacheManager
 from switchd.popularity import Popularity, sketch_x
-from test_xdp import (PORTS, dataplane, get_frame, ports_namespace,  # noqa: F401
-                      reply_frame, run)
+from xdp_fixtures import get_frame, reply_frame
+from xdp_switch import PORTS, dataplane, ports_namespace, run  # noqa: F401
 
 pytestmark = pytest.mark.bpf
 

@@ -14,7 +14,7 @@ from kvproto import HEADER_LEN, OFFSET
 from kvproto.frames import HDR_OFF, XDP
 from switchd.dataplane import SwitchError
 from xdp.libbpf import xdp_test_run
-from test_xdp import cache, dp, hold_slot, ports_namespace, run  # noqa: F401
+from xdp_switch import cache, dp, hold_slot, ports_namespace, run  # noqa: F401
 from xdp_fixtures import KEY, PAYLOAD, get_frame, reply_frame
 
 pytestmark = pytest.mark.bpf

@@ -1,74 +1,22 @@
 """The switch's XDP program on crafted frames through BPF_PROG_TEST_RUN: exact replies for hits,
 untouched frames for everything else, learning only what it should. No interface needed. The
 single-frame cases are a table (xdp_fixtures.CASES) run by one test; sequences follow it."""
-import json
 import socket
-import subprocess
 
 import pytest
-from scapy.layers.l2 import ARP, Ether
+from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 
 from kvproto import Flag, checksum
 from kvproto.scapy_layer import KV
 from kvproto.frames import XDP
-from switchd.cache import Cache
-from switchd import ports
-from switchd.dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment, SwitchError
-from switchd.ports import resolve
-from xdp.libbpf import xdp_test_run
-from testbed.lab.topology import scratch_ports
-from xdp_fixtures import (CASES, HOST_IP, HOST_MAC, KEY, OTHER_IP, OTHER_MAC,  # noqa: F401
-                          PAYLOAD, POOL_IP, POOL_MAC, Case, get_frame, put_frame, reply_frame,
-                          waiter_of)
+from switchd.dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment
+from xdp_fixtures import (CASES, HOST_IP, KEY, OTHER_IP, PAYLOAD, POOL_IP,  # noqa: F401
+                          Case, get_frame, put_frame, reply_frame, waiter_of)
+from xdp_switch import (HOST2_IP, PORTS, cache, dataplane, dp, hold_slot,  # noqa: F401
+                        ports_namespace, run)
 
 pytestmark = pytest.mark.bpf
-
-PORTS = {}  # "host", "host2", "pool" -> ifindex of a veth end in the test's own namespace
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ports_namespace():
-    """Frames are run as if received on real ports: veth pairs in a namespace of our own."""
-    with scratch_ports(("hostport", "poolport"), ("host2port", "spare"), prefix="kvbpf") as ends:
-        PORTS.update({p: ends[f"{p}port"] for p in ("host", "host2", "pool")})
-        yield
-
-
-def dataplane(cache_entries: int) -> DataPlane:
-    """The switch's programs and private maps, with the "pool" port a pool-node port."""
-    dp = DataPlane(Deployment(chunk_size=1024, cache_entries=cache_entries, pin_dir=None))
-    dp.ports[dp.ports.Key(PORTS["pool"])] = dp.ports.Leaf(role=ROLE_POOL)
-    return dp
-
-
-@pytest.fixture(scope="module")
-def dp(ports_namespace):
-    return dataplane(4096)
-
-
-@pytest.fixture
-def cache(dp):
-    c = Cache(dp)
-    c.flush()
-    for table in (dp.admit, dp.pending, dp.waiters):
-        table.clear()
-    dp.set("coalesce", 0)
-    dp.set("spec_fill", 0)
-    return c
-
-
-def run(dp, frame, port="host"):
-    return xdp_test_run(dp.ingress.fd, bytes(frame), ifindex=PORTS[port])
-
-
-def hold_slot(dp, cache, ns, key, chunk, held=True):
-    """Stand for a writer holding a chunk's slot (its sequence word odd, kvslot.h), or letting it
-    go: written with a syscall, as nothing else runs in a test."""
-    idx = dp.cache.Key(cache.slot_of(ns, key, chunk))
-    v = dp.cache[idx]
-    v.seq += 1 if bool(v.seq & 1) != held else 0
-    dp.cache[idx] = v
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -211,7 +159,6 @@ def test_reply_larger_than_a_cache_entry_is_not_learned(dp, cache):
 
 
 # ---- miss coalescing --------------------------------------------------------------------------
-HOST2_IP = "198.18.0.2"
 
 
 @pytest.fixture
@@ -373,137 +320,6 @@ def test_coalescing_off_forwards_every_miss(dp, cache):
 
 
 # ---- port security ---------------------------------------------------------------------------
-def test_a_secured_port_binds_to_its_first_source(dp, cache):
-    host = socket.if_indextoname(PORTS["host"])
-    dp.set_port_role(host, ROLE_HOST, secured=True)
-    try:
-        assert host not in dp.port_sources()
-        before = dp.counters()
-        frame = bytes(get_frame())
-        assert run(dp, frame) == (XDP.PASS, frame)          # a miss; it binds the port
-        assert dp.port_sources()[host] == (HOST_MAC, HOST_IP)
-        assert dp.counters()["src_learned"] - before["src_learned"] == 1
-        assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.DROP
-        dp.set_port_role(host, ROLE_HOST, secured=True)     # a restarted daemon keeps it
-        assert dp.port_sources()[host] == (HOST_MAC, HOST_IP)
-        assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.DROP
-    finally:
-        dp.set_port_role(host, ROLE_HOST)
-    assert host not in dp.port_sources()
-    assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.PASS
-
-
-def test_only_ports_without_checks_are_spared_the_port_lookup(dp, cache):
-    """kv_port_clear: switchd marks a port without checks (its frames skip the kv_ports lookup)
-    and clears the mark before the port gets checks, so a secured port's spoofed frame is
-    dropped though the port was marked a moment before; unsecured again, it is marked again."""
-    clear = dp.bpf.get_table(b"kv_port_clear")
-    _unsecure(dp, "host", "host2")
-    assert clear[clear.Key(PORTS["host"])].value == 1
-    _secure(dp, "host2", (OTHER_MAC, OTHER_IP))           # some port has checks: port_checks on
-    try:
-        assert dp.get("port_checks") == 1
-        assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.PASS    # host: no checks, marked
-        _secure(dp, "host", (HOST_MAC, HOST_IP))
-        assert clear[clear.Key(PORTS["host"])].value == 0
-        assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.DROP    # spoofed
-        assert run(dp, get_frame(src=HOST_IP))[0] == XDP.PASS
-    finally:
-        _unsecure(dp, "host", "host2")
-    assert clear[clear.Key(PORTS["host"])].value == 1
-    assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.PASS
-
-
-def _secure(dp, port, source=None):
-    dp.set_port_role(socket.if_indextoname(PORTS[port]),
-                     ROLE_POOL if port == "pool" else ROLE_HOST, secured=True, source=source)
-
-
-def _unsecure(dp, *ports):
-    for port in ports:
-        dp.set_port_role(socket.if_indextoname(PORTS[port]),
-                         ROLE_POOL if port == "pool" else ROLE_HOST)
-
-
-def _arp(mac, ip):
-    return bytes(Ether(src=mac, dst="ff:ff:ff:ff:ff:ff") / ARP(op=2, hwsrc=mac, psrc=ip, pdst=ip))
-
-
-def test_two_ports_never_learn_the_same_source(dp, cache):
-    """h1 spoke first; h2's first frame is an ARP reply with h1's MAC and address (issue 26:
-    the switch bound h2 to h1 and h2 received h1's replies). It is dropped, h2 stays unbound,
-    and binds to its own source when it sends one."""
-    _secure(dp, "host")
-    _secure(dp, "host2")
-    try:
-        assert run(dp, _arp(HOST_MAC, HOST_IP), port="host")[0] == XDP.PASS   # h1 binds
-        before = dp.counters()
-        for frame in (_arp(HOST_MAC, HOST_IP), bytes(get_frame()),
-                      _arp(OTHER_MAC, HOST_IP), bytes(get_frame(src_mac=HOST_MAC, src=HOST2_IP))):
-            assert run(dp, frame, port="host2")[0] == XDP.DROP
-        after = dp.counters()
-        assert after["src_taken"] - before["src_taken"] == 4
-        assert after["src_learned"] == before["src_learned"]
-        host, host2 = (socket.if_indextoname(PORTS[p]) for p in ("host", "host2"))
-        assert dp.port_sources() == {host: (HOST_MAC, HOST_IP)}
-        assert run(dp, _arp(OTHER_MAC, HOST2_IP), port="host2")[0] == XDP.PASS
-        assert dp.port_sources()[host2] == (OTHER_MAC, HOST2_IP)
-        macs, ips = ports.owners(dp)
-        assert sorted(macs.values()) == sorted(ips.values()) == sorted([PORTS["host"],
-                                                                        PORTS["host2"]])
-    finally:
-        _unsecure(dp, "host", "host2")
-    assert ports.owners(dp) == ({}, {}), "unsecured ports own nothing"
-
-
-def test_a_relearn_needs_the_operator(dp, cache):
-    _secure(dp, "host")
-    try:
-        assert run(dp, _arp(HOST_MAC, HOST_IP))[0] == XDP.PASS
-        assert run(dp, _arp(OTHER_MAC, OTHER_IP))[0] == XDP.DROP          # sticky
-        host = socket.if_indextoname(PORTS["host"])
-        assert ports.relearn(dp, host) == (HOST_MAC, HOST_IP)
-        assert host not in dp.port_sources() and ports.owners(dp) == ({}, {})
-        assert run(dp, _arp(OTHER_MAC, OTHER_IP))[0] == XDP.PASS          # binds anew
-        assert dp.port_sources()[host] == (OTHER_MAC, OTHER_IP)
-        assert run(dp, _arp(HOST_MAC, HOST_IP))[0] == XDP.DROP
-    finally:
-        _unsecure(dp, "host")
-
-
-def test_a_pool_port_bound_before_any_frame_cannot_be_claimed(dp, cache):
-    """switchd binds a pool port to its node (the address given, its MAC asked for by ARP
-    out of that port) before attaching; an explicit binding takes a source a port learned."""
-    _secure(dp, "host")
-    try:
-        assert run(dp, _arp(POOL_MAC, POOL_IP))[0] == XDP.PASS      # learned before the pool's
-        _secure(dp, "pool", (POOL_MAC, POOL_IP))                    # binding: the operator wins
-        host, pool = (socket.if_indextoname(PORTS[p]) for p in ("host", "pool"))
-        assert dp.port_sources() == {pool: (POOL_MAC, POOL_IP)}
-        for frame in (_arp(POOL_MAC, POOL_IP), bytes(reply_frame()),
-                      bytes(get_frame(src_mac=POOL_MAC, src=POOL_IP))):
-            assert run(dp, frame)[0] == XDP.DROP
-        assert run(dp, bytes(reply_frame()), port="pool")[0] == XDP.PASS
-        assert host not in dp.port_sources()
-    finally:
-        _unsecure(dp, "host", "pool")
-
-
-def test_a_ports_node_is_found_by_arp_out_of_that_port_alone():
-    """switchd.ports.resolve: an ARP probe out of one port, answered on that port (here by the
-    veth end facing it, holding the address); an address nobody holds is one clear error."""
-    for args in (["link", "set", "host2port", "up"], ["link", "set", "spare", "up"],
-                 ["addr", "replace", "198.18.0.77/32", "dev", "spare"]):
-        subprocess.run(["ip", *args], check=True)
-    mac = json.loads(subprocess.run(["ip", "-j", "link", "show", "spare"], capture_output=True,
-                                    text=True, check=True).stdout)[0]["address"]
-    assert resolve("host2port", "198.18.0.77") == mac
-    with pytest.raises(SwitchError, match="nothing at 198.18.0.78 answered ARP on port "
-                                          "host2port"):
-        resolve("host2port", "198.18.0.78", timeout=0.5)
-
-
-# ---- puts ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("port", ["host", "pool"])
 def test_puts_are_never_learned(dp, cache, port):
     cache.admit(5, KEY)
