@@ -80,12 +80,13 @@ class Case:
     cached: tuple = CACHED
     admitted: tuple = ()              # (ns, key) of blocks in the admit set
     port_ns: dict = field(default_factory=dict)   # port -> namespaces it is limited to
-    secure: dict = field(default_factory=dict)    # port -> (MAC, IP) it is bound to (None:
-    # secured, bound to nothing yet)
+    # port -> (MAC, IP) it is bound to (None: secured, bound to nothing yet)
+    secure: dict = field(default_factory=dict)
     counters: dict = field(default_factory=dict)  # counter -> expected increase
     cache_unchanged: bool = True
-    writing: tuple = ()               # (ns, key, chunk) of cached chunks whose slot a writer
-    # holds (sequence word odd, kvslot.h) as the frame arrives
+    # (ns, key, chunk) of cached chunks whose slot a writer holds (sequence word odd, kvslot.h)
+    # as the frame arrives
+    writing: tuple = ()
 
 
 def _with_udp_checksum(value: int | None) -> bytes:
