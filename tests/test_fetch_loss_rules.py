@@ -41,6 +41,8 @@ def lossy_round(tries: int, n: int = 4, hits: tuple[int, ...] = (0, 2, 3),
     t.nverified, t.next_new, t.max_hit_seq = len(hits), n, max(hits)
     t.lo = int(np.argmin(t.verified))
     t.looked = t.last_delivery = NOW - 5e-6
+    t.ahead[:] = np.arange(n)                            # each ask behind the ones before it
+    route.iface.settled, route.iface.last_delivery = len(hits), t.last_delivery
     return t, ring
 
 

@@ -141,9 +141,9 @@ class FetchEngine:
             self._sock.bind(("0.0.0.0", 0))
             self.port = self._sock.getsockname()[1]
             self._mac, own_ip = link(self.ifname)
-            routes = {}
+            routes, iface = {}, transfers.Interface()
             for i, p in enumerate(self.pools):
-                r = routes[p] = Route(i, p, self.start_window)
+                r = routes[p] = Route(i, p, self.start_window, iface)
                 r.mac, r.src = next_hop(p[0], self.ifname, self._sock, own_ip)
         return routes
 
@@ -447,6 +447,7 @@ class FetchEngine:
         self._retire(t)
 
     def _retire(self, t: Transfer) -> None:
+        t.route.iface.settled += t.inflight          # never to come: not waited for
         if t.rtt.srtt is not None:
             t.route.rtts[t.switched] = t.rtt
             t.route.last_switched = t.switched

@@ -25,7 +25,11 @@ the time the route's chunks in flight (every transfer's: they share the link's q
 the measured delivery rate, at most ``MAX_RTO`` before backing off; before a transfer's first
 reply at least ``INITIAL_RTO``, or ``ACTIVE_FIRST_RTO`` once the route has delivered, and that
 until the route has a delivery rate; restarted by every delivery, backing off per try; the
-oldest ``TIMEOUT_BATCH`` unverified chunks per scan). Before a retransmission the candidates'
+oldest ``TIMEOUT_BATCH`` unverified chunks per scan), and only once what was in flight ahead
+of the ask on the engine's interface settled (``Interface``: every route's replies share its
+link queues, and a transfer asked behind another pool node's window hears nothing for as long
+as that takes: a fresh engine's first fetch of 32 blocks from two pool nodes over an idle
+25 Mbit/s link asked 59-79 of its 160 chunks again). Before a retransmission the candidates'
 slot words are read again: arrived but not yet verified is not lost. Scans look at the
 unverified chunks only (a chunk lost twice keeps the lowest unverified one far behind).
 
@@ -80,6 +84,7 @@ FAST_OUT = 64                           # chunks asked again and not back, most 
 #                                         filled a 50 Mbit/s link's queue and were dropped
 HELD_SHARE = 0.5                        # more than this share of the chunks asked missing:
 #                                         held, not lost (if lost, not to be asked again at once)
+REORDER_ASKS = 8                        # asks a route's reply may come after another's asked later
 TIMEOUT_BATCH = 16                      # chunks presumed lost by a timeout per scan
 IDLE_CHUNKS, IDLE_MAX = 8, 0.002        # a step on a queued link sleeps ~8 deliveries, <= 2 ms
 
@@ -125,11 +130,33 @@ class Rtt:
         return self.late < LATE_MAX
 
 
+class Interface:
+    """What every route's chunks share: the engine's interface and the link queues behind it.
+    Replies come back through it in about the order their GETs left, so a chunk asked with
+    ``n`` chunks in flight ahead of it is due once ``n`` more asks were settled: answered, or
+    presumed lost (a lost one ahead must not hold back those behind it)."""
+
+    def __init__(self):
+        self.settled = 0                   # asks answered or presumed lost, every route's
+        self.last_delivery = time.monotonic()
+
+    def drained(self, asked_at: np.ndarray, ahead: np.ndarray, now: float, pause: float,
+                quiet: np.ndarray) -> np.ndarray:
+        """Whether what was in flight ahead of each ask (``ahead``, when ``settled`` was
+        ``asked_at``) has settled: all of it and a margin more (routes overtake each other by a
+        few: one pool node answers sooner), or all of it and the interface paused ``pause``
+        since (nothing comes after the last asks of a fetch), or nothing came for ``quiet``."""
+        gone, idle = self.settled - asked_at, now - self.last_delivery
+        return ((gone >= ahead + ahead // 4 + REORDER_ASKS) | ((gone >= ahead) & (idle > pause))
+                | (idle > quiet))
+
+
 class Route:
     """A pool node as the generator addresses it (kvf_routes index), with its window."""
 
-    def __init__(self, index: int, addr: tuple[str, int], start_window: int):
-        self.index, self.addr = index, addr
+    def __init__(self, index: int, addr: tuple[str, int], start_window: int,
+                 iface: Interface | None = None):
+        self.index, self.addr, self.iface = index, addr, iface or Interface()
         self.cwnd, self.ssthresh = float(min(start_window, INITIAL_WINDOW)), 1e9
         self.last_cut = 0.0
         self.rtts: dict[bool, Rtt] = {}    # the last transfer's estimator, by who answered
@@ -181,7 +208,10 @@ class Route:
             self._acc, self._t0 = 0, now
 
     def acked(self, n: int, max_window: int) -> None:
-        self._deliveries(n, time.monotonic())
+        now = time.monotonic()
+        self._deliveries(n, now)
+        self.iface.settled += n
+        self.iface.last_delivery = now
         if self.cwnd < self.ssthresh:
             self.cwnd = min(max_window, self.cwnd + n)              # slow start
         else:
@@ -264,6 +294,8 @@ class Transfer:
         self.sent_seq = np.full(n, -1, np.int64)      # send-ring position of the last ask
         self.sent_t = np.zeros(n, np.float64)
         self.tries = np.zeros(n, np.int32)
+        self.asked_at = np.zeros(n, np.int64)         # interface's settled count at the ask
+        self.ahead = np.zeros(n, np.int64)            # and asks in flight before it then
         self.verified = np.zeros(n, bool)
         self.bypass = np.zeros(n, bool)               # ask with KV_F_NO_CACHE (a bad CRC)
         self.nverified = 0
@@ -333,7 +365,12 @@ def _lost(t: Transfer, ring, meta: np.ndarray, now: float, tail_wait: float,
     tries = t.tries[idx]
     age = now - ring.sent_time(seq, t.sent_t[idx])
     backoff = np.exp2(np.minimum(tries - 1, 6))
-    timed_out = (age > rto * backoff) & (now - t.last_delivery > rto * backoff)
+    # and once what was in flight ahead of the ask came back (or the interface went quiet):
+    # every route's replies share the interface's queues, and a transfer whose chunks queue
+    # behind other transfers' hears nothing for as long as those take
+    drained = t.route.iface.drained(t.asked_at[idx], t.ahead[idx], now, tail_wait,
+                                    rto * backoff)
+    timed_out = ((age > rto * backoff) & (now - t.last_delivery > rto * backoff)) & drained
     # a timeout says little about which chunks are gone: the oldest few are asked again (their
     # replies restart the timer); a stall of the receiver itself must not resend a window
     timed_out[np.flatnonzero(timed_out)[TIMEOUT_BATCH:]] = False
@@ -397,7 +434,7 @@ def fill(active: list[Transfer], ring, meta: np.ndarray, now: float, burst: int,
         inflight[t.route.index] = inflight.get(t.route.index, 0) + t.inflight
     for t in active:                    # what the route has in flight sets every timeout
         t.route.inflight = inflight[t.route.index]
-    queued = 0
+    queued, ahead = 0, sum(inflight.values())       # every route's: one interface's queues
     for t in active:
         if budget <= 0:
             break
@@ -407,7 +444,9 @@ def fill(active: list[Transfer], ring, meta: np.ndarray, now: float, burst: int,
             if idx.size:
                 if not t.switched:
                     route.lost(now, 16, rtt.srtt or rtt.rto)
+                route.iface.settled += idx.size
                 ring.queue(t, idx, now)
+                t.asked_at[idx], t.ahead[idx] = route.iface.settled, ahead
                 t.stats.retransmits += idx.size
                 queued += idx.size
                 budget -= idx.size
@@ -422,6 +461,9 @@ def fill(active: list[Transfer], ring, meta: np.ndarray, now: float, burst: int,
                         - inflight[route.index]))
             if m > 0:
                 ring.queue(t, np.arange(t.next_new, t.next_new + m), now)
+                new = slice(t.next_new, t.next_new + m)
+                t.asked_at[new], t.ahead[new] = route.iface.settled, ahead + np.arange(m)
+                ahead += m
                 t.next_new += m
                 inflight[route.index] += m
                 queued += m
