@@ -8,7 +8,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -21,7 +20,7 @@ from .inference import client as kvclient
 from .common.transfer import BlockNotFound, Refused, TransferTimeout, parse_addr
 from .common.hashing import DEFAULT_BLOCK_TOKENS, block_hashes
 from kvproto import DEFAULT_CHUNK, MAX_PAYLOAD, PORT, Status
-from kvproto.cli import SizeType, one_line_errors, with_config
+from kvproto.cli import FINITE, FloatRange, SizeType, one_line_errors, with_config
 from .pool.server import serve as serve_forever
 from .pool.store import MemoryStore, PutBudgets
 
@@ -63,7 +62,7 @@ chunk_opt = click.option("--chunk-size", type=click.IntRange(8, MAX_PAYLOAD), de
                          help="Bytes per chunk (one datagram each), a multiple of 8.")
 window_opt = click.option("--window", type=click.IntRange(1, 4096), default=64,
                           show_default=True, help="Chunk requests in flight per block.")
-deadline_opt = click.option("--deadline", type=click.FloatRange(0, 86400, min_open=True),
+deadline_opt = click.option("--deadline", type=FloatRange(0, 86400, min_open=True),
                             default=30.0, show_default=True, help="Seconds before giving up.")
 
 
@@ -88,12 +87,6 @@ def _writable(ctx, param, value):
         where = os.path.dirname(os.path.abspath(name))
         if not os.path.isdir(where) or not os.access(where, os.W_OK):
             raise click.BadParameter(f"cannot write into {where}")
-    return value
-
-
-def _finite(ctx, param, value):
-    if value is not None and not math.isfinite(value):
-        raise click.BadParameter(f"{value} is not a finite number")
     return value
 
 
@@ -221,7 +214,7 @@ def _allocated(make, capacity: int, *args, **kw):
               show_default=True, help="... of them one namespace may hold.")
 @click.option("--incomplete-per-source", type=click.IntRange(1, 1 << 20), default=256,
               show_default=True, help="... of them one source address may hold.")
-@click.option("--assembly-timeout", type=click.FloatRange(0, 86400, min_open=True),
+@click.option("--assembly-timeout", type=FloatRange(0, 86400, min_open=True),
               default=10.0, show_default=True,
               help="Seconds an incomplete block waits for a new chunk (a re-sent one does not "
                    "count).")
@@ -321,7 +314,7 @@ def put(pools, ns, key, path, chunk_size, window, deadline, auth_key_file):
 @key_opt
 @click.option("--out", type=click.File("wb"), callback=_writable, help="Write the block here.")
 @click.option("--no-cache", is_flag=True, help="Bypass the switch cache.")
-@click.option("--start-at", type=float, metavar="UNIXTIME", callback=_finite,
+@click.option("--start-at", type=FINITE, metavar="UNIXTIME",
               help="Wait until this wall-clock time before asking (to start many readers at once).")
 @chunk_opt
 @window_opt

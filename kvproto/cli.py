@@ -1,8 +1,10 @@
 """Command-line conventions every kvswitch CLI (switchd, hostagent, testbed) shares: sizes such as
-64KiB or 1GiB, a TOML config file under the command line's options, and errors a user can fix
-printed as one line with a non-zero exit."""
+64KiB or 1GiB, finite numbers (click's own float types take nan and inf), a TOML config file
+under the command line's options, and errors a user can fix printed as one line with a non-zero
+exit."""
 from __future__ import annotations
 
+import math
 import re
 import sys
 import tomllib
@@ -32,6 +34,28 @@ class SizeType(click.ParamType):
             return parse_size(value)
         except click.BadParameter as exc:
             self.fail(exc.message, param, ctx)
+
+
+class _Finite:
+    """Refuses nan and inf after the float type's own checks: nan passes every comparison a
+    bound makes (``soak --minutes nan`` never ended) and inf is no length, rate or share."""
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
+
+
+class FiniteFloat(_Finite, click.types.FloatParamType):
+    """click's FLOAT, finite."""
+
+
+class FloatRange(_Finite, click.FloatRange):
+    """click.FloatRange, finite."""
+
+
+FINITE = FiniteFloat()
 
 
 def one_line_errors(prog: str, *errors: type[Exception]) -> type[click.Group]:

@@ -5,11 +5,10 @@ command runs."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 
-from kvproto.cli import one_line_errors
+from kvproto.cli import FINITE, FloatRange, one_line_errors
 from switchd.dataplane import MAX_CHUNK
 from xdp.attach import VETH_MAX_MTU
 from switchd.policy import POLICIES
@@ -28,7 +27,8 @@ from .sim.config import MODELS as SIM_MODELS
 from .lab.topology import TestbedError, Topology, down, namespaces_of
 from .options import (capacity_value, chunk_list, cpu_list, fabric_up_options, fail_unless,
                       float_list, int_list, json_opt, link_options, link_spec, numbers,
-                      percent_list, policy_list, trace_opt)
+                      percent_list, plot_opt, plot_path_for, policy_list, say_wrote,
+                      trace_opt)
 
 
 # ---- topologies and demos ----------------------------------------------------------------------
@@ -208,13 +208,13 @@ bench.add_command(lmcache_command)
 @bench.command()
 @click.option("--chunk-sizes", default="256,1024,3072", show_default=True, callback=chunk_list,
               help="Chunk payload sizes (the veth MTU follows the chunk size).")
-@click.option("--seconds", type=click.FloatRange(0.1, 30), default=2.0, show_default=True,
+@click.option("--seconds", type=FloatRange(0.1, 30), default=2.0, show_default=True,
               help="Measuring time of each scenario (after 0.3 s of warm-up).")
 @click.option("--windows", type=click.IntRange(1, 50), default=5, show_default=True,
               help="Parts of it; a scenario's rate is the median of theirs.")
 @click.option("--cores", default="0", show_default=True, callback=cpu_list,
               help="CPUs the generator sends from, one pinned thread each.")
-@click.option("--rate", type=click.FloatRange(min=0), default=0, show_default=True,
+@click.option("--rate", type=FloatRange(min=0), default=0, show_default=True,
               help="Frames per second offered in all (0: as fast as possible).")
 @click.option("--keys", type=click.IntRange(16, 1 << 20), default=4096, show_default=True,
               help="Chunks swept per scenario.")
@@ -232,10 +232,10 @@ bench.add_command(lmcache_command)
 @click.option("--tcp-runs", type=click.IntRange(0, 20), default=5, show_default=True,
               help="Rounds of iperf3 runs, one each detached, with a bare XDP_PASS program "
                    "and with the program attached (0: skip).")
-@click.option("--tcp-seconds", type=click.FloatRange(0.5, 60), default=2.0, show_default=True)
+@click.option("--tcp-seconds", type=FloatRange(0.5, 60), default=2.0, show_default=True)
 @click.option("--memcached-threads", type=click.IntRange(1, 64), default=2, show_default=True)
 @json_opt("bench/results/throughput.json")
-@click.option("--plot", "plot_path", help="PNG path (default: the JSON path with .png).")
+@plot_opt()
 def throughput(chunk_sizes, seconds, windows, cores, rate, keys, hit_ratios, sweep_chunk,
                scaling, scaling_chunk, tcp_runs, tcp_seconds, memcached_threads, json_path,
                plot_path):
@@ -248,12 +248,12 @@ def throughput(chunk_sizes, seconds, windows, cores, rate, keys, hit_ratios, swe
         given = ",".join(map(str, chunk_sizes))
         raise click.BadParameter(f"{sweep_chunk} is not one of --chunk-sizes {given}",
                                  param_hint="--sweep-chunk")
-    plot_path = plot_path or str(Path(json_path).with_suffix(".png"))
+    plot_path = plot_path_for(json_path, plot_path)
     out = run_throughput(chunk_sizes, seconds, windows, cores, keys, rate, hit_ratios,
                          sweep_chunk, scaling, scaling_chunk, tcp_runs, tcp_seconds,
                          memcached_threads, json_path, plot_path)
     click.echo(json.dumps(out["targets"], indent=2))
-    click.echo(f"wrote {json_path} and {plot_path}")
+    say_wrote(json_path, plot_path)
     if out["sample_problems"]:
         raise click.ClickException("sampled replies were wrong: " +
                                    "; ".join(out["sample_problems"]))
@@ -262,7 +262,7 @@ def throughput(chunk_sizes, seconds, windows, cores, rate, keys, hit_ratios, swe
 @bench.command()
 @click.option("--readers", default="1,2,4,8,16", show_default=True, callback=int_list,
               help="Reader counts to measure (each in its own namespace).")
-@click.option("--block-mib", type=click.FloatRange(min=0.01, max=64), default=4.0,
+@click.option("--block-mib", type=FloatRange(min=0.01, max=64), default=4.0,
               show_default=True)
 @click.option("--reps", type=click.IntRange(1, 50), default=3, show_default=True,
               help="Repetitions per reader count and mode.")
@@ -272,7 +272,7 @@ def throughput(chunk_sizes, seconds, windows, cores, rate, keys, hit_ratios, swe
                                       "Mooncake master).")
 @link_options
 @json_opt("bench/results/incast.json")
-@click.option("--plot", "plot_path", default="bench/results/incast.png", show_default=True)
+@plot_opt("bench/results/incast.png", help="PNG path.")
 def incast(readers, block_mib, reps, chunk_size, store, link_gbit, pool_link_gbit,
            link_delay_us, json_path, plot_path):
     """N readers fetch one block at once: plain bridge vs the switch."""
@@ -284,14 +284,14 @@ def incast(readers, block_mib, reps, chunk_size, store, link_gbit, pool_link_gbi
                      spec and spec.host_gbit, spec and spec.pool_gbit, store,
                      spec.delay_us if spec else 0.0)
     click.echo(json.dumps(out["summary"], indent=2))
-    click.echo(f"wrote {json_path} and {plot_path}")
+    say_wrote(json_path, plot_path)
 
 
 @bench.command()
 @click.option("--nodes", type=int, default=8, show_default=True, help="Inference nodes.")
 @click.option("--pools", type=int, default=2, show_default=True, help="Pool nodes.")
 @click.option("--store", type=click.Choice(STORES), default="memory", show_default=True)
-@click.option("--link-gbit", type=float, default=0.025, show_default=True,
+@click.option("--link-gbit", type=FINITE, default=0.025, show_default=True,
               help="Rate of every link (inference and pool nodes), both directions; blocks "
                    "scale with it (64 MiB at 100 Gbit/s).")
 @click.option("--workloads", default="trace,burst,zipf", show_default=True,
@@ -303,17 +303,17 @@ def incast(readers, block_mib, reps, chunk_size, store, link_gbit, pool_link_gbi
 @trace_opt(help="Mooncake-format trace of the trace workload (default: the one in "
                 "testbed/traces/).")
 @click.option("--trace-requests", type=click.IntRange(1), default=96, show_default=True)
-@click.option("--scale", type=click.FloatRange(0.05, 4), default=1.0, show_default=True,
+@click.option("--scale", type=FloatRange(0.05, 4), default=1.0, show_default=True,
               help="Shrink (or grow) every workload.")
 @json_opt("bench/results/serve.json")
-@click.option("--plot", "plot_path", help="PNG path (default: the JSON path with .png).")
+@plot_opt()
 @tiers_options
 @fabric_options
 def serve(nodes, pools, store, link_gbit, workloads, modes, model, trace_path, trace_requests,
           scale, json_path, plot_path):
     """Serving loops on N nodes over shaped links: TTFT, pool egress; bridge, switch, replicas."""
     from .bench.serve import run_serve
-    plot_path = plot_path or (json_path and str(Path(json_path).with_suffix(".png")))
+    plot_path = plot_path_for(json_path, plot_path)
     out = run_serve(nodes, pools, store, link_gbit,
                     [w.strip() for w in workloads.split(",") if w.strip()],
                     [m.strip() for m in modes.split(",") if m.strip()], model, trace_path,
@@ -325,7 +325,7 @@ def serve(nodes, pools, store, link_gbit, workloads, modes, model, trace_path, t
 @bench.command()
 @click.option("--loss", "losses", default="0,1,5", show_default=True,
               callback=float_list(99.999), help="Loss rates in percent, comma-separated.")
-@click.option("--block-mib", type=click.FloatRange(min=0.01, max=64), default=4.0,
+@click.option("--block-mib", type=FloatRange(min=0.01, max=64), default=4.0,
               show_default=True)
 @click.option("--reps", type=click.IntRange(1, 50), default=3, show_default=True)
 @json_opt("bench/results/loss.json")
@@ -341,15 +341,15 @@ def loss(losses, block_mib, reps, json_path):
 @click.option("--rounds", type=click.IntRange(1, 50), default=5, show_default=True)
 @click.option("--mooncake/--no-mooncake", default=True, show_default=True)
 @json_opt("bench/results/fetch.json")
-@click.option("--plot", "plot_path", help="PNG path (default: the JSON path with .png).")
+@plot_opt()
 def fetch(chunk_sizes, sizes_mib, rounds, mooncake, json_path, plot_path):
     """Whole blocks at a node: XDP engine, switch hit path, pool, asyncio client, Mooncake."""
     from .bench.fetch import run_fetch
-    plot_path = plot_path or str(Path(json_path).with_suffix(".png"))
+    plot_path = plot_path_for(json_path, plot_path)
     out = run_fetch(chunk_sizes, sizes_mib, rounds, mooncake=mooncake, json_path=json_path,
                     plot_path=plot_path, log=click.echo)
     click.echo(json.dumps(out["targets"], indent=2))
-    click.echo(f"wrote {json_path} and {plot_path}")
+    say_wrote(json_path, plot_path)
 
 
 @bench.command()
@@ -361,26 +361,25 @@ def fetch(chunk_sizes, sizes_mib, rounds, mooncake, json_path, plot_path):
 @click.option("--store", type=click.Choice(["testbed", "local"]), default="testbed",
               show_default=True, help="local: an in-process store instead of the switch/pool.")
 @json_opt("bench/results/blend.json")
-@click.option("--plot", "plot_path", help="PNG path (default: the JSON path with .png).")
+@plot_opt()
 def blend(prompts, pool, ratios, store, json_path, plot_path):
     """CacheBlend: RAG passages' KV reused at any position (SmolLM2-135M, issue #31)."""
     from .bench.blend import run_blend
-    plot_path = plot_path or str(Path(json_path).with_suffix(".png"))
+    plot_path = plot_path_for(json_path, plot_path)
     out = run_blend(prompts, pool, ratios=[r / 100 for r in ratios], store=store,
                     json_path=json_path, plot_path=plot_path, log=click.echo)
     click.echo(json.dumps(out["results"], indent=1))
 
 
 @main.command()
-@click.option("--minutes", type=click.FloatRange(min=0.1, max=600),
+@click.option("--minutes", type=FloatRange(min=0.1, max=600),
               help="How long  [default: 10; 60 with --faults]")
 @click.option("--faults", is_flag=True,
               help="Serving traffic with a fault of `bench faults` every --fault-every s.")
-@click.option("--fault-every", type=click.FloatRange(min=20), default=180.0, show_default=True,
+@click.option("--fault-every", type=FloatRange(min=20), default=180.0, show_default=True,
               help="Seconds between faults (with --faults).")
-@click.option("--json", "json_path",
-              help="Write the result here  [default: bench/results/soak.json; "
-                   "soak-faults.json with --faults]")
+@json_opt(help="Write the result here  [default: bench/results/soak.json; soak-faults.json "
+               "with --faults]")
 def soak(minutes, faults, fault_every, json_path):
     """Sustained load for a bounded time; checks maps and daemon memory do not grow."""
     if faults:
@@ -401,12 +400,12 @@ def soak(minutes, faults, fault_every, json_path):
 # ---- traces: offline evaluation and live replay ------------------------------------------------
 @main.command("policy-eval")
 @trace_opt
-@click.option("--capacity", type=float, default=0.02, show_default=True, callback=capacity_value,
+@click.option("--capacity", type=FINITE, default=0.02, show_default=True, callback=capacity_value,
               help="Cache size: a fraction of the trace's distinct blocks if < 1, else blocks.")
 @click.option("--sweep", callback=lambda c, p, v: v and [capacity_value(c, p, x) for x in
                                                          numbers(v, float, 0)],
               help="Comma list of capacities instead of --capacity: hit ratio vs capacity.")
-@click.option("--plot", "plot_path", help="With --sweep: PNG path (default: JSON path .png).")
+@plot_opt(help="With --sweep: PNG path (default: the JSON path with .png).")
 @json_opt()
 @click.option("--policies", callback=policy_list,
               help=f"Comma list (default: all of switchd's, {', '.join(POLICIES)}, and "
@@ -432,20 +431,20 @@ def policy_eval(trace_path, capacity, sweep, plot_path, json_path, policies):
         raise click.BadParameter(str(exc)) from None
     click.echo(f"plotted: {', '.join(result['plotted'])}")
     write_json(json_path, result)
-    plot_path = plot_path or (json_path and str(Path(json_path).with_suffix(".png")))
+    plot_path = plot_path_for(json_path, plot_path)
     if plot_path:
         plot_sweep(result, plot_path)
 
 
 @main.command()
 @trace_opt
-@click.option("--capacity", type=float, default=0.02, show_default=True, callback=capacity_value,
+@click.option("--capacity", type=FINITE, default=0.02, show_default=True, callback=capacity_value,
               help="Fraction of the trace's distinct blocks (<1) or a count.")
 @click.option("--limit", type=click.IntRange(1), help="Only the first N requests.")
-@click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=10.0,
+@click.option("--speedup", type=FloatRange(min=0, min_open=True), default=10.0,
               show_default=True, help="Time compression of the trace's pace (10 with a 0.1 s "
               "interval: one policy step per second of trace, as switchd's default).")
-@click.option("--interval", type=click.FloatRange(min=0.05), default=0.1, show_default=True,
+@click.option("--interval", type=FloatRange(min=0.05), default=0.1, show_default=True,
               help="switchd's policy interval, seconds.")
 @click.option("--policy", type=click.Choice(list(POLICIES)), help="Default: switchd's default.")
 @click.option("--fill-headroom", type=click.IntRange(min=0),

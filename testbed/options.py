@@ -6,9 +6,12 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import click
 
+from kvproto.cli import FINITE, FloatRange
 from switchd.policy import POLICIES
 
 from .sim.config import DEMOTES, MODELS, ROUTINGS
@@ -93,9 +96,50 @@ def trace_opt(f=None, help="Mooncake-format JSONL trace (default: the Mooncake F
     return opt(f) if f is not None else opt
 
 
-def json_opt(default=None):
+def writable_result(ctx, param, value):
+    """A result path the run can write when it ends, tried before it starts (a file there must
+    be writable; else its folders are made and a file created and removed there): a run of
+    minutes is not lost to a directory's name or a place it cannot write. '' writes nothing."""
+    if not value:
+        return value
+    path = Path(value)
+    if path.is_dir():
+        raise click.BadParameter(f"{value} is a directory")
+    if path.exists():                   # a file to replace, or a device such as /dev/null
+        if not os.access(path, os.W_OK):
+            raise click.BadParameter(f"cannot write {value}")
+        return value
+    folder = next(p for p in path.absolute().parents if p.exists())
+    if not folder.is_dir():
+        raise click.BadParameter(f"cannot write {value}: {folder} is not a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}."):
+            pass
+    except OSError as exc:
+        raise click.BadParameter(f"cannot write {value}: {exc.strerror or exc}") from None
+    return value
+
+
+def json_opt(default=None, help="Write the result here ('' writes nothing)."):
     return click.option("--json", "json_path", default=default, show_default=bool(default),
-                        help="Write the result here.")
+                        callback=writable_result, help=help)
+
+
+def plot_opt(default=None, help="PNG path (default: the JSON path with .png)."):
+    return click.option("--plot", "plot_path", default=default, show_default=bool(default),
+                        callback=writable_result, help=help)
+
+
+def plot_path_for(json_path: str | None, plot_path: str | None) -> str | None:
+    """--plot, else the JSON path with .png; no plot without either."""
+    return plot_path or (str(Path(json_path).with_suffix(".png")) if json_path else None)
+
+
+def say_wrote(*paths: str | None) -> None:
+    """'wrote A and B' for the result files a run wrote (none: nothing said)."""
+    if any(paths):
+        click.echo(f"wrote {' and '.join(p for p in paths if p)}")
 
 
 def fail_unless(ok: bool) -> None:
@@ -107,7 +151,7 @@ def cluster_options(f):
     """SimConfig fields ``sim run`` and ``sim sweep`` share, with SimConfig's defaults (the same
     flags give the same point)."""
     from .sim.config import THROUGHPUT_JSON, SimConfig
-    d, pos = SimConfig(), click.FloatRange(0, min_open=True)
+    d, pos = SimConfig(), FloatRange(0, min_open=True)
     return option_group(
         click.option("--pools", type=click.IntRange(1), default=d.pools, show_default=True,
                      help="Pool nodes (the storage tier), fixed while inference nodes grow."),
@@ -116,8 +160,8 @@ def cluster_options(f):
         click.option("--kv-bytes-per-token", type=click.IntRange(1)),
         click.option("--block-tokens", type=click.IntRange(1, 512), default=d.block_tokens,
                      show_default=True),
-        click.option("--hbm-gib", type=click.FloatRange(0), default=d.hbm_gib, show_default=True),
-        click.option("--dram-gib", type=click.FloatRange(0), default=d.dram_gib,
+        click.option("--hbm-gib", type=FloatRange(0), default=d.hbm_gib, show_default=True),
+        click.option("--dram-gib", type=FloatRange(0), default=d.dram_gib,
                      show_default=True),
         click.option("--pool-gib", type=pos, help="Per pool node (default unlimited)."),
         click.option("--node-gbps", type=pos, default=d.node_gbps, show_default=True),
@@ -164,12 +208,12 @@ def _rate(ctx, param, value):
 
 
 link_options = option_group(
-    click.option("--link-gbit", type=float, callback=_rate,
+    click.option("--link-gbit", type=FINITE, callback=_rate,
                  help="Rate of every inference node's link, both directions (default: an "
                       "unshaped veth). Every frame queues at it, XDP-sent ones too."),
-    click.option("--pool-link-gbit", type=float, callback=_rate,
+    click.option("--pool-link-gbit", type=FINITE, callback=_rate,
                  help="Rate of every pool node's link (default: --link-gbit's)."),
-    click.option("--link-delay-us", type=click.FloatRange(min=0), default=0.0,
+    click.option("--link-delay-us", type=FloatRange(min=0), default=0.0,
                  show_default=True, help="One-way delay of shaped links (needs netem)."))
 
 
@@ -191,7 +235,7 @@ def fabric_up_options(command):
                   help="A fabric: this many rack switches r1.. of --hosts-per-rack nodes, each "
                        "with an uplink to a pool-side switch agg in front of the pool nodes.")
     @click.option("--hosts-per-rack", type=int, default=2, show_default=True)
-    @click.option("--oversub", type=float, default=2.0, show_default=True,
+    @click.option("--oversub", type=FINITE, default=2.0, show_default=True,
                   help="With --racks: a rack's host links in total : its uplink.")
     @functools.wraps(command)
     def wrapper(*args, racks, hosts_per_rack, oversub, **kw):

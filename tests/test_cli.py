@@ -100,6 +100,40 @@ def test_testbed_bench_fetch_chunk_sizes_are_the_switchs():
                                                     "1001", "--json", "/dev/null", code=2)
 
 
+@pytest.mark.parametrize("args", [
+    ["soak", "--minutes", "nan"],                   # nan passes every bound: a soak without end
+    ["bench", "serve", "--scale", "nan", "--json", ""],
+    ["bench", "serve", "--racks", "2", "--oversub", "inf", "--json", ""],
+    ["bench", "serve", "--tiers", "--fill", "inf", "--json", ""],
+    ["bench", "faults", "--fault-seconds", "inf", "--json", ""],
+    ["bench", "throughput", "--rate", "nan", "--json", ""],
+    ["replay", "--interval", "nan"],
+    ["up", "--link-gbit", "nan"],
+], ids=lambda a: " ".join(a[:3]))
+def test_testbed_numbers_must_be_finite(args):
+    assert "is not a finite number" in _one_line_error("testbed", *args, code=2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "fetch", "--json", "{tmp}"], "{tmp} is a directory"),
+    (["bench", "serve", "--plot", "{tmp}"], "{tmp} is a directory"),
+    (["bench", "incast", "--json", "/dev/null/x.json"], "/dev/null is not a directory"),
+    (["bench", "faults", "--json", "/proc/x.json"], "cannot write /proc/x.json"),
+    (["soak", "--json", "/proc/1/x/y.json"], "cannot write /proc/1/x/y.json"),
+], ids=["json dir", "plot dir", "under a device", "proc", "proc deep"])
+def test_a_result_path_the_run_cannot_write_is_refused_before_it_starts(tmp_path, args, message):
+    """A benchmark of minutes wrote its JSON only at its end: a path it cannot write lost it."""
+    args = [a.format(tmp=tmp_path) for a in args]
+    assert message.format(tmp=tmp_path) in _one_line_error("testbed", *args, code=2)
+
+
+def test_a_plot_goes_beside_the_json_or_nowhere():
+    from testbed.options import plot_path_for
+    assert plot_path_for("bench/results/x.json", None) == "bench/results/x.png"
+    assert plot_path_for("", None) is None and plot_path_for(None, None) is None
+    assert plot_path_for("", "y.png") == "y.png"
+
+
 @pytest.mark.parametrize("args, message", [
     (["get", "--pool", "999.1.1.1", "--key", "00" * 16], "'999.1.1.1' is not an IPv4 address"),
     (["get", "--pool", "10.0.0.1:99999", "--key", "00" * 16], "bad port"),

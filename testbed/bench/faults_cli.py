@@ -6,7 +6,9 @@ import json
 
 import click
 
-from ..options import fail_unless, json_opt, name_list
+from kvproto.cli import FINITE
+
+from ..options import fail_unless, json_opt, name_list, plot_opt, plot_path_for
 from .fault_kinds import FAULTS, Target
 from .faults import STORES, run_faults
 
@@ -18,11 +20,11 @@ from .faults import STORES, run_faults
               help="Pool stores: every fault runs with memory; pool-kill with each.")
 @click.option("--nodes", type=int, default=8, show_default=True, help="Inference nodes.")
 @click.option("--pools", type=int, default=2, show_default=True, help="Pool nodes.")
-@click.option("--link-gbit", type=float, default=0.025, show_default=True,
+@click.option("--link-gbit", type=FINITE, default=0.025, show_default=True,
               help="Rate of every link, both directions.")
-@click.option("--run-seconds", type=float, default=40.0, show_default=True,
+@click.option("--run-seconds", type=FINITE, default=40.0, show_default=True,
               help="Length of each run's traffic (the fault strikes in its second burst).")
-@click.option("--fault-seconds", type=float,
+@click.option("--fault-seconds", type=FINITE,
               help="How long every fault lasts  [default: each fault's own, in the JSON]")
 @click.option("--host-node", default="h1", show_default=True,
               help="The inference node flap-host pulls the cable of.")
@@ -31,11 +33,11 @@ from .faults import STORES, run_faults
 @click.option("--seed", type=int, default=1, show_default=True,
               help="Seeds the moment each fault strikes.")
 @json_opt("bench/results/faults.json")
-@click.option("--plot", "plot_path", help="PNG (default: the JSON path with .png).")
+@plot_opt()
 def command(faults, stores, nodes, pools, link_gbit, run_seconds, fault_seconds, host_node,
             pool_node, seed, json_path, plot_path):
     """One fault at a time while serving, beside the bridge and the fault-free switch."""
-    plot_path = plot_path or (json_path and json_path.rsplit(".", 1)[0] + ".png")
+    plot_path = plot_path_for(json_path, plot_path)
     out = run_faults(faults, stores, nodes, pools, link_gbit, run_seconds, fault_seconds,
                      Target(host_node, pool_node), seed, json_path, plot_path, log=click.echo)
     s = out["summary"]

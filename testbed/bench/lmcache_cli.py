@@ -6,8 +6,10 @@ import json
 
 import click
 
+from kvproto.cli import FloatRange
+
 from ..lab import TestbedError
-from ..options import fail_unless, json_opt, name_list
+from ..options import fail_unless, json_opt, name_list, plot_opt, plot_path_for
 from .lmcache_bench import STORES, WORKLOADS, LmcacheBench, run_lmcache_bench
 from .serve import check_choices
 
@@ -21,7 +23,7 @@ POSITIVE = click.IntRange(1)
               help="Comma list of the workloads.")
 @click.option("--nodes", type=click.IntRange(1, 64), default=8, show_default=True,
               help="Inference nodes, each an LMCache engine.")
-@click.option("--link-gbit", type=click.FloatRange(0, min_open=True), default=0.1,
+@click.option("--link-gbit", type=FloatRange(0, min_open=True), default=0.1,
               show_default=True, help="Rate of every link, both directions (incast, zipf).")
 @click.option("--timeout-s", type=POSITIVE, default=60, show_default=True,
               help="How long LMCache waits for a remote chunk (its blocking_timeout_secs), "
@@ -38,7 +40,7 @@ POSITIVE = click.IntRange(1)
 @click.option("--prefix", default="lb", show_default=True,
               help="Names the testbeds' namespaces (PREFIX, PREFIXm, PREFIXu, PREFIXmu).")
 @json_opt("bench/results/lmcache.json")
-@click.option("--plot", "plot_path", help="PNG (default: the JSON path with .png).")
+@plot_opt()
 def command(stores, workloads, nodes, link_gbit, timeout_s, hot_tokens, incast_rounds,
             zipf_prefixes, zipf_requests, single_prefixes, prefix, json_path, plot_path):
     """kvswitch as LMCache's remote tier beside LMCache's server, Redis and Mooncake Store."""
@@ -49,7 +51,7 @@ def command(stores, workloads, nodes, link_gbit, timeout_s, hot_tokens, incast_r
     except ImportError:
         raise TestbedError("LMCache is not installed: run `make setup` (it installs "
                            "lmcache==0.5.6 into .venv)") from None
-    plot_path = plot_path or (json_path and json_path.rsplit(".", 1)[0] + ".png")
+    plot_path = plot_path_for(json_path, plot_path)
     cfg = LmcacheBench(nodes=nodes, link_gbit=link_gbit, timeout_s=timeout_s,
                        hot_tokens=hot_tokens,
                        incast_rounds=incast_rounds, zipf_prefixes=zipf_prefixes,

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 
 import click
+
+from kvproto.cli import FINITE, FloatRange
+
+from ..options import plot_path_for
 
 FABRIC_JSON = "bench/results/serve-fabric.json"
 
@@ -23,9 +26,9 @@ def fabric_options(command):
                        "--hosts-per-rack nodes, uplinks to a pool-side switch; modes bridge, "
                        "rack, pool-side, fabric.")
     @click.option("--hosts-per-rack", type=int, default=4, show_default=True)
-    @click.option("--oversub", type=float, default=2.0, show_default=True,
+    @click.option("--oversub", type=FINITE, default=2.0, show_default=True,
                   help="With --racks: a rack's host links in total : its uplink.")
-    @click.option("--pool-link-gbit", type=click.FloatRange(0, min_open=True), default=None,
+    @click.option("--pool-link-gbit", type=FloatRange(0, min_open=True), default=None,
                   help="With --racks: the pool nodes' link rate (default --link-gbit).")
     @click.option("--placement", type=click.Choice(["independent", "split"]),
                   default="independent", show_default=True,
@@ -41,7 +44,7 @@ def fabric_options(command):
         ctx = click.get_current_context()
         given = lambda name: ctx.get_parameter_source(name).name != "DEFAULT"   # noqa: E731
         json_path = kw["json_path"] if given("json_path") else FABRIC_JSON
-        plot_path = kw.get("plot_path") or (json_path and str(Path(json_path).with_suffix(".png")))
+        plot_path = plot_path_for(json_path, kw.get("plot_path"))
         from .serve_fabric import FABRIC_MODES, FABRIC_WORKLOADS, run_fabric
         out = run_fabric(racks, hosts_per_rack, kw["pools"] if given("pools") else 2, oversub,
                          kw["link_gbit"], pool_link_gbit,

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 
 import click
+
+from kvproto.cli import FINITE
+
+from ..options import plot_path_for
 
 TIERS_JSON = "bench/results/serve-tiers.json"
 
@@ -24,7 +27,7 @@ def tiers_options(command):
                   help="With --tiers: comma list of none, all, value.")
     @click.option("--write-down", "write_downs", default="all,selective", show_default=True,
                   help="With --tiers: comma list of all, selective.")
-    @click.option("--fill", type=float, default=2.0, show_default=True,
+    @click.option("--fill", type=FINITE, default=2.0, show_default=True,
                   help="With --tiers: the workload's distinct blocks / the pool's DRAM.")
     @functools.wraps(command)
     def wrapper(*args, tiers, demotes, write_downs, fill, **kw):
@@ -33,7 +36,7 @@ def tiers_options(command):
         ctx = click.get_current_context()
         given = lambda name: ctx.get_parameter_source(name).name != "DEFAULT"   # noqa: E731
         json_path = kw["json_path"] if given("json_path") else TIERS_JSON
-        plot_path = kw.get("plot_path") or (json_path and str(Path(json_path).with_suffix(".png")))
+        plot_path = plot_path_for(json_path, kw.get("plot_path"))
         from .serve_tiers import run_tiers
         out = run_tiers(kw["nodes"] if given("nodes") else 4,
                         kw["pools"] if given("pools") else 1, kw["link_gbit"],
