@@ -20,7 +20,8 @@ from kvproto import DEFAULT_CHUNK
 from .links import LinkSpec
 from .mooncake import MooncakeMaster
 from .tasks import Task, run_task, start_task
-from .topology import Topology, TestbedError, plain_bridge_ports, python_argv
+from .topology import (Topology, TestbedError, plain_bridge_ports, python_argv,
+                       tearing_down)
 
 STORES = ("memory", "mooncake")
 
@@ -100,19 +101,20 @@ class Lab:
         return self
 
     def __exit__(self, *exc) -> None:
-        procs = [p for p in self.pools if p] + self.switch_procs()
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)             # a loaded switch: seconds to detach every port
-            except subprocess.TimeoutExpired:
-                p.kill()
-        if self.master is not None:
-            self.master.stop()
-        self.topo.down()
-        self.tmp.cleanup()
+        with tearing_down():            # a SIGTERM now waits for the namespaces to go
+            procs = [p for p in self.pools if p] + self.switch_procs()
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs:
+                try:
+                    p.wait(30)             # a loaded switch: seconds to detach every port
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            if self.master is not None:
+                self.master.stop()
+            self.topo.down()
+            self.tmp.cleanup()
 
     # ---- pool nodes ----------------------------------------------------------------------
     def pool_argv(self, index: int) -> list[str]:

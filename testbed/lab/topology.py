@@ -153,8 +153,9 @@ class Topology:
         attach_pass_programs([n.netns for n in self.all_nodes])
 
     def down(self) -> None:
-        down(self.prefix)
-        _SIGTERM.release(self)
+        with tearing_down():
+            down(self.prefix)
+            _SIGTERM.release(self)
 
     def __enter__(self) -> Topology:
         return self.up()
@@ -286,16 +287,36 @@ class _SigtermUnwinds:
     benchmark stopped by ``timeout`` or a cancelled CI job left its namespaces behind. While any
     topology of this process is up, SIGTERM raises SystemExit(143) in the main thread instead,
     so every ``with Topology``/``with Lab`` around it tears down, and the process still exits
-    143. Only where SIGTERM had its default action (a program's own handler is left alone), and
-    only from the main thread (the one Python delivers signals to)."""
+    143. During a teardown (``tearing_down``) it waits for the teardown's end: raised in its
+    middle, it skipped the rest (a bench stopped between two runs left 18 namespaces). Only where
+    SIGTERM had its default action (a program's own handler is left alone), and only from the
+    main thread (the one Python delivers signals to)."""
 
     def __init__(self):
         self.holders: set[int] = set()
         self.installed = False
+        self.teardowns = 0              # teardowns under way (nested: a Lab's, its topology's)
+        self.pending = False            # a SIGTERM came during one
 
-    @staticmethod
-    def _raise(signum, frame):
+    def _raise(self, signum, frame):
+        if self.teardowns:
+            self.pending = True
+            return
         raise SystemExit(128 + signum)
+
+    @contextlib.contextmanager
+    def tearing_down(self):
+        """SIGTERM inside waits; it exits (143) once the outermost teardown is done."""
+        self.teardowns += 1
+        try:
+            yield
+        finally:
+            self.teardowns -= 1
+            if not self.teardowns:
+                self._default_if_free()
+                if self.pending:
+                    self.pending = False
+                    raise SystemExit(128 + signal.SIGTERM)
 
     def hold(self, topo: Topology) -> None:
         self.holders.add(id(topo))
@@ -306,6 +327,10 @@ class _SigtermUnwinds:
 
     def release(self, topo: Topology) -> None:
         self.holders.discard(id(topo))
+        if not self.teardowns:          # else when the teardown ends (it may still get one)
+            self._default_if_free()
+
+    def _default_if_free(self) -> None:
         if (self.installed and not self.holders
                 and threading.current_thread() is threading.main_thread()):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -313,6 +338,7 @@ class _SigtermUnwinds:
 
 
 _SIGTERM = _SigtermUnwinds()
+tearing_down = _SIGTERM.tearing_down
 
 
 def down(prefix: str) -> list[str]:
