@@ -118,10 +118,10 @@ class Topology:
     # ---- lifecycle -----------------------------------------------------------------------
     def up(self) -> Topology:
         """Build the topology from scratch (removing leftovers of the same name first). While
-        it is up, SIGTERM unwinds the program (``_SigtermUnwinds``) so its ``with`` blocks
+        it is up, SIGTERM unwinds the program (``_StopSignals``) so its ``with`` blocks
         remove it."""
         down(self.prefix)
-        _SIGTERM.hold(self)
+        _SIGNALS.hold(self)
         try:
             self._build()
         except BaseException:
@@ -155,7 +155,7 @@ class Topology:
     def down(self) -> None:
         with tearing_down():
             down(self.prefix)
-            _SIGTERM.release(self)
+            _SIGNALS.release(self)
 
     def __enter__(self) -> Topology:
         return self.up()
@@ -282,31 +282,38 @@ def namespaces_of(prefix: str) -> list[str]:
     return [n for n in names if not prefix or n.startswith(f"{prefix}-")]
 
 
-class _SigtermUnwinds:
+class _StopSignals:
     """SIGTERM's default action ends a process at once, without its ``finally`` blocks: a
     benchmark stopped by ``timeout`` or a cancelled CI job left its namespaces behind. While any
     topology of this process is up, SIGTERM raises SystemExit(143) in the main thread instead,
     so every ``with Topology``/``with Lab`` around it tears down, and the process still exits
-    143. During a teardown (``tearing_down``) it waits for the teardown's end: raised in its
-    middle, it skipped the rest (a bench stopped between two runs left 18 namespaces). Only where
-    SIGTERM had its default action (a program's own handler is left alone), and only from the
-    main thread (the one Python delivers signals to)."""
+    143. During a teardown (``tearing_down``) SIGTERM and Ctrl-C wait for the teardown's end:
+    raised in its middle, they skipped the rest (a bench stopped between two runs left 18
+    namespaces). Only where the signal had its default action (a program's own handler is left
+    alone), and only from the main thread (the one Python delivers signals to)."""
 
     def __init__(self):
         self.holders: set[int] = set()
         self.installed = False
         self.teardowns = 0              # teardowns under way (nested: a Lab's, its topology's)
-        self.pending = False            # a SIGTERM came during one
+        self.pending: set[int] = set()  # the signals that came during one
+        self.int_deferred = False
 
     def _raise(self, signum, frame):
         if self.teardowns:
-            self.pending = True
+            self.pending.add(signum)
             return
         raise SystemExit(128 + signum)
 
     @contextlib.contextmanager
     def tearing_down(self):
-        """SIGTERM inside waits; it exits (143) once the outermost teardown is done."""
+        """SIGTERM and SIGINT inside wait: once the outermost teardown is done, SIGTERM exits
+        (143) and SIGINT raises KeyboardInterrupt."""
+        main = threading.current_thread() is threading.main_thread()
+        if (not self.teardowns and main
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            signal.signal(signal.SIGINT, self._raise)
+            self.int_deferred = True
         self.teardowns += 1
         try:
             yield
@@ -314,9 +321,14 @@ class _SigtermUnwinds:
             self.teardowns -= 1
             if not self.teardowns:
                 self._default_if_free()
-                if self.pending:
-                    self.pending = False
+                if self.int_deferred:
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    self.int_deferred = False
+                pending, self.pending = self.pending, set()
+                if signal.SIGTERM in pending:
                     raise SystemExit(128 + signal.SIGTERM)
+                if signal.SIGINT in pending:
+                    raise KeyboardInterrupt
 
     def hold(self, topo: Topology) -> None:
         self.holders.add(id(topo))
@@ -337,8 +349,8 @@ class _SigtermUnwinds:
             self.installed = False
 
 
-_SIGTERM = _SigtermUnwinds()
-tearing_down = _SIGTERM.tearing_down
+_SIGNALS = _StopSignals()
+tearing_down = _SIGNALS.tearing_down
 
 
 def down(prefix: str) -> list[str]:
