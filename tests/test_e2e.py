@@ -348,3 +348,32 @@ def test_a_stop_signal_during_the_teardown_waits_for_it(sig):
         else:
             assert r.returncode != 0 and "KeyboardInterrupt" in r.stderr, r.stderr[-2000:]
         assert not namespaces_of(prefix) and "went on" not in r.stdout, r.stdout
+
+
+def test_a_testbed_in_use_is_not_built_over():
+    """Building a testbed removes leftovers of its name first: a second program with the same
+    name removed a live one's namespaces under it. A live program's name is locked; a dead
+    one's leftovers are still removed."""
+    from testbed.lab.topology import Topology, TestbedError
+    prefix = f"t{os.getpid() % 100000}u"
+    code = ("import time\nfrom testbed.lab.topology import Topology\n"
+            f"with Topology({prefix!r}, hosts=1, pools=1):\n"
+            "    print('up', flush=True)\n    time.sleep(60)\n")
+    with leaves_no_namespaces(prefix):
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "up"
+            before = sorted(namespaces_of(prefix))
+            with pytest.raises(TestbedError, match=f"in use by process {p.pid}"):
+                Topology(prefix, hosts=2, pools=1).up()
+            r = subprocess.run(python_argv("testbed", "up", "--name", prefix), text=True,
+                               capture_output=True, timeout=60)
+            assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+            assert "in use by process" in r.stderr
+            assert sorted(namespaces_of(prefix)) == before      # the live one untouched
+        finally:
+            p.kill()                                            # no teardown: leftovers
+            p.wait()
+        assert namespaces_of(prefix)
+        with Topology(prefix, hosts=1, pools=1):                # the dead one's: removed
+            pass

@@ -13,6 +13,7 @@ aside for benchmark networks: hosts .1-.99, pool nodes .101-.199, the master .20
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import os
 import shutil
@@ -32,6 +33,7 @@ from xdp.loader import cached_bytecode, load_bytecode
 from .links import LinkSpec, build_link
 
 SUBNET = "198.18.0"
+LOCK_DIR = "/run/kvswitch"                       # shared with switchd's locks
 BRIDGE = "br0"
 HERE = Path(__file__).resolve().parent            # pass.c and lossy.c
 
@@ -69,6 +71,7 @@ class Topology:
     links: LinkSpec | None = None               # shaped links (testbed.lab.links), None: veths
     nodes: list[Node] = field(init=False)       # the switch's ports: hosts and pool nodes
     master_node: Node | None = field(init=False)
+    _lock: int | None = field(default=None, init=False, repr=False)   # held while up
 
     def __post_init__(self):
         if not (1 <= self.hosts <= 99 and 1 <= self.pools <= 99):
@@ -119,7 +122,10 @@ class Topology:
     def up(self) -> Topology:
         """Build the topology from scratch (removing leftovers of the same name first). While
         it is up, SIGTERM unwinds the program (``_StopSignals``) so its ``with`` blocks
-        remove it."""
+        remove it, and its name is locked: a second program building the same testbed stops
+        with one line instead of removing the first one's namespaces under it."""
+        if self._lock is None:
+            self._lock = _lock_name(self.prefix)
         down(self.prefix)
         _SIGNALS.hold(self)
         try:
@@ -156,6 +162,9 @@ class Topology:
         with tearing_down():
             down(self.prefix)
             _SIGNALS.release(self)
+            if self._lock is not None:
+                os.close(self._lock)
+                self._lock = None
 
     def __enter__(self) -> Topology:
         return self.up()
@@ -351,6 +360,24 @@ class _StopSignals:
 
 _SIGNALS = _StopSignals()
 tearing_down = _SIGNALS.tearing_down
+
+
+def _lock_name(prefix: str) -> int:
+    """An flock on /run/kvswitch/testbed-PREFIX.lock naming its holder (gone with the process:
+    a crashed program's leftovers are removed by the next one, a live program's are not)."""
+    os.makedirs(LOCK_DIR, exist_ok=True)
+    fd = os.open(os.path.join(LOCK_DIR, f"testbed-{prefix}.lock"),
+                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise TestbedError(f"testbed {prefix!r} is in use by process {owner}: give another "
+                           "name, or stop that one (testbed down removes it)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 def down(prefix: str) -> list[str]:
