@@ -307,8 +307,8 @@ def test_blocks_arrive_byte_exact_over_lossy_links(lab):
 
 def test_a_terminated_testbed_program_removes_its_namespaces():
     # `timeout` and a cancelled CI job send SIGTERM; its default action skipped every teardown
-    # and left the namespaces behind
-    prefix = f"t{os.getpid() % 100000}"
+    # and left the namespaces behind (a name of its own: the module's lab is up meanwhile)
+    prefix = f"t{os.getpid() % 100000}x"
     code = ("import sys, time\nfrom testbed.lab.topology import Topology\n"
             f"with Topology({prefix!r}, hosts=1, pools=1):\n"
             "    print('up', flush=True)\n    time.sleep(60)\n")
