@@ -59,8 +59,8 @@ FINITE = FiniteFloat()
 
 
 def one_line_errors(prog: str, *errors: type[Exception]) -> type[click.Group]:
-    """A click Group class that prints ``errors`` (exit 1) and click's own usage errors (exit 2)
-    as one line, ``<prog>: error: <message>``."""
+    """A click Group class that prints ``errors`` and MemoryError (exit 1) and click's own usage
+    errors (exit 2) as one line, ``<prog>: error: <message>``."""
 
     class Group(click.Group):
         def invoke(self, ctx):
@@ -81,6 +81,10 @@ def one_line_errors(prog: str, *errors: type[Exception]) -> type[click.Group]:
                 sys.exit(exc.exit_code)
             except click.exceptions.Abort:
                 click.echo(f"{prog}: aborted", err=True)
+                sys.exit(1)
+            except MemoryError as exc:      # sizes this machine cannot hold: one line too
+                why = f" ({exc})" if str(exc) else ""
+                click.echo(f"{prog}: error: not enough memory for this run{why}", err=True)
                 sys.exit(1)
             sys.exit(0)
 

@@ -27,7 +27,7 @@ from .sim.config import MODELS as SIM_MODELS
 from .lab.topology import TestbedError, Topology, down, namespaces_of
 from .options import (capacity_value, chunk_list, cpu_list, fabric_up_options, fail_unless,
                       float_list, int_list, json_opt, link_options, link_spec, numbers,
-                      percent_list, plot_opt, plot_path_for, policy_list, say_wrote,
+                      name_list, percent_list, plot_opt, plot_path_for, policy_list, say_wrote,
                       trace_opt)
 
 
@@ -294,9 +294,9 @@ def incast(readers, block_mib, reps, chunk_size, store, link_gbit, pool_link_gbi
 @click.option("--link-gbit", type=FINITE, default=0.025, show_default=True,
               help="Rate of every link (inference and pool nodes), both directions; blocks "
                    "scale with it (64 MiB at 100 Gbit/s).")
-@click.option("--workloads", default="trace,burst,zipf", show_default=True,
+@click.option("--workloads", default="trace,burst,zipf", show_default=True, callback=name_list,
               help="Comma list of trace, burst, zipf.")
-@click.option("--modes", default="bridge,switch,replicas", show_default=True,
+@click.option("--modes", default="bridge,switch,replicas", show_default=True, callback=name_list,
               help="Comma list of bridge, switch, replicas.")
 @click.option("--model", type=click.Choice(sorted(SIM_MODELS)), default="llama3-8b",
               show_default=True, help="The cluster model's preset whose prefill speed is used.")
@@ -314,11 +314,10 @@ def serve(nodes, pools, store, link_gbit, workloads, modes, model, trace_path, t
     """Serving loops on N nodes over shaped links: TTFT, pool egress; bridge, switch, replicas."""
     from .bench.serve import run_serve
     plot_path = plot_path_for(json_path, plot_path)
-    out = run_serve(nodes, pools, store, link_gbit,
-                    [w.strip() for w in workloads.split(",") if w.strip()],
-                    [m.strip() for m in modes.split(",") if m.strip()], model, trace_path,
+    out = run_serve(nodes, pools, store, link_gbit, workloads, modes, model, trace_path,
                     trace_requests, scale, json_path, plot_path, log=click.echo)
-    click.echo(json.dumps(out["summary"], indent=2) + (f"\nwrote {json_path}" if json_path else ""))
+    click.echo(json.dumps(out["summary"], indent=2))
+    say_wrote(json_path, plot_path)
     fail_unless(out["summary"]["all_byte_exact"])
 
 
@@ -458,11 +457,18 @@ def replay(trace_path, capacity, limit, speedup, interval, policy, fill_headroom
 
 
 @main.command("results-check")
-@click.option("--root", default=".", show_default=True, help="The checkout to check.")
+@click.option("--root", default=".", show_default=True, help="The checkout to check.",
+              type=click.Path(exists=True, file_okay=False))
 def results_check(root):
     """Every result file README and docs cite: present, and newer than the code it measures."""
+    import subprocess
     from .lab.freshness import DATED, check
-    findings = check(root)
+    try:
+        findings = check(root)
+    except subprocess.CalledProcessError as exc:
+        said = (exc.stderr or "").strip().splitlines()
+        raise click.ClickException(f"{root} is not a git checkout with a commit"
+                                   + (f": {said[-1]}" if said else "")) from None
     for f in findings:
         where = (f" {DATED[f.name]}" if f.status == "dated" else
                  f" {f.changed_lines} lines in {', '.join(f.changed_files)}"

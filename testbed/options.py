@@ -63,9 +63,15 @@ def capacity_value(ctx, param, value):
     return value
 
 
-def name_list(ctx, param, value: str) -> list[str]:
-    """A comma list of names, blanks dropped (which names are valid is the command's check)."""
-    return [v.strip() for v in value.split(",") if v.strip()]
+def name_list(ctx, param, value: str | None) -> list[str] | None:
+    """A comma list of names, blanks dropped, at least one (which names are valid is the
+    command's check): an empty list ran nothing and said all was well."""
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise click.BadParameter("give at least one name")
+    return names
 
 
 def policy_list(ctx, param, value):
@@ -74,7 +80,7 @@ def policy_list(ctx, param, value):
         return None
     names = name_list(ctx, param, value)
     try:
-        return [policy_name(n) for n in names] or policy_name("(none given)")
+        return [policy_name(n) for n in names]
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 

@@ -127,6 +127,34 @@ def test_a_result_path_the_run_cannot_write_is_refused_before_it_starts(tmp_path
     assert message.format(tmp=tmp_path) in _one_line_error("testbed", *args, code=2)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["bench", "serve", "--workloads", "", "--json", ""], "'--workloads': give at least one"),
+    (["bench", "serve", "--racks", "2", "--modes", " , ", "--json", ""], "'--modes': give at"),
+    (["bench", "serve", "--tiers", "--demote", "", "--json", ""], "'--demote': give at least"),
+    (["bench", "lmcache", "--stores", "", "--json", ""], "'--stores': give at least one"),
+    (["bench", "faults", "--faults", "", "--json", ""], "'--faults': give at least one"),
+    (["policy-eval", "--policies", ""], "'--policies': give at least one"),
+], ids=["serve workloads", "fabric modes", "tiers demote", "lmcache stores", "faults",
+        "policies"])
+def test_an_empty_list_is_refused(args, message):
+    """An empty list of workloads, modes or stores ran nothing and exited 0 (or ended in a
+    traceback)."""
+    assert message in _one_line_error("testbed", *args, code=2)
+
+
+def test_a_size_the_machine_cannot_hold_is_one_line():
+    r = subprocess.run(python_argv("testbed", "sim", "fabric", "--racks", "1000000",
+                                   "--hosts-per-rack", "1000000"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "testbed: error: not enough memory" in r.stderr
+
+
+def test_results_check_outside_a_checkout_is_one_line(tmp_path):
+    assert "is not a git checkout" in _one_line_error("testbed", "results-check", "--root",
+                                                      str(tmp_path), code=1)
+
+
 def test_a_plot_goes_beside_the_json_or_nowhere():
     from testbed.options import plot_path_for
     assert plot_path_for("bench/results/x.json", None) == "bench/results/x.png"

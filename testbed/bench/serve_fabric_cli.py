@@ -11,13 +11,9 @@ import click
 
 from kvproto.cli import FINITE, FloatRange
 
-from ..options import plot_path_for
+from ..options import plot_path_for, say_wrote
 
 FABRIC_JSON = "bench/results/serve-fabric.json"
-
-
-def _names(value: str) -> list[str]:
-    return [m.strip() for m in value.split(",") if m.strip()]
 
 
 def fabric_options(command):
@@ -48,11 +44,12 @@ def fabric_options(command):
         from .serve_fabric import FABRIC_MODES, FABRIC_WORKLOADS, run_fabric
         out = run_fabric(racks, hosts_per_rack, kw["pools"] if given("pools") else 2, oversub,
                          kw["link_gbit"], pool_link_gbit,
-                         _names(kw["workloads"]) if given("workloads") else FABRIC_WORKLOADS,
-                         _names(kw["modes"]) if given("modes") else FABRIC_MODES, kw["model"],
+                         kw["workloads"] if given("workloads") else FABRIC_WORKLOADS,
+                         kw["modes"] if given("modes") else FABRIC_MODES, kw["model"],
                          kw["scale"], json_path=json_path, plot_path=plot_path, log=click.echo,
                          placement=placement, cache_entries=switch_entries)
-        click.echo(json.dumps(out["summary"], indent=2) + f"\nwrote {json_path}, {plot_path}")
+        click.echo(json.dumps(out["summary"], indent=2))
+        say_wrote(json_path, plot_path)
         if not out["summary"]["all_byte_exact"]:
             raise click.ClickException("some block was not byte-exact")
     return wrapper

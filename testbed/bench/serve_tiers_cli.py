@@ -10,13 +10,9 @@ import click
 
 from kvproto.cli import FINITE
 
-from ..options import plot_path_for
+from ..options import name_list, plot_path_for, say_wrote
 
 TIERS_JSON = "bench/results/serve-tiers.json"
-
-
-def _modes(value: str) -> list[str]:
-    return [m.strip() for m in value.split(",") if m.strip()]
 
 
 def tiers_options(command):
@@ -24,9 +20,9 @@ def tiers_options(command):
                   help="Measure the tiers (#29) instead: node DRAM, switch, pool DRAM, pool "
                        "disk, per demote and write-down mode, with `testbed sim` beside.")
     @click.option("--demote", "demotes", default="none,all,value", show_default=True,
-                  help="With --tiers: comma list of none, all, value.")
+                  callback=name_list, help="With --tiers: comma list of none, all, value.")
     @click.option("--write-down", "write_downs", default="all,selective", show_default=True,
-                  help="With --tiers: comma list of all, selective.")
+                  callback=name_list, help="With --tiers: comma list of all, selective.")
     @click.option("--fill", type=FINITE, default=2.0, show_default=True,
                   help="With --tiers: the workload's distinct blocks / the pool's DRAM.")
     @functools.wraps(command)
@@ -40,9 +36,10 @@ def tiers_options(command):
         from .serve_tiers import run_tiers
         out = run_tiers(kw["nodes"] if given("nodes") else 4,
                         kw["pools"] if given("pools") else 1, kw["link_gbit"],
-                        _modes(demotes), _modes(write_downs), kw["model"], fill, kw["scale"],
+                        demotes, write_downs, kw["model"], fill, kw["scale"],
                         json_path=json_path, plot_path=plot_path, log=click.echo)
-        click.echo(json.dumps(out["summary"], indent=2) + f"\nwrote {json_path}, {plot_path}")
+        click.echo(json.dumps(out["summary"], indent=2))
+        say_wrote(json_path, plot_path)
         if not out["summary"]["all_byte_exact"]:
             raise click.ClickException("some block was not byte-exact")
     return wrapper
