@@ -1,6 +1,7 @@
 """End to end on a veth testbed in namespaces this module creates and always removes: blocks put
 and fetched through the switch with real UDP, ordinary traffic through the switch with the
 program attached, switchd's lifecycle and its command-line errors."""
+import contextlib
 import os
 import random
 import re
@@ -305,24 +306,31 @@ def test_blocks_arrive_byte_exact_over_lossy_links(lab):
     assert cold["retransmits"] + warm["retransmits"] > 0, "5% loss and no retransmission?"
 
 
+@contextlib.contextmanager
+def testbed_in_another_program(prefix: str):
+    """A program holding testbed ``prefix`` up (its Popen, once the testbed is up); killed with
+    SIGKILL at the end if still running (no teardown: its namespaces are left behind)."""
+    code = ("import time\nfrom testbed.lab.topology import Topology\n"
+            f"with Topology({prefix!r}, hosts=1, pools=1):\n"
+            "    print('up', flush=True)\n    time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "up"
+        yield p
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
 def test_a_terminated_testbed_program_removes_its_namespaces():
     # `timeout` and a cancelled CI job send SIGTERM; its default action skipped every teardown
     # and left the namespaces behind (a name of its own: the module's lab is up meanwhile)
     prefix = f"t{os.getpid() % 100000}x"
-    code = ("import sys, time\nfrom testbed.lab.topology import Topology\n"
-            f"with Topology({prefix!r}, hosts=1, pools=1):\n"
-            "    print('up', flush=True)\n    time.sleep(60)\n")
-    with leaves_no_namespaces(prefix):
-        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        try:
-            assert p.stdout.readline().strip() == "up"
-            assert namespaces_of(prefix)
-            p.send_signal(signal.SIGTERM)
-            assert p.wait(30) == 143
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    with leaves_no_namespaces(prefix), testbed_in_another_program(prefix) as p:
+        assert namespaces_of(prefix)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 143
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
@@ -356,13 +364,8 @@ def test_a_testbed_in_use_is_not_built_over():
     one's leftovers are still removed."""
     from testbed.lab.topology import Topology, TestbedError
     prefix = f"t{os.getpid() % 100000}u"
-    code = ("import time\nfrom testbed.lab.topology import Topology\n"
-            f"with Topology({prefix!r}, hosts=1, pools=1):\n"
-            "    print('up', flush=True)\n    time.sleep(60)\n")
     with leaves_no_namespaces(prefix):
-        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        try:
-            assert p.stdout.readline().strip() == "up"
+        with testbed_in_another_program(prefix) as p:
             before = sorted(namespaces_of(prefix))
             with pytest.raises(TestbedError, match=f"in use by process {p.pid}"):
                 Topology(prefix, hosts=2, pools=1).up()
@@ -371,9 +374,6 @@ def test_a_testbed_in_use_is_not_built_over():
             assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
             assert "in use by process" in r.stderr
             assert sorted(namespaces_of(prefix)) == before      # the live one untouched
-        finally:
-            p.kill()                                            # no teardown: leftovers
-            p.wait()
-        assert namespaces_of(prefix)
+        assert namespaces_of(prefix)                            # killed: leftovers
         with Topology(prefix, hosts=1, pools=1):                # the dead one's: removed
             pass
