@@ -307,7 +307,7 @@ def test_blocks_arrive_byte_exact_over_lossy_links(lab):
 
 
 @contextlib.contextmanager
-def testbed_in_another_program(prefix: str):
+def held_up_by_another_program(prefix: str):
     """A program holding testbed ``prefix`` up (its Popen, once the testbed is up); killed with
     SIGKILL at the end if still running (no teardown: its namespaces are left behind)."""
     code = ("import time\nfrom testbed.lab.topology import Topology\n"
@@ -327,7 +327,7 @@ def test_a_terminated_testbed_program_removes_its_namespaces():
     # `timeout` and a cancelled CI job send SIGTERM; its default action skipped every teardown
     # and left the namespaces behind (a name of its own: the module's lab is up meanwhile)
     prefix = f"t{os.getpid() % 100000}x"
-    with leaves_no_namespaces(prefix), testbed_in_another_program(prefix) as p:
+    with leaves_no_namespaces(prefix), held_up_by_another_program(prefix) as p:
         assert namespaces_of(prefix)
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 143
@@ -365,7 +365,7 @@ def test_a_testbed_in_use_is_not_built_over():
     from testbed.lab.topology import Topology, TestbedError
     prefix = f"t{os.getpid() % 100000}u"
     with leaves_no_namespaces(prefix):
-        with testbed_in_another_program(prefix) as p:
+        with held_up_by_another_program(prefix) as p:
             before = sorted(namespaces_of(prefix))
             with pytest.raises(TestbedError, match=f"in use by process {p.pid}"):
                 Topology(prefix, hosts=2, pools=1).up()

@@ -163,7 +163,7 @@ class Topology:
             down(self.prefix)
             _SIGNALS.release(self)
             if self._lock is not None:
-                os.close(self._lock)
+                _unlock_name(self.prefix, self._lock)
                 self._lock = None
 
     def __enter__(self) -> Topology:
@@ -364,20 +364,36 @@ tearing_down = _SIGNALS.tearing_down
 
 def _lock_name(prefix: str) -> int:
     """An flock on /run/kvswitch/testbed-PREFIX.lock naming its holder (gone with the process:
-    a crashed program's leftovers are removed by the next one, a live program's are not)."""
+    a crashed program's leftovers are removed by the next one, a live program's are not). The
+    holder removes the file when it is done (``_unlock_name``), so a lock taken on a file that
+    was removed meanwhile is taken again on the new one."""
     os.makedirs(LOCK_DIR, exist_ok=True)
-    fd = os.open(os.path.join(LOCK_DIR, f"testbed-{prefix}.lock"),
-                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise TestbedError(f"testbed {prefix!r} is in use by process {owner}: give another "
-                           "name, or stop that one (testbed down removes it)") from None
+    path = os.path.join(LOCK_DIR, f"testbed-{prefix}.lock")
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise TestbedError(f"testbed {prefix!r} is in use by process {owner}: give another "
+                               "name, or stop that one (testbed down removes it)") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)                            # its holder removed it: lock the new one
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+def _unlock_name(prefix: str, fd: int) -> None:
+    """Remove the lock file while still holding it, then let go."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(LOCK_DIR, f"testbed-{prefix}.lock"))
+    os.close(fd)
 
 
 def down(prefix: str) -> list[str]:
