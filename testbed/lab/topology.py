@@ -126,11 +126,11 @@ class Topology:
         with one line instead of removing the first one's namespaces under it."""
         if self._lock is None:
             self._lock = _lock_name(self.prefix)
-        down(self.prefix)
-        _SIGNALS.hold(self)
         try:
+            down(self.prefix)
+            _SIGNALS.hold(self)
             self._build()
-        except BaseException:
+        except BaseException:                   # removes what was built, lets go of the name
             self.down()
             raise
         return self
@@ -317,9 +317,12 @@ class _StopSignals:
     @contextlib.contextmanager
     def tearing_down(self):
         """SIGTERM and SIGINT inside wait: once the outermost teardown is done, SIGTERM exits
-        (143) and SIGINT raises KeyboardInterrupt."""
-        main = threading.current_thread() is threading.main_thread()
-        if (not self.teardowns and main
+        (143) and SIGINT raises KeyboardInterrupt. Only the main thread's teardowns: signals
+        are raised there, and one held for another thread's would end that thread alone."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        if (not self.teardowns
                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
             signal.signal(signal.SIGINT, self._raise)
             self.int_deferred = True
@@ -368,7 +371,7 @@ def _lock_name(prefix: str) -> int:
     holder removes the file when it is done (``_unlock_name``), so a lock taken on a file that
     was removed meanwhile is taken again on the new one."""
     os.makedirs(LOCK_DIR, exist_ok=True)
-    path = os.path.join(LOCK_DIR, f"testbed-{prefix}.lock")
+    path = _lock_path(prefix)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -392,8 +395,12 @@ def _lock_name(prefix: str) -> int:
 def _unlock_name(prefix: str, fd: int) -> None:
     """Remove the lock file while still holding it, then let go."""
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(LOCK_DIR, f"testbed-{prefix}.lock"))
+        os.unlink(_lock_path(prefix))
     os.close(fd)
+
+
+def _lock_path(prefix: str) -> str:
+    return os.path.join(LOCK_DIR, f"testbed-{prefix}.lock")
 
 
 def down(prefix: str) -> list[str]:
