@@ -461,14 +461,11 @@ def replay(trace_path, capacity, limit, speedup, interval, policy, fill_headroom
               type=click.Path(exists=True, file_okay=False))
 def results_check(root):
     """Every result file README and docs cite: present, and newer than the code it measures."""
-    import subprocess
-    from .lab.freshness import DATED, check
+    from .lab.freshness import DATED, NotACheckout, check
     try:
         findings = check(root)
-    except subprocess.CalledProcessError as exc:
-        said = (exc.stderr or "").strip().splitlines()
-        raise click.ClickException(f"{root} is not a git checkout with a commit"
-                                   + (f": {said[-1]}" if said else "")) from None
+    except NotACheckout as exc:
+        raise click.ClickException(str(exc)) from None
     for f in findings:
         where = (f" {DATED[f.name]}" if f.status == "dated" else
                  f" {f.changed_lines} lines in {', '.join(f.changed_files)}"

@@ -160,6 +160,10 @@ class Finding:
         return "stale" if self.changed_lines else "fresh"
 
 
+class NotACheckout(ValueError):
+    """The root given is not a git checkout with a commit to compare against."""
+
+
 def git(root: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
                           check=True).stdout
@@ -263,7 +267,12 @@ def measured_by(name: str) -> list[str] | None:
 def check(root: str | Path = ".") -> list[Finding]:
     """Every result file the README and docs cite, with its status."""
     root = Path(root)
-    head = git(root, "rev-parse", "HEAD").strip()          # a commit, not a name: lines_at caches
+    try:
+        head = git(root, "rev-parse", "HEAD").strip()      # a commit, not a name: lines_at caches
+    except subprocess.CalledProcessError as exc:
+        said = (exc.stderr or "").strip().splitlines()
+        raise NotACheckout(f"{root} is not a git checkout with a commit"
+                           + (f": {said[-1]}" if said else "")) from None
     findings, partners = [], plot_partners(root)
     for name, docs in sorted(cited(root).items()):
         f = Finding(name, docs, measures=measured_by(name))
