@@ -339,7 +339,10 @@ def test_a_stop_signal_during_the_teardown_waits_for_it(sig):
     stopping a bench between two runs left 18 namespaces. Now it waits for the teardown, then
     the program stops as the signal says (exit 143, KeyboardInterrupt)."""
     prefix = f"t{os.getpid() % 100000}{sig[3].lower()}"
+    # Ctrl-C's default action, as in a terminal: a shell starts a background job (`make test
+    # &`) with SIGINT ignored, and the child inherited that (the signal did nothing)
     code = ("import os, signal\nimport testbed.lab.topology as t\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             f"topo = t.Topology({prefix!r}, hosts=2, pools=1).up()\n"
             "real = t.down\n"
             "def down(prefix):\n"
