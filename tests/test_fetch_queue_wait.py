@@ -32,7 +32,7 @@ def scene() -> tuple[Transfer, SendRing, Interface]:
     behind = Transfer(second, 1, bytes(range(16)), 4, False, 30.0)
     for i, t in enumerate((ahead, behind)):
         t.idx, t.gen, t.base = i, 1, i * AHEAD
-        t.route.bw = BW
+        t.route.bw, t.route.cwnd = BW, float(AHEAD)   # the first route's whole window out
     ring = SendRing(SimpleNamespace(sendq=np.zeros(SENDQ, np.uint64)))
     meta = np.zeros(2 * AHEAD, np.uint64)
     asked = NOW - 2 * RTO

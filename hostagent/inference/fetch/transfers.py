@@ -47,7 +47,13 @@ and to the rate x (``BDP_GAIN`` x the base round trip + ``QUEUE_MAX``) + ``BDP_H
 base round trip is a plain minimum over ``BASE_RTT_WINDOW``, so a standing queue never raises
 it): over a shaped link the queue in front of it stays short instead of filling until it drops
 (a GET carries room for its reply, so GETs load the link towards the pool as much as the
-replies load the way back).
+replies load the way back). The round trips of these bounds are the pool node's own replies
+once there are any (``Route.rtt_sample``), and a transfer most of whose replies a switch sends
+(hits, copies of a reply to another reader's GET it held: ``copied``) has the queue bound alone,
+with ``COPIED_HEADROOM``: its GETs do not load the pool node's link. The headroom and the
+initial window are small because engines that share a link queue each add theirs: 8 nodes
+fetching from 2 pool nodes over bridges at 64 / 64 offered ~1,024 GETs to two queues of ~51
+chunks and lost 229-256 of them (docs/fabric.md).
 Transfers are filled in the order they were submitted, each as far as the room goes, so a step
 verifies one or two transfers rather than all and a prefix of blocks is usable from its start.
 """
@@ -65,9 +71,10 @@ from .program import GEN_MASK, SENDQ
 
 INITIAL_RTO = 0.2                       # seconds, before a round trip was measured
 ACTIVE_FIRST_RTO = 0.05                 # seconds, the same once the route has delivered
-INITIAL_WINDOW = 64                     # chunks in flight per pool node before any reply
+INITIAL_WINDOW = 16                     # chunks in flight per pool node before any reply
 LATE_MAX = 0.25                         # share of replies after their call ended: a queue
-BDP_GAIN, BDP_HEADROOM = 2.0, 64        # window <= gain x delivery rate x min RTT + headroom
+BDP_GAIN, BDP_HEADROOM = 2.0, 8         # window <= gain x delivery rate x min RTT + headroom
+COPIED_HEADROOM = 24                    # the same, where a switch sends most of the replies
 QUEUE_MAX = 0.015                       # and <= rate x (gain x base RTT + this) + headroom
 QUEUE_SIGNAL = 0.002                    # round trip above the base one: a link's queue
 BASE_RTT_WINDOW = 10.0                  # seconds a base (least) round trip is trusted (BBR's)
@@ -87,6 +94,10 @@ HELD_SHARE = 0.5                        # more than this share of the chunks ask
 REORDER_ASKS = 8                        # asks a route's reply may come after another's asked later
 TIMEOUT_BATCH = 16                      # chunks presumed lost by a timeout per scan
 IDLE_CHUNKS, IDLE_MAX = 8, 0.002        # a step on a queued link sleeps ~8 deliveries, <= 2 ms
+RATE_SPAN = 0.002                       # seconds a delivery-rate sample spans at least: 16
+#                                         readers on 2 cores verify replies in bursts, and 1 ms
+#                                         spans measured up to 3x the link's rate (windows that
+#                                         overflowed its queue: bench incast p99 1.3-3.2 s)
 
 
 class Rtt:
@@ -94,7 +105,6 @@ class Rtt:
     switch answers come back within microseconds, the pool node's after its queue."""
 
     def __init__(self):
-        self.route: Route | None = None  # told of every sample (its least round trip)
         self.srtt: float | None = None
         self.rttvar = 0.0
         self.min_rtt = 1.0
@@ -102,10 +112,9 @@ class Rtt:
         self.reo = 0.001                # reordering window of loss detection
         self.late = 1.0                 # share of replies that came after their call (EWMA)
 
-    def sample(self, rtt: float, floor: float, reo_floor: float,
-               least: float | None = None) -> None:
-        """``rtt``: a batch of replies' mean round trip; ``least``: the round trip of the batch's
-        last-asked chunk (the route's base round trip follows it)."""
+    def sample(self, rtt: float, floor: float, reo_floor: float) -> None:
+        """``rtt``: a batch of replies' mean round trip (the route has its own estimates:
+        ``Route.rtt_sample``)."""
         if self.srtt is None:
             self.srtt, self.rttvar = rtt, rtt / 2
         else:
@@ -115,8 +124,6 @@ class Rtt:
         self.min_rtt = min(rtt, self.min_rtt + (rtt - self.min_rtt) / 64)
         self.reo = max(reo_floor, self.min_rtt / 4)
         self.rto = min(MAX_RTO, max(floor, self.srtt + 4 * self.rttvar))
-        if self.route is not None:
-            self.route.rtt_sample(rtt, rtt if least is None else least)
 
     def arrived(self, late: float) -> None:
         """``late``: the share of a batch of replies that came after the test-run call that sent
@@ -164,43 +171,54 @@ class Route:
         self.min_rtt = 1.0                 # least round trip (drifting up slowly), seconds
         self.base_rtt = 1.0                # least round trip of the last 10 s, seconds
         self._base_t = 0.0
+        self.own_path = False              # the pool node answered a GET of ours (not a copy)
         self.bw = 0.0                      # delivery rate, chunks/s (max filter, decaying)
         self.inflight = 0                  # chunks asked for and not verified, all transfers
         self._acc, self._t0 = 0, time.monotonic()
 
-    def rtt_sample(self, rtt: float, least: float) -> None:
+    def rtt_sample(self, rtt: float, least: float, own: bool = True) -> None:
         """``rtt``: a batch's mean round trip; ``least``: its last-asked chunk's. The base round
         trip is a plain minimum of ``least``, renewed after ``BASE_RTT_WINDOW``: it must not
         follow a standing queue up (the drifting least round trip does, on a shaped link, and
         the window set from it kept the queue standing and growing until the link dropped
-        GETs: ~250 in flight at 100 Mbit/s)."""
-        self.min_rtt = min(rtt, self.min_rtt + (rtt - self.min_rtt) / 1024)
+        GETs: ~250 in flight at 100 Mbit/s). ``own``: the pool node's replies to our GETs;
+        else the switch's (hits, or copies of another reader's reply to a GET it held). Once
+        the pool node answered, only its own replies count: a copy answers as soon as the
+        other reader's reply passes, 0.1-0.3 ms for 16 readers of one block, and the window
+        set from that shrank to its headroom (1.6 x their time on a 50 Mbit/s link)."""
+        if own and not self.own_path:       # the switch's round trips were no path's
+            self.own_path, self.min_rtt = True, rtt
+        if own or not self.own_path:
+            self.min_rtt = min(rtt, self.min_rtt + (rtt - self.min_rtt) / 1024)
         now = time.monotonic()
         if least <= self.base_rtt or now - self._base_t > BASE_RTT_WINDOW:
             self.base_rtt, self._base_t = least, now
 
-    def window(self, sync: bool = False) -> int:
+    def window(self, sync: bool = False, copied: bool = False) -> int:
         """Chunks this route may have in flight: the congestion window, held to the measured
         bandwidth-delay product (times the gain, plus headroom), and to ``QUEUE_MAX`` of queue
         beyond the base one at the measured rate, once there is a rate. Where the round trip is
         a link's queue the second keeps that queue short. ``sync``: no queue is in the way
         (the switch answers within the sending call, or the round trip stays near the base
         one), the round trip is the engine's own batch and the peer's work (a smaller window
-        makes a shorter one): only the second bound holds."""
+        makes a shorter one): only the second bound holds. ``copied``: a switch sends most
+        replies (hits, copies of a reply to another reader's GET), at the pace of a pool node
+        this route's GETs do not load: the second bound alone, with ``COPIED_HEADROOM``."""
         if self.bw <= 0:
             return int(self.cwnd)
-        queue = self.bw * (BDP_GAIN * self.base_rtt + QUEUE_MAX) + BDP_HEADROOM
-        if sync:
+        head = COPIED_HEADROOM if copied else BDP_HEADROOM
+        queue = self.bw * (BDP_GAIN * self.base_rtt + QUEUE_MAX) + head
+        if sync or copied:
             return int(min(self.cwnd, queue))
-        return int(min(self.cwnd, BDP_GAIN * self.bw * self.min_rtt + BDP_HEADROOM, queue))
+        return int(min(self.cwnd, BDP_GAIN * self.bw * self.min_rtt + head, queue))
 
     def _deliveries(self, n: int, now: float) -> None:
-        """A delivery-rate sample per round trip (at least 1 ms); a long pause is idle time,
-        not a rate."""
-        span = max(self.min_rtt, 0.001)
+        """A delivery-rate sample per round trip (at least ``RATE_SPAN``); a long pause is idle
+        time, not a rate, and what ended it came during it."""
+        span = max(self.min_rtt, RATE_SPAN)
         el = now - self._t0
         if el > 20 * span:
-            self._acc, self._t0 = n, now
+            self._acc, self._t0 = 0, now
             return
         self._acc += n
         if el >= span:
@@ -284,7 +302,6 @@ class Transfer:
         # a transfer starts from the last one's round trips (the switch's, unless bypassed)
         last = route.rtts.get(not no_cache) or route.rtts.get(False)
         self.rtt = copy.copy(last) if last is not None else Rtt()
-        self.rtt.route = route
         self.seen_received = 0
         self.reset(self.nchunks)
         self.switched = not no_cache and route.last_switched
@@ -306,6 +323,7 @@ class Transfer:
         self.pool_path = False                        # a reply came on the pool's path
         self.last_delivery = time.monotonic()
         self.switched = False                         # the switch answers it (within the call)
+        self.copied = False                           # most replies from a switch, not the pool
         self.next_scan = 0.0
         self.looked: float | None = None              # when verify last read the slot words
 
@@ -457,7 +475,7 @@ def fill(active: list[Transfer], ring, meta: np.ndarray, now: float, burst: int,
         left = t.nchunks - t.next_new
         if left > 0 and share > 0:
             m = min(left, share,
-                    max(0, route.window(_timers(t)[0] or queue_free(t))
+                    max(0, route.window(_timers(t)[0] or queue_free(t), t.copied)
                         - inflight[route.index]))
             if m > 0:
                 ring.queue(t, np.arange(t.next_new, t.next_new + m), now)

@@ -92,7 +92,13 @@ def verify(t: Transfer, x, meta: np.ndarray, arena_mv, cs: int, folder: Folder, 
         if pool_path.any():
             t.max_recv_seq = max(t.max_recv_seq, int(seqs[pool_path].max()))
         sent = ring.sent_time(seqs, t.sent_t[clean])
-        t.rtt.sample(now - float(sent.mean()), rto_floor, reo_floor, now - float(sent.max()))
+        t.rtt.sample(now - float(sent.mean()), rto_floor, reo_floor)
+        # the route's: the pool node's own replies to our GETs where there are any
+        own = (src[first] & (_FROM_SWITCH | _REPLICA)) == 0
+        on = own if own.any() else slice(None)
+        t.route.rtt_sample(now - float(sent[on].mean()), now - float(sent[on].max()),
+                           bool(own.any()))
+    t.copied = np.count_nonzero(src & (_FROM_SWITCH | _REPLICA)) * 2 > ok.size
     t.switched = not t.no_cache and bool(
         np.count_nonzero(src & _FROM_SWITCH) * 10 >= 9 * ok.size)
     t.route.acked(ok.size, max_window)
