@@ -183,9 +183,11 @@ class Route:
         the window set from it kept the queue standing and growing until the link dropped
         GETs: ~250 in flight at 100 Mbit/s). ``own``: the pool node's replies to our GETs;
         else the switch's (hits, or copies of another reader's reply to a GET it held). Once
-        the pool node answered, only its own replies count: a copy answers as soon as the
-        other reader's reply passes, 0.1-0.3 ms for 16 readers of one block, and the window
-        set from that shrank to its headroom (1.6 x their time on a 50 Mbit/s link)."""
+        the pool node answered, only its own replies set the least round trip (the
+        bandwidth-delay bound's): a copy answers as soon as the other reader's reply passes,
+        0.1-0.3 ms for 16 readers of one block, and the window set from that shrank to its
+        headroom (1.6 x their time on a 50 Mbit/s link). Every reply may lower the base round
+        trip (the queue bound's floor: a smaller one only tightens it)."""
         if own and not self.own_path:       # the switch's round trips were no path's
             self.own_path, self.min_rtt = True, rtt
         if own or not self.own_path:
