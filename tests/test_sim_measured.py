@@ -163,6 +163,22 @@ def test_serve_model_shares_links_holds_concurrent_misses_and_writes_through():
     assert summarise(r["requests"])["requests"] == 2
 
 
+def test_serve_model_links_serve_what_was_asked_first_first_a_window_at_a_time():
+    wire = 3 * (1000 + 90)
+    # two nodes' one-block fetches from one pool node, asked 1 ms apart: the pool node answers
+    # the first's GETs before the second's (not both at half the rate, ~2.3 ms later)
+    ks = ["%032x" % i for i in range(64)]
+    small = [[_req(0.0, ks[:1])], [_req(0.001, ks[1:2])]]
+    first, second = simulate_serve(small, ks, "bridge", POOLS[:1], 1, CAL, 10_000)["requests"]
+    assert first["fetch"] == pytest.approx(wire / 1e6 + 0.002, abs=6e-4)
+    assert second["at"] + second["fetch"] == pytest.approx(2 * wire / 1e6 + 0.002, abs=6e-4)
+    # 32 blocks each: the engine asks a window (16 chunks) at a time, so the two interleave and
+    # end together, where first come first served would end the first at half the time
+    long = [[_req(0.0, ks[:32])], [_req(0.001, ks[32:])]]
+    r = simulate_serve(long, ks, "bridge", POOLS[:1], 1, CAL, 10_000)["requests"]
+    assert min(o["at"] + o["fetch"] for o in r) > 0.9 * 64 * wire / 1e6
+
+
 @pytest.mark.e2e
 def test_validate_serve_on_a_tiny_testbed(tmp_path):
     # bench serve's zipf workload, shrunk, on 2 nodes and 1 pool node through the switch: the

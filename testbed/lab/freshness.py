@@ -32,6 +32,10 @@ MOONCAKE = ["hostagent/pool/mooncake_store.py"]
 POLICY = ["switchd/policy.py", "switchd/sketch.py", "testbed/sim/evaluate.py",
           "testbed/sim/baselines.py"]
 LINKS = ["testbed/lab/links.py"]
+# the serve-level replay and its validations run in `sim validate --serve [--racks]` alone:
+# the cluster model, its sweeps and the trace's validation never call them
+SERVE_REPLAY = ["!testbed/sim/serve_model.py", "!testbed/sim/validate_serve.py",
+                "!testbed/sim/validate_fabric.py"]
 VLLM = ["hostagent/inference/vllm_connector.py", "hostagent/inference/vllm_connector_blocks.py",
         "hostagent/inference/vllm_connector_pool.py", "hostagent/inference/paged_kv.py",
         "hostagent/inference/client.py", "hostagent/common/transfer.py"]   # probes and saves
@@ -89,8 +93,8 @@ MEASURES: list[tuple[str, list[str]]] = [
                                                              "testbed/bench/serve.py",
                                                              "testbed/bench/serve_node.py",
                                                              "testbed/bench/serve_workloads.py"]),
-    ("sim-validate*", SWITCH + FETCH + POOL + ["switchd", "testbed/sim"]),
-    ("sim-*", ["testbed/sim"]),
+    ("sim-validate*", SWITCH + FETCH + POOL + ["switchd", "testbed/sim"] + SERVE_REPLAY),
+    ("sim-*", ["testbed/sim"] + SERVE_REPLAY),
     ("compress.*", ["hostagent/inference/codec.py", "hostagent/inference/codec_kernels.py",
                     "testbed/bench/compress.py"]),
     # the demos' and blend's TTFTs include fetches through the testbed's switch and pool node

@@ -12,10 +12,11 @@ The serving loops, the fluid links and the timing are serve_model's (``replay``:
 at a time per node, all its blocks fetched at once, a round trip after the last reply, the
 modelled prefill, write-through one block at a time); this module is the network. Links: host
 down/up links at the calibrated rate, each rack's uplink (both ways) at H x link / oversub,
-pool links at ``pool_link_bytes_per_s``; a transfer gets its fair share of the slowest link it
-crosses. A reply from a pool node crosses the pool's egress, the uplink and the host's
-downlink; an agg hit the uplink and the downlink; a rack hit the downlink alone; a write the
-host's uplink, the rack's uplink and the pool's ingress.
+pool links at ``pool_link_bytes_per_s``; each link serves what was asked of it in the order it
+was asked, a window per route at a time (serve_model.serve_links). A reply from a pool node
+crosses the pool's egress, the uplink and the host's downlink; an agg hit the uplink and the
+downlink; a rack hit the downlink alone; a write the host's uplink, the rack's uplink and the
+pool's ingress.
 
 Each switch is serve_model.HeldSwitch (switchd's admission loop over the data plane's model)
 at the testbed's cache, interval and fill headroom; a fetch of a block whose fetch upstream of
@@ -231,7 +232,7 @@ def simulate_fabric(requests: list[list[dict]], preload, mode: str, pools: list[
         return [(("nu", i), ("uu", i // H), ("pi", p))]
 
     out = replay(requests, avail, cal, prefill_tok_s, fetch, not_found, computed,
-                 rates(cal, racks, H, P, oversub, pool_link_bytes_per_s), dt)
+                 rates(cal, racks, H, P, oversub, pool_link_bytes_per_s), dt, owner=own)
     for level, x, learned, unheld, p in replicas:
         caught = min(cal.chunks, math.ceil((x.caught or 0.0) / chunk_wire - 1e-9))
         c = count[level]
