@@ -232,7 +232,7 @@ def simulate_fabric(requests: list[list[dict]], preload, mode: str, pools: list[
         return [(("nu", i), ("uu", i // H), ("pi", p))]
 
     out = replay(requests, avail, cal, prefill_tok_s, fetch, not_found, computed,
-                 rates(cal, racks, H, P, oversub, pool_link_bytes_per_s), dt, owner=own)
+                 rates(cal, racks, H, P, oversub, pool_link_bytes_per_s), dt)
     for level, x, learned, unheld, p in replicas:
         caught = min(cal.chunks, math.ceil((x.caught or 0.0) / chunk_wire - 1e-9))
         c = count[level]

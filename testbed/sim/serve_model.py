@@ -117,13 +117,19 @@ class _Transfer:
         self.asked: list = []   # [when, bytes] asked for and not served yet, oldest first
 
 
+def _pool_link(links: tuple):
+    """The route a fetch is asked on (``serve_links``): the pool node whose link its reply
+    crosses, as the engine's window per pool node; a switch's answers, which cross none, on
+    their own (the engine holds them to a wider bound: COPIED_HEADROOM)."""
+    return next((link for link in links if link[0] == "pe"), links)
+
+
 def serve_links(active: list[_Transfer], t: float, step_of: dict, window: float) -> None:
-    """One step of the links: each route (a node's fetches of the blocks one pool node owns,
-    whoever answers them, as the fetch engine's window per pool node; a node's writes over
-    the same links) keeps up to ``window`` bytes asked for, topped up in the order its
-    transfers were submitted; every link then serves the bytes asked of it oldest first,
-    ``step_of[link]`` bytes a step (a pool node answers GETs in the order they came, the
-    links' queues are FIFO)."""
+    """One step of the links: each route (a node's fetches from one pool node; its fetches a
+    switch answers over the same links; its writes over the same links) keeps up to
+    ``window`` bytes asked for, topped up in the order its transfers were submitted; every
+    link then serves the bytes asked of it oldest first, ``step_of[link]`` bytes a step (a
+    pool node answers GETs in the order they came, the links' queues are FIFO)."""
     in_flight: dict = {}
     for x in active:
         in_flight[x.route] = in_flight.get(x.route, 0.0) + sum(a[1] for a in x.asked)
@@ -148,8 +154,7 @@ def serve_links(active: list[_Transfer], t: float, step_of: dict, window: float)
 
 
 def replay(requests: list[list[dict]], avail: dict, cal: Calibration, prefill_tok_s: float,
-           fetch, not_found, computed, rates: dict | None = None, dt: float = 5e-4,
-           owner=None) -> list:
+           fetch, not_found, computed, rates: dict | None = None, dt: float = 5e-4) -> list:
     """The nodes' serving loops over shared links, as bench serve's nodes run them (module
     docstring): per request TTFT, queueing, fetch and prefill. The network is the caller's:
     ``fetch(i, k, t)`` gives the _Transfer of node i's fetch of block k (available in the pool
@@ -159,8 +164,7 @@ def replay(requests: list[list[dict]], avail: dict, cal: Calibration, prefill_to
     (block -> time it is in the pool) is updated as writes are acknowledged. A link's rate is
     ``rates[link]`` (frame bytes per second), else ``cal.link_bytes_per_s``. A transfer that
     finishes its own bytes while its upstream is still under way waits for it, and notes the
-    upstream's bytes left then (``caught``). ``owner(k)``: the pool node whose window node
-    i's GETs of block k are asked in (``serve_links``), else the window is per set of links."""
+    upstream's bytes left then (``caught``)."""
     queues = [[(r, bytes_keys(r)) for r in q] for q in requests]
     window = INITIAL_WINDOW * (cal.chunk + FRAME_OVERHEAD)
     step_of: dict = {}                     # link -> bytes it moves in dt
@@ -190,7 +194,7 @@ def replay(requests: list[list[dict]], avail: dict, cal: Calibration, prefill_to
                 not_found(i, k, t)
                 continue
             xs.append(fetch(i, k, t))
-            xs[-1].route = (i, owner(k) if owner else xs[-1].links)
+            xs[-1].route = (i, _pool_link(xs[-1].links))
         active.extend(xs)
         busy[i] = {"r": r, "keys": keys, "xs": xs, "start": t, "cached": cached,
                    "fetched": len(held), "missing": missing}
@@ -304,8 +308,7 @@ def simulate_serve(requests: list[list[dict]], preload, mode: str, pools: list[s
             egress[p] += cal.chunks * FRAME_OVERHEAD      # acknowledgements
         return links
 
-    out = replay(requests, avail, cal, prefill_tok_s, fetch, not_found, computed, dt=dt,
-                 owner=None if mode == "replicas" else own)
+    out = replay(requests, avail, cal, prefill_tok_s, fetch, not_found, computed, dt=dt)
     fetched = sum(tiers.values())
     blocks = sum(o["blocks"] for o in out)
     return {"mode": mode, "requests": out,
