@@ -272,7 +272,7 @@ def throughput(chunk_sizes, seconds, windows, cores, rate, keys, hit_ratios, swe
                                       "Mooncake master).")
 @link_options
 @json_opt("bench/results/incast.json")
-@plot_opt("bench/results/incast.png", help="PNG path.")
+@plot_opt()
 def incast(readers, block_mib, reps, chunk_size, store, link_gbit, pool_link_gbit,
            link_delay_us, json_path, plot_path):
     """N readers fetch one block at once: plain bridge vs the switch."""
@@ -280,6 +280,7 @@ def incast(readers, block_mib, reps, chunk_size, store, link_gbit, pool_link_gbi
     if readers[-1] > 99:
         raise click.BadParameter("at most 99 readers", param_hint="--readers")
     spec = link_spec(link_gbit, pool_link_gbit, link_delay_us)
+    plot_path = plot_path_for(json_path, plot_path)
     out = run_incast(readers, block_mib, reps, json_path, plot_path, chunk_size,
                      spec and spec.host_gbit, spec and spec.pool_gbit, store,
                      spec.delay_us if spec else 0.0)
