@@ -18,14 +18,14 @@ a link serves the bytes asked of it in the order they were asked (fluid, stepped
 each node asking at most the fetch engine's first window (``INITIAL_WINDOW`` chunks) ahead per
 route (``serve_links``): a request of a few blocks is asked at once and served before the
 requests asked after it, a long prefix is asked a window at a time and interleaves with the
-others' (shares alike: with every link shared equally, the Zipf rows over bridges, requests
-of about a window, came out 18 % slow in every validation). Three constants, measured on the
-testbed before the run and not fitted to its results (``Calibration``): the links' rate, the
-fetch engine's round trip and the box's wake-up latency (a sleeping node wakes that late for
-an arrival and at the end of a modelled prefill). The switch's cache is the testbed's
-(entries / chunks per block) and switchd has run since before the workload (its fill budget is
-there from the first fetch). Bytes on a link are the frames' (chunk + PAYLOAD_OFF per chunk;
-one header-only frame per NOT_FOUND and per acknowledged chunk).
+others' (with every link shared equally, as the model had it before, the Zipf rows over
+bridges, requests of about a window, came out 18 % slow in every validation). Three constants,
+measured on the testbed before the run and not fitted to its results (``Calibration``): the
+links' rate, the fetch engine's round trip and the box's wake-up latency (a sleeping node wakes
+that late for an arrival and at the end of a modelled prefill). The switch's cache is the
+testbed's (entries / chunks per block) and switchd has run since before the workload (its fill
+budget is there from the first fetch). Bytes on a link are the frames' (chunk + PAYLOAD_OFF per
+chunk; one header-only frame per NOT_FOUND and per acknowledged chunk).
 
 ``replay`` is the serving loops and the fluid links alone, the network a caller's (callbacks
 giving each fetch's links and upstream; testbed.sim.fabric_serve_model is a fabric of
