@@ -7,14 +7,21 @@ Compiling with BCC takes seconds and needs BCC and kernel headers; both paths co
 (sources, flags, kernel) and load from the bytecode cache (``xdp.cache``) in milliseconds after
 that. The kernel's verifier checks a program at every load, whichever path it came by. Every
 failure here is ``xdp.NoXdp``.
+
+A program may be split into parts: a local C file it includes (``#include "part.c"``) is pasted
+in place of the line, as BCC rewrites map calls (``table.lookup(...)``) in its main file only;
+``#line`` markers keep the compiler's messages pointing at each file's own lines.
 """
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from . import NoXdp, cache, cflags as xdp_cflags, libbpf, pin
 from .cache import Bytecode
+
+_PART = re.compile(r'^#include\s+"([^"]+\.c)"[ \t]*$', re.M)
 
 
 def import_bcc():
@@ -86,8 +93,8 @@ def _compile(sources: tuple[Path, ...], programs: dict[str, int], flags: list[st
     """BCC: compile ``sources`` as one file, load ``programs`` (name -> attach type)."""
     bcc = import_bcc()
     try:
-        if len(sources) > 1:
-            text = "\n".join(p.read_text() for p in sources)
+        if len(sources) > 1 or _PART.search(sources[0].read_text()):
+            text = "\n".join(program_text(p) for p in sources)
             bpf = bcc.BPF(text=text.encode(), cflags=flags)
         else:
             bpf = bcc.BPF(src_file=str(sources[0]).encode(), cflags=flags)
@@ -101,6 +108,20 @@ def _compile(sources: tuple[Path, ...], programs: dict[str, int], flags: list[st
         bpf.cleanup()
         raise NoXdp(f"loading {sources[0].name} failed: {exc}") from None
     return bpf, fns
+
+
+def program_text(path: Path) -> str:
+    """``path``'s text with each local C file it includes pasted in place of the line (theirs
+    too), under ``#line`` markers naming the file each line comes from."""
+    text, out, at = path.read_text(), [], 0
+    for m in _PART.finditer(text):
+        line = text.count("\n", 0, m.end()) + 2
+        part = program_text(path.parent / m.group(1))
+        out += [text[at:m.start()], f'#line 1 "{m.group(1)}"\n', part.rstrip("\n") + "\n",
+                f'#line {line} "{path.name}"\n']
+        at = m.end() + 1
+    out.append(text[at:])
+    return f'#line 1 "{path.name}"\n' + "".join(out)
 
 
 def cached_bytecode(source: str | Path, name: str, cflags: list[str],

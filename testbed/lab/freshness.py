@@ -21,8 +21,9 @@ RESULTS = "bench/results"
 CITED = re.compile(r"([\w.-]+\.(?:json|png))")
 
 # the parts of the system, as the paths that make them
-SWITCH = ["xdp/kvswitch.c", "xdp/kvswitch.h", "xdp/kvmaps.h", "xdp/kvslot.h", "xdp/kvwrite.c",
-          "xdp/parse.h", "xdp/reply.h", "xdp/kvproto.h", "switchd/dataplane.py",
+SWITCH = ["xdp/kvswitch.c", "xdp/kvswitch_cache.c", "xdp/kvswitch_rounds.c",
+          "xdp/kvswitch_ports.c", "xdp/kvswitch.h", "xdp/kvmaps.h", "xdp/kvslot.h",
+          "xdp/kvwrite.c", "xdp/parse.h", "xdp/reply.h", "xdp/kvproto.h", "switchd/dataplane.py",
           "switchd/slots.py", "switchd/ports.py"]
 FETCH = ["xdp/kvfetch.c", "xdp/kvfetch.h", "xdp/kvfetch_maps.h", "hostagent/inference/fetch"]
 # the Mooncake-backed store runs only where a result's pool nodes are on Mooncake (MOONCAKE)

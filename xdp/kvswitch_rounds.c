@@ -1,0 +1,219 @@
+/* kvswitch_rounds.c - coalescing and replication, a part of kvswitch.c (pasted where kvswitch.c
+ * includes it, as xdp/loader.py compiles a program: BCC rewrites map calls in its main file
+ * only), so it sees what kvswitch.c includes and defines above it.
+ *
+ * A GET miss opens a round (kv_pending) and goes upstream; GETs for the same chunk from other
+ * ports while it is open are held (kv_waiters) and join it; a round older than the round
+ * timeout (measured here: round_estimate, round_sample) is asked again. The reply closes the
+ * round and reaches every waiter through one devmap broadcast (release_waiters). */
+
+/* A new round for the chunk, going upstream to where this GET is addressed. */
+static __always_inline void open_round(struct kv_pending *p, struct kv_frame *f, __u64 now,
+                                       __u32 ifindex)
+{
+    p->gen = now;
+    p->sent = now;
+    p->waiters = 1;
+    p->first_ifindex = ifindex;
+    p->daddr = f->ip->daddr;
+    p->dport = f->udp->dest;
+    __builtin_memcpy(p->dmac, f->eth->h_dest, ETH_ALEN);
+}
+
+static __always_inline int same_dest(struct kv_pending *p, struct kv_frame *f)
+{
+    return p->daddr == f->ip->daddr && p->dport == f->udp->dest && mac_eq(p->dmac, f->eth->h_dest);
+}
+
+/* How long a round's reply takes lately (SRTT + 4 RTTVAR of rounds the data plane closed),
+ * never more than KV_ROUND_CAP pending timeouts. */
+static __always_inline __u64 round_estimate(__u64 pending)
+{
+    __u64 est = setting(KV_SET_ROUND_SRTT_NS) + 4 * setting(KV_SET_ROUND_VAR_NS);
+    return est < KV_ROUND_CAP * pending ? est : KV_ROUND_CAP * pending;
+}
+
+/* One round's time from its upstream GET to its reply, into the estimate (RFC 6298's gains;
+ * not atomic: a concurrent update may lose a sample, which an estimate can afford). */
+static __always_inline void round_sample(__u64 rtt)
+{
+    __u32 si = KV_SET_ROUND_SRTT_NS, vi = KV_SET_ROUND_VAR_NS;
+    __u64 *srtt = kv_settings.lookup(&si), *var = kv_settings.lookup(&vi);
+    if (!srtt || !var)
+        return;
+    __u64 s = *srtt;
+    if (!s) {
+        *srtt = rtt;
+        *var = rtt / 2;
+        return;
+    }
+    __u64 d = rtt > s ? rtt - s : s - rtt;
+    *var = *var - (*var >> 2) + (d >> 2);
+    *srtt = s - (s >> 3) + (rtt >> 3);
+}
+
+/* Put the waiter `w` of port `wk` into round `p`: a port already waiting in it has its request
+ * id updated (the same asker again: answer its latest request), a new one is counted. Returns
+ * whether the port was already waiting. */
+static __always_inline int add_waiter(struct kv_pending *p, struct kv_waiter_key *wk,
+                                      struct kv_waiter *w, __u32 coalesced)
+{
+    struct kv_waiter *old = kv_waiters.lookup(wk);
+    if (old && old->gen == p->gen) {
+        old->req_id = w->req_id;
+        return 1;
+    }
+    w->gen = p->gen;
+    w->coalesced = coalesced;
+    kv_waiters.update(wk, w);
+    __sync_fetch_and_add(&p->waiters, 1);
+    return 0;
+}
+
+/* Hold this GET in the open round `p`: remember where its replica goes. Only a GET addressed
+ * where the round's went may wait in it: a round sent to an address nobody answers (by mistake
+ * or to stall others) must not capture the GETs of the chunk's real pool node. A port that
+ * already waits and asks again once the round's reply is due (its GET or the reply may have
+ * been lost on a link) is let through upstream; the round keeps its timers, so asking again
+ * never prolongs a hold. */
+static __always_inline int join_round(struct kv_pending *p, struct kv_frame *f,
+                                      struct kv_waiter_key *wk, struct kv_waiter *w,
+                                      __u64 now, __u64 due)
+{
+    if (!same_dest(p, f)) {
+        count(KV_STAT_OTHER_DEST, 1);
+        count(KV_STAT_GET_MISS, 1);
+        return XDP_PASS;
+    }
+    struct kv_waiter *old = kv_waiters.lookup(wk);
+    if (old && old->gen == p->gen) {
+        if (old->ip != w->ip || old->port != w->port) {
+            count(KV_STAT_UNCOALESCED, 1);  /* one waiter per port: let this one through */
+            count(KV_STAT_GET_MISS, 1);
+            return XDP_PASS;
+        }
+        old->req_id = w->req_id;  /* the same asker again: answer its latest request */
+        if (now - p->sent > due) {
+            count(KV_STAT_REASKED, 1);
+            count(KV_STAT_GET_MISS, 1);
+            return XDP_PASS;
+        }
+        count(KV_STAT_COALESCED, 1);
+        return XDP_DROP;
+    }
+    w->gen = p->gen;
+    w->coalesced = 1;
+    kv_waiters.update(wk, w);
+    __sync_fetch_and_add(&p->waiters, 1);
+    count(KV_STAT_COALESCED, 1);
+    return XDP_DROP;
+}
+
+/* A GET miss: the first asker of a round goes upstream, later askers on other ports wait. */
+static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *f,
+                                           struct kv_cache_key *k)
+{
+    count_miss(k);                 /* held or forwarded, it is demand the cache did not meet */
+    __u64 now = bpf_ktime_get_ns();
+    if (!setting(KV_SET_COALESCE)) {
+        struct kv_pending open = {};   /* outstanding, so its reply may be learned; no holding */
+        open_round(&open, f, now, ctx->ingress_ifindex);
+        kv_pending.update(k, &open);
+        count(KV_STAT_GET_MISS, 1);
+        return XDP_PASS;
+    }
+    struct kv_waiter_key wk = {};
+    wk.chunk = *k;
+    wk.ifindex = ctx->ingress_ifindex;
+    struct kv_waiter w = {};
+    __builtin_memcpy(w.mac, f->eth->h_source, ETH_ALEN);
+    w.ip = f->ip->saddr;
+    w.port = f->udp->source;
+    w.req_id = f->kv->req_id;
+
+    struct kv_pending *p = kv_pending.lookup(k);
+    if (p && (p->flags & KV_RF_PROBATION)) {
+        /* Its last round went unanswered: nobody is held here until a reply for the chunk
+         * passes (it closes the round). This GET goes upstream, and its port gets a copy of
+         * that reply too if the round is replicated (else the copy meant for this port, which
+         * may be the very reply to this GET, would be dropped as nobody's). */
+        if (same_dest(p, f))
+            add_waiter(p, &wk, &w, 0);
+        count(KV_STAT_UNHELD, 1);
+        count(KV_STAT_GET_MISS, 1);
+        return XDP_PASS;
+    }
+    __u64 pending = setting(KV_SET_PENDING_NS);
+    __u64 est = round_estimate(pending);
+    __u64 timeout = est > pending ? est : pending;
+    if (p && now - p->sent < timeout)
+        return join_round(p, f, &wk, &w, now, est > pending / 2 ? est : pending / 2);
+    if (!p) {
+        /* No round open: maybe one just closed on another CPU, whose reply was learned before
+         * the round was deleted. Look again rather than send a needless request upstream. */
+        __u64 seq;
+        struct kv_cache_val *v = cached(k, &seq);
+        if (v)
+            return answer_get(ctx, v, k, seq, f->payload_len);
+    }
+    if (p && same_dest(p, f)) {
+        /* A stale round: its reply did not come within the round timeout. This GET asks
+         * upstream again for the round, whose waiters keep waiting for whichever reply comes
+         * (the first may only be late), this GET's port among them; until a reply passes
+         * nobody more is held for the chunk: a requester that keeps re-arming rounds its pool
+         * never answers holds others one round timeout at most. */
+        count(KV_STAT_EXPIRED, 1);
+        p->sent = now;
+        p->flags |= KV_RF_PROBATION;
+        add_waiter(p, &wk, &w, 0);
+        count(KV_STAT_GET_MISS, 1);
+        return XDP_PASS;
+    }
+    struct kv_pending np = {};
+    open_round(&np, f, now, wk.ifindex);
+    w.gen = now;
+    kv_waiters.update(&wk, &w);
+    if (p) {
+        /* A stale round that went elsewhere: replaced by this GET's (on probation, as above). */
+        count(KV_STAT_EXPIRED, 1);
+        np.flags = KV_RF_PROBATION;
+        kv_pending.update(k, &np);
+    } else if (kv_pending.insert(k, &np)) {
+        /* another CPU opened a round between our lookup and now: wait in it */
+        p = kv_pending.lookup(k);
+        if (p && !(p->flags & KV_RF_PROBATION))
+            return join_round(p, f, &wk, &w, now, ~0ULL);
+    }
+    count(KV_STAT_GET_MISS, 1);
+    return XDP_PASS;
+}
+
+/* Close the chunk's pending round: one waiter gets the reply the ordinary way, several get it
+ * through a devmap broadcast carrying the round's generation in XDP metadata. */
+static __always_inline int release_waiters(struct xdp_md *ctx, struct kv_cache_key *k)
+{
+    struct kv_pending *p = kv_pending.lookup(k);
+    if (!p)
+        return XDP_PASS;
+    if (!(p->flags & KV_RF_PROBATION))  /* asked once: the reply is that GET's (Karn) */
+        round_sample(bpf_ktime_get_ns() - p->sent);
+    __u64 gen = p->gen;
+    __u32 waiters = p->waiters;
+    struct kv_waiter_key wk = {};
+    wk.chunk = *k;
+    wk.ifindex = p->first_ifindex;
+    kv_pending.delete(k);
+    if (waiters <= 1) {
+        kv_waiters.delete(&wk);
+        return XDP_PASS;
+    }
+    if (bpf_xdp_adjust_meta(ctx, -(int)sizeof(struct kv_meta)))
+        return XDP_PASS;           /* the first asker still gets it; the others retransmit */
+    void *data = (void *)(long)ctx->data;
+    struct kv_meta *meta = (void *)(long)ctx->data_meta;
+    if ((void *)(meta + 1) > data)
+        return XDP_PASS;
+    meta->gen = gen;
+    count(KV_STAT_REPLICATED, 1);
+    return kv_devmap.redirect_map(0, BPF_F_BROADCAST | BPF_F_EXCLUDE_INGRESS);
+}
