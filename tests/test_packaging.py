@@ -14,7 +14,8 @@ def test_the_wheel_works_outside_the_source_tree(tmp_path):
                    check=True, capture_output=True, cwd=tmp_path)
     wheel, = (tmp_path / "dist").glob("kvswitch-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for source in ("xdp/kvswitch.c", "xdp/kvproto.h", "xdp/kvswitch.h", "xdp/kvmaps.h",
+    for source in ("xdp/kvswitch.c", "xdp/kvswitch_cache.c", "xdp/kvswitch_rounds.c",
+                   "xdp/kvswitch_ports.c", "xdp/kvproto.h", "xdp/kvswitch.h", "xdp/kvmaps.h",
                    "xdp/parse.h", "xdp/verifier.h", "xdp/kvfetch.c", "xdp/kvfetch.h",
                    "xdp/kvfetch_maps.h", "xdp/kvserve.c", "xdp/kvserve.h", "xdp/kvserve_maps.h",
                    "testbed/lab/pass.c", "testbed/lab/lossy.c",

@@ -13,9 +13,11 @@ does for its tools. switchd, the fetch engine, the pool's XDP server and the tes
     program     Program, the base of every loaded program: constants, counters, struct sizes
 
     kvproto.h   the wire format (every endpoint)       parse.h      bounds-checked frame parsing
-    verifier.h  helpers the verifier needs             kvswitch.c   the switch (kvswitch.h layouts,
-    kvfetch.c   the fetch engine (kvfetch.h, kvfetch_maps.h)         kvmaps.h maps, reply.h,
-    kvwrite.c   switchd's cache-slot writer                          kvslot.h its slot protocol)
+    verifier.h  helpers the verifier needs             reply.h      GETs answered in place
+    kvswitch.c  the switch: kvswitch_cache.c, kvswitch_rounds.c, kvswitch_ports.c its parts
+                (pasted in by the loader), kvswitch.h layouts, kvmaps.h maps, kvslot.h slots
+    kvwrite.c   switchd's cache-slot writer
+    kvfetch.c   the fetch engine (kvfetch.h, kvfetch_maps.h)
     kvserve.c   a pool node's XDP GET server (kvserve.h layouts, kvserve_maps.h maps)
 
 ``NoXdp`` is the one "XDP cannot be used here" error; its message says why in one line.

@@ -1,7 +1,8 @@
 /* kvswitch.c - the switch's ingress XDP program, attached to every switch port.
  *
  *  - GET whose chunk is cached: the request is rewritten in place into the reply (payload from
- *    its kv_cache slot, found through the block index kv_blocks; room trimmed, addresses swapped, KV_F_FROM_SWITCH set) and sent back with XDP_TX.
+ *    its kv_cache slot, found through the block index kv_blocks; room trimmed, addresses
+ *    swapped, KV_F_FROM_SWITCH set) and sent back with XDP_TX.
  *  - GET miss: goes on to the pool node and opens a pending round (an outstanding request). With
  *    coalescing on, GETs for the same chunk from other ports while the round is open are held
  *    (dropped here, remembered in kv_waiters); a waiting port asking again once the reply is due

@@ -104,7 +104,7 @@ struct kv_port_cfg {
     __u32  ns[KV_PORT_NS_INLINE];  /* its namespaces, checked without a map lookup */
 };
 #define KV_PF_NS_LIMITED 1         /* only namespaces in kv_port_ns may be asked for here; and only
-                                      frames the data plane can check pass (see kvswitch.c) */
+                                      frames the data plane can check pass (see kvswitch_ports.c) */
 #define KV_PF_SECURED 2            /* frames must come from the port's bound source */
 #define KV_PF_BOUND 4              /* mac and ip are set: by switchd, or by the data plane from the
                                       port's first ARP or IPv4 frame (sticky) */
@@ -224,7 +224,7 @@ struct kv_ns_stats {
                                       retried only) */
 #define KV_SET_ROUND_VAR_NS 5      /* written by the data plane: its mean deviation (RTTVAR) */
 #define KV_SET_FILL_NEXT 6         /* the fill region switchd grants the data plane: slots */
-#define KV_SET_FILL_END 7          /* [next, end) for blocks with no slots yet (kvswitch.c, carve) */
+#define KV_SET_FILL_END 7          /* [next, end) for blocks with no slots yet (carve) */
 #define KV_SET_DP_GEN 8            /* the data plane's allocation counter (KV_GEN_DATAPLANE | n) */
 #define KV_SET_GEN 9               /* switchd's allocation counter (under its allocator's lock) */
 #define KV_SET_SHARE_N 10         /* > 1: blocks not admitted are learned only if their key's

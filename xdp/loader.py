@@ -117,8 +117,7 @@ def program_text(path: Path) -> str:
     for m in _PART.finditer(text):
         line = text.count("\n", 0, m.end()) + 2
         part = program_text(path.parent / m.group(1))
-        out += [text[at:m.start()], f'#line 1 "{m.group(1)}"\n', part.rstrip("\n") + "\n",
-                f'#line {line} "{path.name}"\n']
+        out += [text[at:m.start()], part.rstrip("\n") + "\n", f'#line {line} "{path.name}"\n']
         at = m.end() + 1
     out.append(text[at:])
     return f'#line 1 "{path.name}"\n' + "".join(out)

@@ -84,7 +84,7 @@ BPF_ARRAY(rx_cfg, struct rx_cfg, 1);
 BPF_PERCPU_ARRAY(rx_count, __u64, KV_CNT_MAX);
 BPF_PERCPU_ARRAY(rx_sample, struct rx_sample, 1);
 
-/* A helper's size argument must be range-checked in the very register passed (see kvswitch.c). */
+/* A helper's size argument must be range-checked in the very register passed (xdp/verifier.h). */
 static __always_inline __u64 opaque(__u32 v)
 {
     __u64 n = v;
