@@ -9,7 +9,7 @@ import json
 import click
 
 from ..options import (cluster_options, fail_unless, float_list, int_list, json_opt,
-                       sim_errors, trace_opt)
+                       plot_opt, plot_path_for, say_wrote, sim_errors, trace_opt)
 
 SWEEP_NODES = "4,8,12,16,24,32,48,64,128,256,1024"
 
@@ -78,18 +78,18 @@ def sim_run(trace_path, requests, sharing, json_path, **kw):
 @cluster_options
 @codec_options
 @json_opt("bench/results/sim-sweep.json")
-@click.option("--plot", "plot_path", default="bench/results/sim-breakeven.png",
-              show_default=True)
+@plot_opt()
 def sim_sweep(trace_path, nodes, switch_gib, sharing, skew_cases, requests_per_node,
               max_requests, json_path, plot_path, **kw):
     """Sweep nodes x switch memory x sharing (and skew cases); find and draw the break-even."""
     from .sweep import parse_cases, run_sweep
     cases = sim_errors(lambda: [(s, 0.0) for s in sharing] + parse_cases(skew_cases))
+    plot_path = plot_path_for(json_path, plot_path)
     out = sim_errors(lambda: run_sweep(
         trace_path, nodes, switch_gib, cases, requests_per_node, max_requests, json_path,
         plot_path, log=lambda m: click.echo(m, err=True), **kw))
     click.echo(json.dumps(out["break_even"], indent=2))
-    click.echo(f"wrote {json_path} and {plot_path}")
+    say_wrote(json_path, plot_path)
 
 
 @sim.command("reprice")
@@ -253,7 +253,7 @@ def _validate_fabric(racks, hosts_per_rack, pools, oversub, link_gbit, pool_link
               help="Memory of the pool-side switch's pool.")
 @cluster_options
 @json_opt("bench/results/sim-fabric.json")
-@click.option("--plot", "plot_path", default="bench/results/sim-fabric.png", show_default=True)
+@plot_opt()
 def sim_fabric(trace_path, racks, hosts_per_rack, oversub, sharing, requests_per_node,
                max_requests, rack_gib, agg_gib, json_path, plot_path, **kw):
     """A fabric of switches at cluster scale: racks x hosts per rack x oversubscription x
@@ -268,6 +268,7 @@ def sim_fabric(trace_path, racks, hosts_per_rack, oversub, sharing, requests_per
         for h in hosts:
             for o in overs:
                 check_shape(r, h, o)
+    plot_path = plot_path_for(json_path, plot_path)
     out = sim_errors(lambda: run_fabric_sweep(
         trace_path, racks, hosts, overs, sharing, requests_per_node, max_requests, rack_gib,
         agg_gib, json_path, plot_path, log=lambda m: click.echo(m, err=True), **kw))
@@ -278,7 +279,7 @@ def sim_fabric(trace_path, racks, hosts_per_rack, oversub, sharing, requests_per
                    f" of pool egress and {g['uplink_saved']:.1%} of uplink bytes for "
                    f"{g['boxes']} box and {g['xdp_cores']:.1f} XDP cores: net "
                    f"${g['net_usd_per_hour']:.2f}/h")
-    click.echo(f"wrote {json_path} and {plot_path}")
+    say_wrote(json_path, plot_path)
 
 
 def _numbers(name: str, value: str, kind) -> list:

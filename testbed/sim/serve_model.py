@@ -117,10 +117,11 @@ class _Transfer:
         self.asked: list = []   # [when, bytes] asked for and not served yet, oldest first
 
 
-def _pool_link(links: tuple):
-    """The route a fetch is asked on (``serve_links``): the pool node whose link its reply
-    crosses, as the engine's window per pool node; a switch's answers, which cross none, on
-    their own (the engine holds them to a wider bound: COPIED_HEADROOM)."""
+def _route_key(links: tuple):
+    """What a transfer is asked on (``serve_links``): a fetch from the pool, the pool node
+    whose link its reply crosses, as the engine's window per pool node; one that crosses no
+    pool node's link, its links: a switch's answers (the engine holds them to a wider bound,
+    COPIED_HEADROOM) and a node's writes."""
     return next((link for link in links if link[0] == "pe"), links)
 
 
@@ -132,7 +133,7 @@ def serve_links(active: list[_Transfer], t: float, step_of: dict, window: float)
     pool node answers GETs in the order they came, the links' queues are FIFO)."""
     in_flight: dict = {}
     for x in active:
-        in_flight[x.route] = in_flight.get(x.route, 0.0) + sum(a[1] for a in x.asked)
+        in_flight[x.route] = in_flight.get(x.route, 0.0) + x.left - x.unasked
     for x in active:
         n = min(x.unasked, window - in_flight[x.route])
         if n > 0:
@@ -193,8 +194,9 @@ def replay(requests: list[list[dict]], avail: dict, cal: Calibration, prefill_to
             if avail.get(k, math.inf) > t:
                 not_found(i, k, t)
                 continue
-            xs.append(fetch(i, k, t))
-            xs[-1].route = (i, _pool_link(xs[-1].links))
+            x = fetch(i, k, t)
+            x.route = (i, _route_key(x.links))
+            xs.append(x)
         active.extend(xs)
         busy[i] = {"r": r, "keys": keys, "xs": xs, "start": t, "cached": cached,
                    "fetched": len(held), "missing": missing}
@@ -214,7 +216,7 @@ def replay(requests: list[list[dict]], avail: dict, cal: Calibration, prefill_to
             if i not in writing and w:
                 k, links = w.pop(0)
                 writing[i] = x = _Transfer(cal.wire, links)
-                x.route = (i, links)
+                x.route = (i, _route_key(links))
                 x.after = k                       # the block it makes available
                 active.append(x)
         for x in active:
