@@ -7,8 +7,12 @@ import asyncio
 import contextlib
 import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _missing_for_kernel_tiers() -> str | None:
@@ -103,3 +107,22 @@ def need_mooncake() -> None:
         master_binary()
     except MooncakeMissing as exc:
         pytest.fail(f"cannot run the Mooncake tests: {exc}", pytrace=False)
+
+
+def repo_files() -> list[Path]:
+    """Every file of the checkout git would commit: tracked, or new and not ignored (a tracked
+    file deleted in the work tree is listed too)."""
+    names = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    return [ROOT / n for n in names]
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty bytecode cache (xdp.cache) for this test alone: every program it loads is
+    compiled by BCC."""
+    from xdp import cache
+    d = tmp_path / "bytecode"
+    d.mkdir(mode=0o700)
+    monkeypatch.setattr(cache, "CACHE_DIR", d)
+    return d

@@ -25,14 +25,6 @@ def pin_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def fresh_cache(tmp_path, monkeypatch):
-    d = tmp_path / "bytecode"
-    d.mkdir(mode=0o700)
-    monkeypatch.setattr(cache, "CACHE_DIR", d)
-    return d
-
-
 def test_the_switch_from_the_cache_is_the_program_bcc_compiled(fresh_cache, pin_dir):
     dep = Deployment(chunk_size=1024, cache_entries=512, pin_dir=pin_dir)
     compiled = DataPlane(dep)

@@ -6,7 +6,7 @@ built this way (kvswitch.c and its three parts; tests/test_source_size.py keeps 
 import pytest
 
 import xdp
-from xdp import NoXdp, cache, libbpf
+from xdp import NoXdp, libbpf
 from xdp.loader import load_xdp, program_text
 
 MAIN = """#include <linux/bpf.h>
@@ -30,12 +30,9 @@ static __always_inline int bump(void)
 
 
 @pytest.fixture
-def program(tmp_path, monkeypatch):
+def program(tmp_path, fresh_cache):
     (tmp_path / "main.c").write_text(MAIN)
     (tmp_path / "part.c").write_text(PART)
-    d = tmp_path / "bytecode"
-    d.mkdir(mode=0o700)
-    monkeypatch.setattr(cache, "CACHE_DIR", d)
     return tmp_path
 
 

@@ -2,19 +2,18 @@
 sends a reader or a default outside it, and the data the defaults use ships inside it.
 bench/results/ is left out: a result records the command line of the run that made it."""
 import re
-import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, repo_files
+
 RELATIVE = re.compile(r"(?<![\w.])((?:\.\./)+[\w.-]+(?:/[\w.-]+)*)")   # ../x/y
 UP_ARGS = re.compile(r"""(?:["']\.\.["']\s*,\s*)+""")                   # "..", "..",
 PARENTS = re.compile(r"\.parents\[(\d+)\]")
 
 
 def tracked() -> list[Path]:
-    names = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard"],
-                           capture_output=True, text=True, check=True).stdout.split()
-    return [ROOT / n for n in names if not n.startswith("bench/results/")]
+    return [p for p in repo_files()
+            if not str(p.relative_to(ROOT)).startswith("bench/results/")]
 
 
 def outside(path: Path) -> bool:
