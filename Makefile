@@ -10,10 +10,16 @@ DEBS  := python3-bpfcc python3-venv linux-headers-amd64 linux-libc-dev libbpf1 b
 KREL  := $(shell uname -r)
 TRACE ?= testbed/traces/mooncake_synthetic_trace.jsonl
 
-.PHONY: setup debs kernel-headers bpffs venv model test test-python test-bpf test-e2e demo demo-inference demo-vllm bench bench-sim check-results clean
+.PHONY: setup debs kernel-headers bpffs venv model kernel-check test test-python test-bpf test-e2e demo demo-inference demo-vllm bench bench-sim check-results clean
 
-setup: debs kernel-headers bpffs venv model
+setup: debs kernel-headers bpffs venv model kernel-check
 	@echo "setup: OK ($(VENV) ready; run 'make test')"
+
+# what this kernel grants the switch's and the nodes' programs, feature by feature (fails when
+# one of them cannot load)
+kernel-check:
+	@$(VENV)/bin/switchd check
+	@$(VENV)/bin/hostagent check
 
 debs:
 	@missing=$$(for p in $(DEBS); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \

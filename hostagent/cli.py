@@ -181,6 +181,21 @@ def _allocated(make, capacity: int, *args, **kw):
                                  param_hint="--capacity") from None
 
 
+@main.command("check")
+@click.option("--chunk-size", type=click.IntRange(8, MAX_PAYLOAD), default=DEFAULT_CHUNK,
+              show_default=True, callback=_chunk_size,
+              help="The chunk size to compile the fetch engine for.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of lines.")
+def check_cmd(chunk_size, as_json):
+    """What this kernel grants a node's programs (the fetch engine, the pool's XDP server),
+    feature by feature; run it first. Exits non-zero when one of them cannot load."""
+    from xdp.features import emit
+    from xdp.loader import preflight
+    from .check import node_check
+    preflight()
+    sys.exit(emit("hostagent", node_check(chunk_size), as_json))
+
+
 @main.command()
 @click.option("--config", type=click.Path(dir_okay=False),
               help="TOML file with the same keys (store, mooncake_master, capacity, ...); "

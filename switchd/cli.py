@@ -9,6 +9,7 @@ import ctypes
 import ipaddress
 import json
 import socket
+import sys
 import time
 
 import click
@@ -54,6 +55,19 @@ pass_ctx = click.make_pass_decorator(Context)
 def main(ctx, netns_name, pin_dir):
     """In-network KV-cache switch: XDP data plane control daemon."""
     ctx.obj = Context(netns_name, pin_dir.rstrip("/"))
+
+
+@main.command("check")
+@click.option("--chunk-size", type=int, default=DEFAULT_CHUNK, show_default=True,
+              help="The chunk size to compile the switch's programs for.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of lines.")
+def check_cmd(chunk_size, as_json):
+    """What this kernel grants the switch's programs, feature by feature; run it first. Exits
+    non-zero when something the switch needs is refused."""
+    from xdp.features import emit
+    from .check import switch_check
+    preflight()
+    sys.exit(emit("switchd", switch_check(chunk_size), as_json))
 
 
 # config-file keys that are not spelled like their option, and tables that become option values

@@ -25,7 +25,6 @@ TENANT_MAC, TENANT_IP = "02:00:00:00:00:02", "198.18.0.2"   # another inference 
 KEY = bytes.fromhex("00112233445566778899aabbccddeeff")
 NS, IDX, GEN, BASE, NCHUNKS = 5, 3, 0x123456, 10, 4
 TAIL = 700
-NONCE = 0x1122334455667788
 
 
 def chunk(i: int, n: int = CS) -> bytes:

@@ -1,6 +1,6 @@
-"""The bytecode cache (xdp.cache): the switch loaded from it is the program BCC compiled (the
-kernel's tag of each program, which leaves map references out, is the same), its maps pinned
-and found again, and a pin of another layout refused with one line."""
+"""The bytecode cache (xdp.cache): the switch loaded from it is the program BCC compiled and
+loads itself (the kernel's tag of each program, which leaves map references out, is the same),
+its maps pinned and found again, and a pin of another layout refused with one line."""
 import os
 import shutil
 import uuid
@@ -8,7 +8,8 @@ import uuid
 import pytest
 
 from switchd.dataplane import DataPlane, Deployment, SwitchError
-from xdp import cache, libbpf
+import xdp
+from xdp import cache, libbpf, loader
 
 pytestmark = pytest.mark.bpf
 
@@ -25,12 +26,26 @@ def pin_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+def bcc_tags(dep: Deployment) -> dict[str, bytes]:
+    """The tags of the switch's programs as BCC itself compiles and loads them."""
+    import bcc
+    bpf = loader._compile((xdp.source("kvswitch.c"), xdp.source("kvwrite.c")), dep.cflags())
+    try:
+        return {n: libbpf.prog_tag(bpf.load_func(f.encode(), bcc.BPF.XDP, None, attach).fd)
+                for n, f, attach in (("ingress", "kv_ingress", -1),
+                                     ("egress", "kv_egress", bcc.BPFAttachType.XDP_DEVMAP),
+                                     ("write", "kv_write", -1))}
+    finally:
+        bpf.cleanup()
+
+
 def test_the_switch_from_the_cache_is_the_program_bcc_compiled(fresh_cache, pin_dir):
     dep = Deployment(chunk_size=1024, cache_entries=512, pin_dir=pin_dir)
-    compiled = DataPlane(dep)
-    assert type(compiled.bpf).__name__ == "BPF" and len(list(fresh_cache.glob("*.json"))) == 1
+    compiled = DataPlane(dep)                   # compiled, its entry written, loaded from it
+    assert len(list(fresh_cache.glob("*.json"))) == 1
     compiled.set("port_checks", 1)
     tags = program_tags(compiled)
+    assert tags == bcc_tags(dep)
     ids = {n: compiled.map_id(n) for n in ("kv_cache", "kv_stats", "kv_settings")}
     compiled.bpf.cleanup()
 

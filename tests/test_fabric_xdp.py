@@ -14,7 +14,7 @@ from switchd.dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment, Switc
 from switchd.ports import table
 from testbed.lab.topology import scratch_ports
 from xdp.libbpf import xdp_test_run
-from xdp_fixtures import KEY, PAYLOAD, get_frame, reply_frame, waiter_of
+from xdp_fixtures import KEY, PAYLOAD, broadcast_of, get_frame, reply_frame, waiter_of
 
 pytestmark = pytest.mark.bpf
 
@@ -81,10 +81,12 @@ def test_a_reply_the_switch_above_made_releases_the_held_gets(sw):
     assert run(sw, get_frame(req_id=2, src=HOST2_IP), "host2")[0] == XDP.DROP, "held"
     gen = list(sw.pending.values())[0].gen
     verdict, out = run(sw, switch_made(), "trunkup")
-    assert verdict == XDP.REDIRECT and int.from_bytes(out[:8], "little") == gen
-    assert kv_flags(out[8:]) & (Flag.FROM_SWITCH | Flag.REPLICA) == \
-        Flag.FROM_SWITCH | Flag.REPLICA
-    assert Ether(out[8:])[UDP].chksum == 0
+    made = Ether(bytes(switch_made()))
+    made[KV].flags |= Flag.REPLICA
+    made[UDP].chksum = 0
+    made = bytes(made)
+    assert verdict == XDP.REDIRECT and out == broadcast_of(made, gen), \
+        "marked a replica, its UDP checksum cleared, the round's generation carried"
     assert len(sw.pending) == 0 and waiter_of(sw, PORTS["host2"]) is not None
     assert cache.get(5, KEY, 3)[1] == PAYLOAD
     assert run(sw, get_frame(req_id=3, src=HOST2_IP), "host2")[0] == XDP.TX, "now a hit"
@@ -124,8 +126,10 @@ def test_gets_from_two_racks_reach_the_pool_once_and_both_get_the_reply(sw):
     is held on its downlink, and the pool node's one reply is replicated to both."""
     assert run(sw, get_frame(req_id=1), "trunkdn")[0] == XDP.PASS
     assert run(sw, get_frame(req_id=2, src=HOST2_IP), "host2")[0] == XDP.DROP
+    gen = list(sw.pending.values())[0].gen
     verdict, out = run(sw, reply_frame(), "pool")
-    assert verdict == XDP.REDIRECT and kv_flags(out[8:]) == 0, "the pool node's reply as sent"
+    assert verdict == XDP.REDIRECT and out == broadcast_of(bytes(reply_frame()), gen), \
+        "the pool node's reply as sent"
     assert len(sw.pending) == 0
 
 

@@ -15,9 +15,9 @@ import pytest
 from conftest import leaves_no_namespaces
 from hostagent.common.transfer import BlockNotFound
 from hostagent.inference.client import KVClient
-from hostagent.inference.fetch import FetchEngine, open_client
+from hostagent.inference.fetch import AsyncFetchClient, FetchEngine, open_client
 from testbed.lab import Lab, attach_loss
-from testbed.lab.topology import plain_bridge_ports, python_argv
+from testbed.lab.topology import attach_pass_programs, plain_bridge_ports, python_argv
 from xdp import netns
 from xdp.attach import attach_xdp, attached_program
 from xdp.loader import load_xdp
@@ -196,21 +196,46 @@ def test_the_asyncio_client_when_the_engine_cannot_attach(lab, tmp_path):
         other.cleanup()
 
 
-def test_the_asyncio_client_takes_over_when_the_engines_frames_vanish():
-    """A veth whose peer has neither an XDP program nor GRO drops what XDP transmits into it:
-    nothing comes back to the engine, the asyncio client is answered and takes over."""
+def test_the_engine_is_answered_through_a_bare_bridge_port():
+    """The engine's GETs leave as ordinary frames (a packet socket's), so a bridge port with
+    neither an XDP program nor GRO carries them (XDP-transmitted GETs of old were dropped
+    there)."""
     with leaves_no_namespaces(f"fv{os.getpid() % 100000}") as prefix, \
             Lab(prefix, hosts=1, pools=1, switch=False, chunk_size=CS,
                 pool_capacity="64MiB") as bare:
         key, data = random.Random(60).randbytes(16), random.Random(60).randbytes(200_000)
         bare.put("h1", NS, key, data)
-        plain_bridge_ports(bare.topo, False)         # the bare bridge port of old
+        plain_bridge_ports(bare.topo, False)
         bare.topo.run("sw", ["ethtool", "-K", "h1", "gro", "off"])
         lines, out = _cli_get(bare, "h1", key)
-        assert lines[0] == f"hostagent.fetch: XDP engine on eth0 in use ({CS}-byte chunks, " \
-                           "CRC by isal)", lines
-        assert lines[1].startswith("hostagent.fetch: no reply to any GET the XDP engine sent "
-                                   f"to {bare.pool_addrs[0]}:"), lines
-        assert lines[2] == ("hostagent.fetch: asyncio socket client in use from now on (it is "
-                            "answered, the XDP engine on eth0 is not)"), lines
+        assert lines == [f"hostagent.fetch: XDP engine on eth0 in use ({CS}-byte chunks, "
+                         "CRC by isal)"], lines
         assert '"from_pool": 66' in out
+
+
+def test_the_asyncio_client_takes_over_when_the_engine_hears_nothing(caplog):
+    """Another tool that puts its own XDP program on the interface once the engine runs takes
+    the engine's replies away: nothing comes back to its GETs, the asyncio client is answered
+    and takes over, one log line each."""
+    with leaves_no_namespaces(f"fn{os.getpid() % 100000}") as prefix, \
+            Lab(prefix, hosts=1, pools=1, switch=False, chunk_size=CS,
+                pool_capacity="64MiB") as bare:
+        key, data = random.Random(61).randbytes(16), random.Random(61).randbytes(200_000)
+        bare.put("h1", NS, key, data)
+
+        async def fetch():
+            async with open_client(bare.pool_addrs, CS, netns=ns_of(bare, "h1")) as c:
+                assert isinstance(c, AsyncFetchClient)
+                attach_pass_programs([ns_of(bare, "h1")])      # the engine's program replaced
+                return await c.get_block(NS, key), c.fell_back
+
+        caplog.set_level("WARNING", logger="hostagent.fetch")
+        (got, stats), fell_back = asyncio.run(fetch())
+        assert got == data and stats.from_pool == stats.chunks and fell_back
+        said = [r.getMessage() for r in caplog.records if r.name == "hostagent.fetch"]
+        assert said[0] == f"XDP engine on eth0 in use ({CS}-byte chunks, CRC by isal)", said
+        assert said[1].startswith(f"no reply to any GET the XDP engine sent to "
+                                  f"{bare.pool_addrs[0]}:"), said
+        assert said[2] == ("asyncio socket client in use from now on (it is answered, the XDP "
+                           "engine on eth0 is not)"), said
+        assert said[3].startswith("hostagent fetch: could not restore XDP on eth0"), said

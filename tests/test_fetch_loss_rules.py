@@ -32,7 +32,7 @@ def lossy_round(tries: int, n: int = 4, hits: tuple[int, ...] = (0, 2, 3),
     t.idx, t.gen, t.base = 0, 1, 0
     t.rtt.srtt, t.rtt.late = 0.0003, 0.0                 # answered within the call
     t.seen_received, t.switched = len(hits), True
-    ring = SendRing(SimpleNamespace(sendq=np.zeros(SENDQ, np.uint64)))
+    ring = SendRing(SimpleNamespace(), None, 1024)
     ring.prod = ring.cons = n
     ring.pos_time[:n], ring.done_time[:n] = NOW - 20e-6, NOW - 10e-6
     t.sent_seq[:], t.sent_t[:], t.tries[:] = np.arange(n), NOW - 20e-6, tries
@@ -50,7 +50,7 @@ def retransmitted(t: Transfer, ring: SendRing, now: float) -> list[int]:
     before = ring.prod
     fill([t], ring, np.zeros(t.nchunks, np.uint64), now, burst=1024, tail_wait=TAIL_WAIT,
          max_ahead=1024)
-    asked = [int(e) & 0xFFFFFFFF for e in ring.prog.sendq[before:ring.prod]]
+    asked = [int(e) & 0xFFFFFFFF for e in ring.entries[before:ring.prod]]
     seqs = np.arange(ring.cons, ring.prod) % SENDQ        # sent in a call that ended at once
     ring.pos_time[seqs], ring.done_time[seqs], ring.cons = now, now, ring.prod
     return asked

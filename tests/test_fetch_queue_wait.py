@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hostagent.inference.fetch.program import SENDQ
 from hostagent.inference.fetch.sendring import SendRing
 from hostagent.inference.fetch.transfers import (REORDER_ASKS, Interface, Route, Transfer,
                                                  fill)
@@ -33,7 +32,7 @@ def scene() -> tuple[Transfer, SendRing, Interface]:
     for i, t in enumerate((ahead, behind)):
         t.idx, t.gen, t.base = i, 1, i * AHEAD
         t.route.bw, t.route.cwnd = BW, float(AHEAD)   # the first route's whole window out
-    ring = SendRing(SimpleNamespace(sendq=np.zeros(SENDQ, np.uint64)))
+    ring = SendRing(SimpleNamespace(), None, 1024)
     meta = np.zeros(2 * AHEAD, np.uint64)
     asked = NOW - 2 * RTO
     fill([ahead, behind], ring, meta, asked, burst=1024, tail_wait=0.0002, max_ahead=1024)
@@ -51,7 +50,7 @@ def presumed_lost(t: Transfer, ring: SendRing, settled: int, idle: float) -> lis
     before = ring.prod
     fill([t], ring, np.zeros(2 * AHEAD, np.uint64), NOW, burst=1024, tail_wait=0.0002,
          max_ahead=1024)
-    return [int(e) & 0xFFFFFFFF for e in ring.prog.sendq[before:ring.prod]]
+    return [int(e) & 0xFFFFFFFF for e in ring.entries[before:ring.prod]]
 
 
 def test_the_asks_record_what_was_in_flight_ahead_of_them():

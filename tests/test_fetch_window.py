@@ -31,7 +31,7 @@ def transfer(srtt: float | None) -> Transfer:
 
 
 def queued(t: Transfer) -> int:
-    ring = SendRing(SimpleNamespace(sendq=np.zeros(SENDQ, np.uint64)))
+    ring = SendRing(SimpleNamespace(), None, 1024)
     meta = np.zeros(t.nchunks, np.uint64)
     return fill([t], ring, meta, 0.0, burst=SENDQ, tail_wait=0.001, max_ahead=SENDQ)
 

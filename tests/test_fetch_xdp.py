@@ -1,9 +1,9 @@
 """The fetch engine's XDP program (xdp/kvfetch.c) on crafted frames through BPF_PROG_TEST_RUN: a
 reply for the active transfer lands in its slot; nothing else is ever written or accepted
 (another transfer, an old generation, another key or namespace, a chunk past the block, a
-truncated frame; a bad CRC is written but never accepted); the generator turns the nonce-tagged
-template into exact GETs with UDP checksum 0, which the switch serves whatever stale bytes their
-room holds. Loaded from the compiled-bytecode cache as the engine loads it."""
+truncated frame; a bad CRC is written but never accepted); no frame makes it transmit. The send
+ring turns queued entries into exact GETs with UDP checksum 0 and a zeroed room, which the switch
+serves. Loaded from the compiled-bytecode cache as the engine loads it."""
 import zlib
 
 import numpy as np
@@ -14,6 +14,7 @@ from scapy.layers.l2 import ARP, Ether
 from hostagent.inference.fetch.crcfold import Folder
 from hostagent.inference.fetch.netpath import route_header
 from hostagent.inference.fetch.program import C, GEN_MASK, SENDQ, FetchProgram
+from hostagent.inference.fetch.sendring import SendRing
 from hostagent.inference.fetch.transfers import Route, Transfer
 from hostagent.inference.fetch.verify import verify
 from kvproto import PORT, Flag, Op, Status
@@ -22,7 +23,7 @@ from kvproto.scapy_layer import KV
 from xdp.libbpf import xdp_test_run
 
 from fetch_fixtures import (BASE, CS, ENGINE_PORT, GEN, IDX, KEY, NCHUNKS, NEVER_WRITTEN, NODE_IP,
-                            NODE_MAC, NONCE, NS, POOL2_IP, POOL2_MAC, POOL_IP, POOL_MAC, SLOTS,
+                            NODE_MAC, NS, POOL2_IP, POOL2_MAC, POOL_IP, POOL_MAC, SLOTS,
                             TAIL, chunk, reply)
 
 pytestmark = pytest.mark.bpf
@@ -42,9 +43,8 @@ def fp(prog):
     prog.meta[:] = 0
     prog.xfers[:] = np.zeros(1, prog.xfers.dtype)
     ctl = prog.ctl[0]
-    ctl["nonce"], ctl["port"] = NONCE, int.from_bytes(ENGINE_PORT.to_bytes(2, "big"), "little")
-    ctl["loss_ppm"], ctl["send_pos"], ctl["send_end"] = 0, 0, 0
-    ctl["frame_len"] = PAYLOAD_OFF + CS
+    ctl["port"] = int.from_bytes(ENGINE_PORT.to_bytes(2, "big"), "little")
+    ctl["loss_ppm"] = 0
     prog.set_route(0, route_header(NODE_MAC, POOL_MAC, NODE_IP, ENGINE_PORT, POOL_IP, PORT, CS))
     prog.set_route(1, route_header(NODE_MAC, POOL2_MAC, NODE_IP, ENGINE_PORT, POOL2_IP, PORT, CS))
     prog.set_transfer(IDX, GEN, NS, KEY, NCHUNKS, BASE, NCHUNKS)
@@ -105,16 +105,6 @@ def test_a_forged_reply_from_the_wrong_source_loses_no_real_one(fp):
     assert not fp.meta.any()
     assert run(fp, reply(1))[0] == XDP.DROP
     assert bytes(fp.arena[(BASE + 1) * CS:(BASE + 2) * CS]) == chunk(1)
-
-
-def test_transfer_flags_ride_on_every_get_queued_for_it(fp):
-    """A transfer restarted past the switch's cache (set_transfer flags=NO_CACHE) sends its
-    GETs queued before the restart with NO_CACHE too."""
-    queue_sends(fp, [(2, 0)])
-    fp.set_transfer(IDX, GEN, NS, KEY, NCHUNKS, BASE, NCHUNKS, flags=int(Flag.NO_CACHE))
-    verdict, out = run(fp, template(), nonce_meta())
-    assert verdict == XDP.TX and int(Ether(out)[KV].flags) == int(Flag.NO_CACHE)
-    assert Ether(out)[IP].dst == POOL_IP
 
 
 def test_a_late_reply_of_the_previous_transfer_in_the_entry_never_lands(fp):
@@ -197,61 +187,66 @@ def test_the_loss_stand_in_drops_kv_frames_only(fp):
     assert run(fp, bytes(Ether() / ARP(pdst=NODE_IP)))[0] == XDP.PASS
 
 
-# ---- the generator part ------------------------------------------------------------------------
-STALE_ROOM = bytes(range(256)) * (CS // 256)          # what a recycled page may hold
+# ---- what the engine sends --------------------------------------------------------------------
+def sent_frames(prog, entries) -> list[bytes]:
+    """The GET frames the engine's send ring makes of send-queue ``entries`` ((chunk, flags) of
+    transfer IDX): its headers, then the zeroed room its packet ring's frames hold."""
+    ring = SendRing(prog, None, CS)
+    ring.set_route(0, route_header(NODE_MAC, POOL_MAC, NODE_IP, ENGINE_PORT, POOL_IP, PORT, CS))
+    q = np.array([i | (IDX << 32) | (flags << 48) for i, flags in entries], np.uint64)
+    h = ring.headers(q)
+    h = h[h["op"] != 0]
+    return [bytes(row) + bytes(CS) for row in h.view(np.uint8).reshape(h.size, PAYLOAD_OFF)]
 
 
-def template(room: bytes = STALE_ROOM) -> bytes:
-    return bytes(PAYLOAD_OFF) + room
-
-
-def nonce_meta(nonce: int = NONCE) -> bytes:
-    return nonce.to_bytes(8, "little")
-
-
-def queue_sends(prog, entries):
-    for k, (i, flags) in enumerate(entries):
-        prog.sendq[k] = i | (IDX << 32) | (flags << 48)
-    prog.ctl[0]["send_pos"], prog.ctl[0]["send_end"] = 0, len(entries)
-
-
-def test_the_template_becomes_the_queued_gets_with_udp_checksum_zero(fp):
-    fp.set_route(0, route_header(NODE_MAC, POOL_MAC, NODE_IP, ENGINE_PORT, POOL_IP, PORT, CS))
-    queue_sends(fp, [(2, 0), (3, int(Flag.NO_CACHE))])
-    before = fp.counters()
-    for i, flags in ((2, 0), (3, Flag.NO_CACHE)):
-        verdict, out = run(fp, template(), nonce_meta())
-        assert verdict == XDP.TX and len(out) == PAYLOAD_OFF + CS    # the metadata is gone
+def test_queued_entries_become_exact_gets_with_udp_checksum_zero(fp):
+    frames = sent_frames(fp, [(2, 0), (3, int(Flag.NO_CACHE))])
+    assert len(frames) == 2
+    for out, (i, flags) in zip(frames, ((2, 0), (3, Flag.NO_CACHE))):
         get = Ether(out)
+        assert len(out) == PAYLOAD_OFF + CS and get[IP].chksum == IP(bytes(get[IP]))[IP].chksum
         assert get[UDP].chksum == 0 and get[UDP].sport == ENGINE_PORT
         assert get[IP].src == NODE_IP and get[Ether].src == NODE_MAC and get[IP].dst == POOL_IP
         assert (get[KV].op, get[KV].ns, get[KV].key, get[KV].chunk, get[KV].len) == (
             Op.GET, NS, KEY, i, CS)
         assert get[KV].req_id == (IDX << 24) | GEN and int(get[KV].flags) == int(flags)
-        assert out[PAYLOAD_OFF:] == STALE_ROOM                       # the room is not rewritten
-    assert run(fp, template(), nonce_meta())[0] == XDP.DROP          # the ring is used up
-    after = fp.counters()
-    assert after["sent"] - before["sent"] == 2 and after["gen_idle"] - before["gen_idle"] == 1
+        assert out[PAYLOAD_OFF:] == bytes(CS)                        # the room is zero
 
 
-def test_without_the_nonce_the_template_is_just_a_frame(fp):
-    queue_sends(fp, [(2, 0)])
-    for meta in (b"", nonce_meta(NONCE + 1), nonce_meta()[:4]):
-        assert run(fp, template(), meta)[0] == XDP.PASS
-    fp.xfers[IDX]["gen"] = 0                                       # an inactive transfer
-    assert run(fp, template(), nonce_meta())[0] == XDP.DROP
-    assert fp.counters()["gen_bad"] >= 1
+def test_transfer_flags_ride_on_every_get_queued_for_it(fp):
+    """A transfer restarted past the switch's cache (set_transfer flags=NO_CACHE) sends its
+    GETs queued before the restart with NO_CACHE too: the sender reads the table at send time."""
+    fp.set_transfer(IDX, GEN, NS, KEY, NCHUNKS, BASE, NCHUNKS, flags=int(Flag.NO_CACHE))
+    (out,) = sent_frames(fp, [(2, 0)])
+    assert int(Ether(out)[KV].flags) == int(Flag.NO_CACHE) and Ether(out)[IP].dst == POOL_IP
 
 
-def test_the_switch_serves_a_generated_get_whatever_its_room_holds(fp):
-    """GETs leave with UDP checksum 0 and stale bytes in their room; the switch's checksum
-    rule accepts a checksum of 0, so it answers them from its cache."""
+def test_gets_of_a_transfer_no_longer_active_are_not_sent(fp):
+    assert len(sent_frames(fp, [(NCHUNKS + 100, 0), (1, 0)])) == 1, "past its slots"
+    fp.xfers[IDX]["gen"] = 0
+    assert sent_frames(fp, [(1, 0)]) == []
+
+
+def test_no_frame_that_arrives_makes_the_program_transmit(fp):
+    """The program never sends: whatever arrives (every fixture case, replies, GETs to the
+    engine, the generator frames of the engine before (a template with 8 bytes of XDP metadata)
+    and random bytes) gets XDP_PASS or XDP_DROP, so a frame from the wire cannot make it send."""
+    rng = np.random.default_rng(7)
+    frames = [c.frame for c in NEVER_WRITTEN] + [reply(i) for i in range(NCHUNKS)]
+    frames += sent_frames(fp, [(1, 0), (2, 0)])
+    frames += [bytes(rng.integers(0, 256, int(n), np.uint8)) for n in rng.integers(14, 1200, 64)]
+    for frame in frames:
+        for meta in (b"", (0x1122334455667788).to_bytes(8, "little")):
+            assert run(fp, frame, meta)[0] in (XDP.PASS, XDP.DROP)
+
+
+def test_the_switch_serves_a_sent_get(fp):
+    """GETs leave with UDP checksum 0 and a zeroed room; the switch's checksum rule accepts a
+    checksum of 0, so it answers them from its cache."""
     from switchd.cache import Cache
     from switchd.dataplane import ROLE_POOL, DataPlane, Deployment
     from testbed.lab.topology import scratch_ports
-    fp.set_route(0, route_header(NODE_MAC, POOL_MAC, NODE_IP, ENGINE_PORT, POOL_IP, PORT, CS))
-    queue_sends(fp, [(2, 0)])
-    get = run(fp, template(), nonce_meta())[1]
+    (get,) = sent_frames(fp, [(2, 0)])
     with scratch_ports(("ffhost", "ffpool"), prefix="ffbpf") as ports:
         dp = DataPlane(Deployment(chunk_size=CS, cache_entries=64, pin_dir=None))
         try:

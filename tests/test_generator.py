@@ -1,8 +1,10 @@
-"""The traffic generator: its XDP programs on crafted frames (bpf), its byte-exact reply checks
-(pure Python), and live frames through a real veth testbed made and removed here (e2e)."""
+"""The traffic generator: the frames its sender stamps and its byte-exact reply checks (pure
+Python), its XDP reply counter on crafted frames (bpf), and frames sent through a real veth
+testbed made and removed here (e2e)."""
 import os
 import socket
 
+import numpy as np
 import pytest
 from scapy.layers.inet import IP, TCP, UDP
 from scapy.layers.l2 import Ether
@@ -14,7 +16,7 @@ from kvproto.frames import XDP
 from switchd.cache import Cache
 from switchd.dataplane import ROLE_POOL, DataPlane, Deployment
 from testbed.bench.throughput import fill_cache
-from testbed.bench.generator import (GEN_PORT, MC_PORT, Endpoint, Generator, Iperf3,
+from testbed.bench.generator import (GEN_PORT, MC_PORT, Endpoint, Generator, Iperf3, Sweep,
                                      check_kv_reply, check_memcached_reply, check_reflected,
                                      endpoint, kv_get, memcached_get, payload)
 from testbed.lab.topology import Topology
@@ -34,16 +36,6 @@ def gen():
     g.close()
 
 
-@pytest.fixture
-def one_cpu():
-    """Pin the test to one CPU: gen_frame's sequence is per CPU, the request id names it."""
-    before = os.sched_getaffinity(0)
-    cpu = min(before)
-    os.sched_setaffinity(0, {cpu})
-    yield cpu
-    os.sched_setaffinity(0, before)
-
-
 def switch_reply(chunk: int, size: int = 256, flags: int = Flag.FROM_SWITCH, req_id: int = 7,
                  nchunks: int = 64) -> bytes:
     msg = Message(Op.GET_REPLY, NS, KEY, chunk, nchunks, req_id, flags,
@@ -58,44 +50,39 @@ def memcached_datagram(seq: int, total: int, text: bytes, dport: int = GEN_PORT)
                  UDP(sport=MC_PORT, dport=dport) / Raw(head + text))
 
 
-# ---- gen_frame -------------------------------------------------------------------------------
-@pytest.mark.bpf
-def test_gen_frame_rewrites_headers_key_and_request_id(gen, one_cpu):
+# ---- the frames the sender stamps -----------------------------------------------------------
+def stamped(t, sweep: Sweep, n: int, thread: int = 0, first: int = 0) -> list[bytes]:
+    frames = np.tile(np.frombuffer(t.frame, np.uint8), (n, 1))
+    sweep.write(frames, np.arange(n), np.arange(first, first + n, dtype=np.uint64), thread,
+                np.random.default_rng(1))
+    return [bytes(f) for f in frames]
+
+
+def test_frames_get_their_key_index_and_request_id_and_nothing_else():
     t = kv_get(H1, P1, NS, KEY, 256)
-    gen.configure(t, nkeys=5, key_base=100)
-    # a recycled page: the switch turned the last frame in it into a reply
-    dirty = switch_reply(3)
-    dirty += bytes(len(t.frame) - len(dirty))
-    for i in range(7):
-        verdict, out = xdp_test_run(gen.gen_fn.fd, dirty)
-        assert verdict == XDP.TX and len(out) == len(t.frame)
-        expect = bytearray(t.frame[:t.hdr_len])
+    for i, out in enumerate(stamped(t, Sweep(t, nkeys=5, key_base=100), 7, thread=3)):
+        expect = bytearray(t.frame)
         expect[t.key_off:t.key_off + 4] = (100 + i % 5).to_bytes(4, "big")
-        expect[t.id_off:t.id_off + 4] = ((one_cpu << 24) | i).to_bytes(4, "big")
-        assert out[:t.hdr_len] == bytes(expect)
+        expect[t.id_off:t.id_off + 4] = ((3 << 24) | i).to_bytes(4, "big")
+        assert out == bytes(expect)
         msg = Message.decode(out[t.hdr_len - 48:])
         assert (msg.op, msg.chunk, msg.room, msg.ns, msg.key) == (Op.GET, 100 + i % 5, 256, NS,
                                                                   KEY)
-    assert gen.sent() == 7
 
 
-@pytest.mark.bpf
-def test_gen_frame_writes_memcached_keys_in_hex(gen, one_cpu):
+def test_memcached_keys_are_written_in_hex():
     t = memcached_get(H1, P1)
-    gen.configure(t, nkeys=1, key_base=0xABC12)
-    _, out = xdp_test_run(gen.gen_fn.fd, t.frame)
+    out = stamped(t, Sweep(t, nkeys=1, key_base=0xABC12), 1, first=0x10005)[0]
     udp = Ether(out)[UDP]
-    assert bytes(udp.payload) == b"\x00\x00\x00\x00\x00\x01\x00\x00get kv000abc12\r\n"
+    assert bytes(udp.payload) == b"\x00\x05\x00\x00\x00\x01\x00\x00get kv000abc12\r\n"
     assert udp.dport == MC_PORT and udp.chksum == 0
 
 
-@pytest.mark.bpf
-def test_sweeps_stay_in_range_and_zipf_is_skewed(gen, one_cpu):
+def test_sweeps_stay_in_range_and_zipf_is_skewed():
     t = kv_get(H1, P1, NS, KEY, 64)
     for sweep in ("uniform", "zipf"):
-        gen.configure(t, nkeys=1000, sweep=sweep)
-        keys = [int.from_bytes(xdp_test_run(gen.gen_fn.fd, t.frame)[1][t.key_off:t.key_off + 4],
-                               "big") for _ in range(3000)]
+        keys = [int.from_bytes(f[t.key_off:t.key_off + 4], "big")
+                for f in stamped(t, Sweep(t, nkeys=1000, sweep=sweep), 3000)]
         assert all(0 <= k < 1000 for k in keys)
         top = keys.count(0) / len(keys)
         if sweep == "zipf":       # Zipf(1) over 1000 keys: the first has ~13 % of the mass
@@ -104,15 +91,11 @@ def test_sweeps_stay_in_range_and_zipf_is_skewed(gen, one_cpu):
             assert top < 0.01 and len(set(keys)) > 900
 
 
-@pytest.mark.bpf
-def test_fixed_rate_sends_one_frame_per_gap(gen, one_cpu):
+def test_a_bad_sweep_is_refused():
     t = kv_get(H1, P1, NS, KEY, 64)
-    gen.configure(t, nkeys=4)
-    c = gen.cfg[0]
-    c.gap_ns = 10 ** 9            # one frame a second per CPU
-    gen.cfg[0] = c
-    verdicts = [xdp_test_run(gen.gen_fn.fd, t.frame)[0] for _ in range(5)]
-    assert verdicts == [XDP.TX] + [XDP.DROP] * 4 and gen.sent() == 1
+    for bad in (dict(nkeys=0), dict(nkeys=4, sweep="zigzag")):
+        with pytest.raises(ValueError):
+            Sweep(t, **bad)
 
 
 # ---- count_replies ---------------------------------------------------------------------------
@@ -181,7 +164,7 @@ def test_check_memcached_and_reflected():
     assert check_reflected(bytes(back), t) is not None
 
 
-# ---- live frames through a testbed ----------------------------------------------------------
+# ---- frames through a testbed ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def topo():
     with leaves_no_namespaces(f"tg{os.getpid() % 100000}") as prefix, \
@@ -190,7 +173,7 @@ def topo():
 
 
 @pytest.mark.e2e
-def test_live_ceiling_and_switch_hits_are_counted_at_the_requester(gen, topo):
+def test_ceiling_and_switch_hits_are_counted_at_the_requester(gen, topo):
     h1, p1 = endpoint(topo.node("h1").netns), endpoint(topo.node("p1").netns)
     t = kv_get(h1, p1, NS, KEY, 1024)
     gen.configure(t, nkeys=256)

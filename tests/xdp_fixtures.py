@@ -53,6 +53,18 @@ def reply_frame(payload=PAYLOAD, key=KEY, chunk=3, ns=5, flags=0, nchunks=9, op=
             Raw(payload))
 
 
+def broadcast_of(reply: bytes, gen: int) -> bytes:
+    """``reply`` as the switch broadcasts it to a round's waiters: the round's generation in the
+    two fields kv_egress rewrites for every copy (IPv4 destination: high 32 bits, request id:
+    low 32), the IPv4 checksum made right again; nothing else changed."""
+    out = bytearray(reply)
+    out[ETH + 16:ETH + 20] = (gen >> 32).to_bytes(4, "big")
+    out[HDR_OFF + 12:HDR_OFF + 16] = (gen & 0xFFFFFFFF).to_bytes(4, "big")
+    out[ETH + 10:ETH + 12] = bytes(2)
+    out[ETH + 10:ETH + 12] = ip_checksum(bytes(out[ETH:ETH + IPV4_LEN])).to_bytes(2, "big")
+    return bytes(out)
+
+
 def put_frame(ns=5, payload=PAYLOAD, chunk=3):
     return (Ether(src=HOST_MAC, dst=POOL_MAC) / IP(src=HOST_IP, dst=POOL_IP) /
             UDP(sport=40000, dport=PORT) /

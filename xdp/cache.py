@@ -108,8 +108,8 @@ def write(path: Path | None, entry: dict) -> None:
 
 # ---- an entry, from BCC's compiled object ------------------------------------------------------
 def describe(bpf, programs: dict[str, int], pin_dir: str | None) -> dict:
-    """The entry for ``programs`` (name -> attach type) of ``bpf``, a BCC object that loaded
-    them, its maps pinned in ``pin_dir`` where the source pins them."""
+    """The entry for ``programs`` (name -> attach type) of ``bpf``, a BCC object that compiled
+    them (and created its maps), its maps pinned in ``pin_dir`` where the source pins them."""
     from bcc.libbcc import lib
     lib.bpf_num_tables.argtypes, lib.bpf_num_tables.restype = [ctypes.c_void_p], ctypes.c_size_t
     lib.bpf_table_name.argtypes = [ctypes.c_void_p, ctypes.c_size_t]

@@ -1,32 +1,18 @@
 /* kvfetch.c - the inference node's block fetch engine in XDP (hostagent/inference/fetch drives it).
  *
- * One program, attached natively to the node's interface in place of the XDP_PASS program a veth
- * end needs anyway, plays two parts:
- *
- *  receiver   every frame the interface receives. A GET_REPLY addressed to the engine's UDP port
- *             that answers a chunk of an active transfer (request id = transfer index << 24 |
- *             24-bit generation, both drawn at random per transfer by the driver; sent from the
- *             MAC, IPv4 address and UDP port the transfer's GETs went to, to the engine's MAC and
- *             address; namespace, key, chunk index, chunk count and payload length all as the
- *             transfer expects) is copied straight into the transfer's slot of kvf_arena,
- *             an mmapable array Python views with numpy; the slot's word in kvf_meta (also
- *             mmapable) then gets the payload's CRC, the generation and the reply flags, and the
- *             transfer's received count goes up. NACK/ERROR for an active transfer set its status.
- *             Every frame to the engine's port is dropped (nothing else listens there); bad or
- *             stale ones are counted, never written. Everything else passes untouched.
- *  generator  BPF_PROG_TEST_RUN in live-frames mode on a GET template whose 8 bytes of XDP
- *             metadata hold the engine's secret nonce (kvf_ctl.nonce). Real frames never carry
- *             that nonce: metadata is not on the wire and only local XDP programs can write it.
- *             Each run takes the next entry of the send ring (kvf_sendq: chunk, transfer, flags),
- *             writes the route's Ethernet/IPv4/UDP header (UDP checksum 0) and a GET header into
- *             the frame, strips the metadata and returns XDP_TX (live frames send it out of the
- *             interface). Being the attached program, it stays in the kernel's XDP dispatcher, so
- *             a test-run call costs microseconds rather than two RCU grace periods.
- *
- * A GET's room is not rewritten per frame: live frames recycle their pages within a call, so the
- * room of a GET may hold the bytes of an earlier reply that came back on the same page. Its UDP
- * checksum is 0 (none, as IPv4 allows), which the switch and the pool node accept whatever the
- * room holds (docs/protocol.md).
+ * Attached natively to the node's interface in place of the XDP_PASS program a veth end needs
+ * anyway, it receives: a GET_REPLY addressed to the engine's UDP port that answers a chunk of an
+ * active transfer (request id = transfer index << 24 | 24-bit generation, both drawn at random
+ * per transfer by the driver; sent from the MAC, IPv4 address and UDP port the transfer's GETs
+ * went to, to the engine's MAC and address; namespace, key, chunk index, chunk count and payload
+ * length all as the transfer expects) is copied straight into the transfer's slot of kvf_arena,
+ * an mmapable array Python views with numpy; the slot's word in kvf_meta (also mmapable) then
+ * gets the payload's CRC, the generation and the reply flags, and the transfer's received count
+ * goes up. NACK/ERROR for an active transfer set its status. Every frame to the engine's port is
+ * dropped (nothing else listens there); bad or stale ones are counted, never written. Everything
+ * else passes untouched. The program never transmits: it returns XDP_PASS or XDP_DROP for every
+ * frame, so nothing that arrives can make it send. The engine sends its GETs from userspace in
+ * batches (hostagent/common/packet_ring.py).
  *
  * Slot word (kvf_meta, u64): bits 0-31 the CRC-32 the reply carried, 32-55 the generation of the
  * transfer that wrote it, 56-63 the low 8 bits of the reply's flags (FROM_SWITCH, REPLICA). A
@@ -73,54 +59,6 @@ static __always_inline int key_equal(const __u8 *a, const __u8 *b)
 {
     const __u64 *x = (const __u64 *)a, *y = (const __u64 *)b;
     return x[0] == y[0] && x[1] == y[1];
-}
-
-/* ---- generator ------------------------------------------------------------------------------ */
-static __always_inline int generate(struct xdp_md *ctx, struct kv_fetch_ctl *c)
-{
-    if (bpf_xdp_adjust_meta(ctx, KV_FETCH_META_LEN))   /* the nonce never leaves this host */
-        return XDP_ABORTED;
-    __u64 pos = __sync_fetch_and_add(&c->send_pos, 1);  /* 64-bit: BCC's clang fetches no u32 */
-    if (pos >= c->send_end) {
-        count(KV_FETCH_STAT_GEN_IDLE);
-        return XDP_DROP;
-    }
-    __u32 qi = pos & (KV_FETCH_SENDQ - 1);
-    __u64 *e = kvf_sendq.lookup(&qi);
-    if (!e)
-        return XDP_DROP;
-    __u64 entry = *e;
-    __u32 chunk = (__u32)entry;
-    __u32 xi = (entry >> 32) & 0xff;
-    __u16 flags = entry >> 48;
-    struct kv_fetch_xfer *x = kvf_xfers.lookup(&xi);
-    if (!x || !x->gen || chunk >= x->nslots) {
-        count(KV_FETCH_STAT_GEN_BAD);
-        return XDP_DROP;
-    }
-    __u32 ri = x->route & 0xffff;
-    struct kv_fetch_route *r = kvf_routes.lookup(&ri);
-    __u32 len = (__u32)(ctx->data_end - ctx->data);
-    flags |= x->route >> 16;      /* e.g. NO_CACHE for all of a transfer, queued GETs too */
-    if (!r || len != c->frame_len || len != KV_PAYLOAD_OFF + KV_FETCH_CHUNK) {
-        count(KV_FETCH_STAT_GEN_BAD);
-        return XDP_DROP;
-    }
-    struct kvhdr h = {};
-    h.magic = bpf_htons(KV_MAGIC);
-    h.version = KV_VERSION;
-    h.op = KV_OP_GET;
-    h.flags = bpf_htons(flags);
-    h.ns = bpf_htonl(x->ns);
-    h.req_id = bpf_htonl((xi << 24) | (x->gen & KV_FETCH_GEN_MASK));
-    __builtin_memcpy(h.key, x->key, sizeof(h.key));
-    h.chunk = bpf_htonl(chunk);
-    h.len = bpf_htons(KV_FETCH_CHUNK);
-    if (bpf_xdp_store_bytes(ctx, 0, r->hdr, KV_HDR_OFF) ||
-        bpf_xdp_store_bytes(ctx, KV_HDR_OFF, &h, sizeof(h)))
-        return XDP_ABORTED;
-    count(KV_FETCH_STAT_SENT);
-    return XDP_TX;
 }
 
 /* ---- receiver ------------------------------------------------------------------------------- */
@@ -240,9 +178,5 @@ int kv_fetch(struct xdp_md *ctx)
     struct kv_fetch_ctl *c = kvf_ctl.lookup(&zero);
     if (!c)
         return XDP_PASS;
-    void *data = (void *)(long)ctx->data;
-    __u64 *meta = (void *)(long)ctx->data_meta;
-    if ((void *)(meta + 1) <= data && c->nonce && *meta == c->nonce)
-        return generate(ctx, c);
     return receive(ctx, c);
 }

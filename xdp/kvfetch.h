@@ -12,19 +12,15 @@
 #endif
 #define KV_FETCH_SLOTS 16         /* arena slots as compiled; the engine sizes the maps itself */
 #define KV_FETCH_XFERS 256        /* transfer table entries (the top 8 bits of a request id) */
-#define KV_FETCH_SENDQ 65536      /* send ring entries (a power of two) */
 #define KV_FETCH_ROUTES 64        /* destination headers (pool nodes) */
-#define KV_FETCH_META_LEN 8       /* XDP metadata bytes of a generator frame: the nonce */
 #define KV_FETCH_GEN_MASK 16777215   /* 24-bit generations; 0 is never used */
 #define KV_FETCH_XFER_SIZE 64     /* sizeof(struct kv_fetch_xfer) */
-#define KV_FETCH_CTL_SIZE 40      /* sizeof(struct kv_fetch_ctl) */
+#define KV_FETCH_CTL_SIZE 16      /* sizeof(struct kv_fetch_ctl) */
 
 /* kv_fetch_xfer.status bits (set by this program, cleared by the driver) */
 #define KV_FETCH_XS_NACK 1        /* a NACK answered one of its GETs (err: the status code) */
 #define KV_FETCH_XS_ERROR 2       /* an ERROR answered one of its GETs (err: the status code) */
 #define KV_FETCH_XS_NCHUNKS 4     /* a reply said the block has another number of chunks */
-
-/* send ring entry (u64): bits 0-31 chunk, 32-39 transfer index, 48-63 GET flags */
 
 /* per-CPU counters, indexes into kvf_stats */
 #define KV_FETCH_STAT_ACCEPTED 0     /* chunks written into the arena */
@@ -36,14 +32,11 @@
 #define KV_FETCH_STAT_MALFORMED 6    /* to the engine's port but not a valid KV message */
 #define KV_FETCH_STAT_NACK 7         /* NACK or ERROR for an active transfer */
 #define KV_FETCH_STAT_OTHER_OP 8     /* another op, or a GET_REPLY with a status */
-#define KV_FETCH_STAT_SENT 9         /* GETs generated */
-#define KV_FETCH_STAT_GEN_IDLE 10    /* generator runs past the end of the send ring */
-#define KV_FETCH_STAT_GEN_BAD 11     /* send ring entry naming no active transfer or route */
-#define KV_FETCH_STAT_PASSED 12      /* frames not for the engine, passed */
-#define KV_FETCH_STAT_LOSS 13        /* KV frames dropped by the test loss stand-in (loss_ppm) */
-#define KV_FETCH_STAT_LOAD_FAIL 14   /* bpf_xdp_load_bytes failed, or no slot */
-#define KV_FETCH_STAT_WRONG_SOURCE 15 /* a reply not from the MAC, IP and port the GET went to */
-#define KV_FETCH_STAT_MAX 16
+#define KV_FETCH_STAT_PASSED 9       /* frames not for the engine, passed */
+#define KV_FETCH_STAT_LOSS 10        /* KV frames dropped by the test loss stand-in (loss_ppm) */
+#define KV_FETCH_STAT_LOAD_FAIL 11   /* bpf_xdp_load_bytes failed, or no slot */
+#define KV_FETCH_STAT_WRONG_SOURCE 12 /* a reply not from the MAC, IP and port the GET went to */
+#define KV_FETCH_STAT_MAX 13
 
 /* Offsets in a route's header (Ethernet, IPv4, UDP of the GETs it sends) */
 #define KV_FETCH_R_DMAC 0         /* the pool node's (or its gateway's) MAC */
@@ -64,7 +57,8 @@ struct kv_fetch_xfer {            /* one active transfer; 64 bytes */
     __u32 base;                   /* first arena slot */
     __u32 nslots;                 /* slots reserved: chunk < nslots */
     __u32 route;                  /* bits 0-15: kvf_routes index of the pool node asked;
-                                     16-31: GET flags every GET of the transfer carries */
+                                     16-31: GET flags every GET of the transfer carries (the
+                                     engine's sender reads them) */
     __u32 status;                 /* KV_FETCH_XS_* */
     __u32 err;                    /* KV status of the last NACK/ERROR */
     __u32 received;               /* chunks written (duplicates racing on two CPUs may add 2) */
@@ -74,14 +68,10 @@ struct kv_fetch_xfer {            /* one active transfer; 64 bytes */
 };
 
 struct kv_fetch_ctl {
-    __u64 nonce;                  /* generator frames carry it as XDP metadata; 0: no generator */
-    __u64 send_pos;               /* next send ring position (the generator advances it) */
-    __u64 send_end;               /* positions below this are queued; position p is entry
-                                     p mod KV_FETCH_SENDQ */
     __u32 port;                   /* the engine's UDP port, network byte order in the low 16 */
     __u32 loss_ppm;               /* testbed only: drop this share of received KV frames */
-    __u32 frame_len;              /* bytes of the generator's template frame */
     __u32 owner;                  /* pid of the process driving it (another engine leaves it) */
+    __u32 reserved;
 };
 
 struct kv_fetch_route {

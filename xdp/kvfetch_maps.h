@@ -10,7 +10,6 @@
 BPF_F_TABLE("array", u32, struct kv_fetch_slot, kvf_arena, KV_FETCH_SLOTS, BPF_F_MMAPABLE);
 BPF_F_TABLE("array", u32, u64, kvf_meta, KV_FETCH_SLOTS, BPF_F_MMAPABLE);
 BPF_F_TABLE("array", u32, struct kv_fetch_xfer, kvf_xfers, KV_FETCH_XFERS, BPF_F_MMAPABLE);
-BPF_F_TABLE("array", u32, u64, kvf_sendq, KV_FETCH_SENDQ, BPF_F_MMAPABLE);
 BPF_F_TABLE("array", u32, struct kv_fetch_ctl, kvf_ctl, 1, BPF_F_MMAPABLE);
 BPF_ARRAY(kvf_routes, struct kv_fetch_route, KV_FETCH_ROUTES);
 BPF_PERCPU_ARRAY(kvf_stats, u64, KV_FETCH_STAT_MAX);

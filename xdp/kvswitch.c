@@ -18,7 +18,7 @@
  *    at its next step); a block with no slots yet gets them from the fill region switchd
  *    granted (carve); if several ports wait for it, broadcast
  *    through kv_devmap, where kv_egress rewrites each copy for the waiter on its port and drops
- *    the copies for ports that did not ask. A NACK closing a round reaches its waiters the same
+ *    the copies for ports that did not ask (the round's generation rides in the frame). A NACK closing a round reaches its waiters the same
  *    way (never learned).
  *  - replies (GET_REPLY, PUT_ACK, NACK, ERROR, anything from the KV port) pass only from pool
  *    ports; elsewhere they are dropped and counted.
@@ -242,20 +242,21 @@ int kv_ingress(struct xdp_md *ctx)
 
 /* Devmap egress program: runs on each copy of a broadcast reply as it leaves a port. The copy
  * goes out rewritten for the waiter on that port (MAC, IP, UDP port, request id) if that waiter
- * joined this round; every other copy is dropped, so each waiter gets exactly one. */
+ * joined the round the copy closes (its generation in the frame: release_waiters); every other
+ * copy is dropped, so each waiter gets exactly one, and never one of an older round. */
 int kv_egress(struct xdp_md *ctx)
 {
     void *data = (void *)(long)ctx->data;
     void *data_end = (void *)(long)ctx->data_end;
-    struct kv_meta *meta = (void *)(long)ctx->data_meta;
     struct kv_frame f = {};
-    if ((void *)(meta + 1) > data || kv_parse(data, data_end, &f) != KV_OK)
+    if (kv_parse(data, data_end, &f) != KV_OK)
         return XDP_DROP;
+    __u64 gen = ((__u64)bpf_ntohl(f.ip->daddr) << 32) | bpf_ntohl(f.kv->req_id);
     struct kv_waiter_key wk = {};
     chunk_key(&wk.chunk, f.kv);
     wk.ifindex = ctx->egress_ifindex;
     struct kv_waiter *w = kv_waiters.lookup(&wk);
-    if (!w || w->gen != meta->gen) {
+    if (!w || w->gen != gen) {
         count(KV_STAT_REPLICA_SKIP, 1);
         return XDP_DROP;
     }

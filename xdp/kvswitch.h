@@ -161,10 +161,6 @@ struct kv_waiter {                 /* where a replica for this port goes */
     __u32 reserved;
 };
 
-struct kv_meta {                   /* XDP metadata a replicated reply carries to the egress */
-    __u64 gen;
-};
-
 struct kv_devport {                /* devmap value: BCC's layout for an egress program */
     __u32 ifindex;
     int prog_fd;

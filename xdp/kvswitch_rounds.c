@@ -5,7 +5,8 @@
  * A GET miss opens a round (kv_pending) and goes upstream; GETs for the same chunk from other
  * ports while it is open are held (kv_waiters) and join it; a round older than the round
  * timeout (measured here: round_estimate, round_sample) is asked again. The reply closes the
- * round and reaches every waiter through one devmap broadcast (release_waiters). */
+ * round and reaches every waiter through one devmap broadcast (release_waiters), the round's
+ * generation carried in the frame for kv_egress to check. */
 
 /* A new round for the chunk, going upstream to where this GET is addressed. */
 static __always_inline void open_round(struct kv_pending *p, struct kv_frame *f, __u64 now,
@@ -189,7 +190,10 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
 }
 
 /* Close the chunk's pending round: one waiter gets the reply the ordinary way, several get it
- * through a devmap broadcast carrying the round's generation in XDP metadata. */
+ * through a devmap broadcast. The round's generation rides in the frame itself, in the two
+ * fields kv_egress rewrites for every copy it lets out (IPv4 destination: its high 32 bits,
+ * request id: its low 32), so it never leaves the switch and needs no XDP metadata (which
+ * kernels may refuse: bpf_xdp_adjust_meta). */
 static __always_inline int release_waiters(struct xdp_md *ctx, struct kv_cache_key *k)
 {
     struct kv_pending *p = kv_pending.lookup(k);
@@ -207,13 +211,16 @@ static __always_inline int release_waiters(struct xdp_md *ctx, struct kv_cache_k
         kv_waiters.delete(&wk);
         return XDP_PASS;
     }
-    if (bpf_xdp_adjust_meta(ctx, -(int)sizeof(struct kv_meta)))
-        return XDP_PASS;           /* the first asker still gets it; the others retransmit */
-    void *data = (void *)(long)ctx->data;
-    struct kv_meta *meta = (void *)(long)ctx->data_meta;
-    if ((void *)(meta + 1) > data)
-        return XDP_PASS;
-    meta->gen = gen;
+    void *data = (void *)(long)ctx->data;      /* learning invalidated the frame's pointers */
+    void *data_end = (void *)(long)ctx->data_end;
+    struct iphdr *ip = data + KV_ETH_LEN;
+    struct kvhdr *kv = data + KV_HDR_OFF;
+    if ((void *)(kv + 1) > data_end)
+        return XDP_DROP;           /* parsed before: cannot happen */
+    ip->daddr = bpf_htonl((__u32)(gen >> 32));
+    ip->check = 0;
+    ip->check = kv_ip_csum(ip);    /* a valid frame: kv_egress parses it as any other */
+    kv->req_id = bpf_htonl((__u32)gen);
     count(KV_STAT_REPLICATED, 1);
     return kv_devmap.redirect_map(0, BPF_F_BROADCAST | BPF_F_EXCLUDE_INGRESS);
 }

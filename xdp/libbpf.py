@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import re
 
 BPF_F_TEST_XDP_LIVE_FRAMES = 1 << 1
 XDP_FLAGS_SKB_MODE, XDP_FLAGS_DRV_MODE, XDP_FLAGS_REPLACE = 1 << 1, 1 << 2, 1 << 4
@@ -81,11 +82,17 @@ class _MapCreateOpts(ctypes.Structure):
 
 
 class _ProgLoadOpts(ctypes.Structure):
-    """The leading fields of struct bpf_prog_load_opts (libbpf 1.1; sz says how many)."""
+    """struct bpf_prog_load_opts up to the verifier's log (libbpf 1.1; sz says how many)."""
     _fields_ = [("sz", ctypes.c_size_t), ("attempts", ctypes.c_int),
                 ("expected_attach_type", ctypes.c_int), ("prog_btf_fd", ctypes.c_uint32),
                 ("prog_flags", ctypes.c_uint32), ("prog_ifindex", ctypes.c_uint32),
-                ("kern_version", ctypes.c_uint32)]
+                ("kern_version", ctypes.c_uint32), ("attach_btf_id", ctypes.c_uint32),
+                ("attach_btf_obj_fd", ctypes.c_uint32), ("attach_prog_fd", ctypes.c_uint32),
+                ("fd_array", ctypes.c_void_p), ("func_info", ctypes.c_void_p),
+                ("func_info_cnt", ctypes.c_uint32), ("func_info_rec_size", ctypes.c_uint32),
+                ("line_info", ctypes.c_void_p), ("line_info_cnt", ctypes.c_uint32),
+                ("line_info_rec_size", ctypes.c_uint32), ("log_level", ctypes.c_uint32),
+                ("log_size", ctypes.c_uint32), ("log_buf", ctypes.c_void_p)]
 
 
 class _XdpAttachOpts(ctypes.Structure):
@@ -129,14 +136,50 @@ def map_create(name: str, map_type: int, key_size: int, value_size: int, max_ent
                                          max_entries, ctypes.byref(opts)), f"creating map {name}")
 
 
-def prog_load_xdp(name: str, insns: bytes, license: str = "GPL", attach_type: int = 0) -> int:
+def prog_load_xdp(name: str, insns: bytes, license: str = "GPL", attach_type: int = 0,
+                  prog_flags: int = 0) -> int:
     """Load (and verify) an XDP program from its bytecode, map references already resolved
-    (``attach_type``: BPF_XDP_DEVMAP for a program run on devmap redirects)."""
+    (``attach_type``: BPF_XDP_DEVMAP for a program run on devmap redirects). A refusal is an
+    OSError whose message ends with the verifier's reason in one line (``refusal``)."""
     buf = ctypes.create_string_buffer(insns, len(insns))
-    opts = _ProgLoadOpts(sz=ctypes.sizeof(_ProgLoadOpts), expected_attach_type=attach_type)
-    return check_ret(_lib.bpf_prog_load(BPF_PROG_TYPE_XDP, name.encode(), license.encode(), buf,
-                                        len(insns) // 8, ctypes.byref(opts)),
-                     f"loading program {name}")
+
+    def load(log=None) -> int:
+        opts = _ProgLoadOpts(sz=ctypes.sizeof(_ProgLoadOpts), expected_attach_type=attach_type,
+                             prog_flags=prog_flags)
+        if log is not None:
+            opts.log_level, opts.log_size, opts.log_buf = 1, len(log), ctypes.addressof(log)
+        return _lib.bpf_prog_load(BPF_PROG_TYPE_XDP, name.encode(), license.encode(), buf,
+                                  len(insns) // 8, ctypes.byref(opts))
+
+    fd = load()
+    if fd >= 0:
+        return fd
+    err = ctypes.get_errno() or -fd
+    log = ctypes.create_string_buffer(1 << 22)
+    fd = load(log)                    # again, for the verifier's log (a retry may even pass)
+    if fd >= 0:
+        return fd
+    why = refusal(log.value.decode(errors="replace"))
+    raise OSError(err, f"loading program {name}: {os.strerror(err)}" + (f": {why}" if why else ""))
+
+
+_HELPER_REFUSED = re.compile(r"(?:program of this type cannot use helper|unknown func) "
+                             r"(\w+)#(\d+)")
+_HELPER_UNKNOWN = re.compile(r"invalid func unknown#(\d+)")
+
+
+def refusal(log: str) -> str:
+    """The verifier's reason for refusing a program, in one line: the helper the kernel does not
+    grant, else the log's last line that is not its statistics."""
+    m = _HELPER_REFUSED.search(log)
+    if m:
+        return f"the kernel refuses helper {m.group(1)} (#{m.group(2)}) to this program"
+    m = _HELPER_UNKNOWN.search(log)
+    if m:
+        return f"the kernel does not know helper #{m.group(1)}"
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith(("processed ", "verification time"))]
+    return lines[-1][:200] if lines else ""
 
 
 def map_lookup(fd: int, key: int, value_size: int) -> bytes:

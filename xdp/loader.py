@@ -57,57 +57,56 @@ def load_xdp(source: str | Path, functions: tuple[str, ...], cflags: list[str] |
     programs run on devmap redirects; ``append``: C files compiled as if pasted after it, one
     object and its maps shared: BCC rewrites map calls in its main file only, not in included
     files). Compiled by BCC once per (sources, flags, kernel), from the bytecode cache after
-    that (``xdp.cache``). Returns the BPF object (BCC's, or the cache's twin of it) and the
-    programs by name."""
+    that (``xdp.cache``); loaded by libbpf either way, so a program the kernel refuses is one
+    line naming why (``libbpf.prog_load_xdp``), never a verifier dump. Returns the cache's
+    object (BCC's table classes over the maps) and the programs by name."""
     flags = xdp_cflags(*(cflags or []))
     pin_dir, key_flags = pin.split_cflag(flags)
     sources = (Path(source), *map(Path, append))
     programs = {**{n: 0 for n in functions},
                 **{n: libbpf.BPF_XDP_DEVMAP for n in devmap_egress}}
-    entry, compiled = _cached(sources, programs, flags, key_flags, pin_dir)
-    if compiled:
-        return compiled
+    entry = _cached(sources, programs, flags, key_flags, pin_dir)
     import_bcc()
     return cache.load(entry, pin_dir)
 
 
+def compiled_entry(sources: tuple[Path, ...], programs: dict[str, int],
+                   flags: list[str]) -> dict:
+    """The bytecode cache's entry for ``programs`` (name -> attach type) of ``sources``
+    compiled with ``flags`` (``xdp.cflags``), compiled first where there is none: what they
+    are, without loading them (``xdp.features``)."""
+    pin_dir, key_flags = pin.split_cflag(flags)
+    return _cached(tuple(map(Path, sources)), programs, flags, key_flags, pin_dir)
+
+
 def _cached(sources: tuple[Path, ...], programs: dict[str, int], flags: list[str],
-            key_flags: list[str], pin_dir: str | None):
-    """(the cache's entry, None), or where there was none, (the entry, (BCC object, programs))
-    of a compile with ``flags`` (once, under the cache's lock), the entry written."""
+            key_flags: list[str], pin_dir: str | None) -> dict:
+    """The cache's entry, or where there was none, that of a compile with ``flags`` (once,
+    under the cache's lock), the entry written."""
     with cache.slot(sources, programs, key_flags) as path:
         entry = cache.read(path)
         if entry is not None:
-            return entry, None
-        bpf, fns = _compile(sources, programs, flags)
+            return entry
+        bpf = _compile(sources, flags)
         try:
             entry = cache.describe(bpf, programs, pin_dir)
-        except BaseException:
+        finally:
             bpf.cleanup()
-            raise
         cache.write(path, entry)
-        return entry, (bpf, fns)
+        return entry
 
 
-def _compile(sources: tuple[Path, ...], programs: dict[str, int], flags: list[str]):
-    """BCC: compile ``sources`` as one file, load ``programs`` (name -> attach type)."""
+def _compile(sources: tuple[Path, ...], flags: list[str]):
+    """BCC: compile ``sources`` as one file (its maps created, pinned where it says so); the
+    programs are loaded from the compiled bytecode by libbpf, not by BCC."""
     bcc = import_bcc()
     try:
         if len(sources) > 1 or _PART.search(sources[0].read_text()):
             text = "\n".join(program_text(p) for p in sources)
-            bpf = bcc.BPF(text=text.encode(), cflags=flags)
-        else:
-            bpf = bcc.BPF(src_file=str(sources[0]).encode(), cflags=flags)
+            return bcc.BPF(text=text.encode(), cflags=flags)
+        return bcc.BPF(src_file=str(sources[0]).encode(), cflags=flags)
     except Exception as exc:
         raise NoXdp(f"compiling {sources[0].name} failed: {exc}") from None
-    try:
-        fns = {name: bpf.load_func(name.encode(), bcc.BPF.XDP, None,
-                                   bcc.BPFAttachType.XDP_DEVMAP if attach else -1)
-               for name, attach in programs.items()}
-    except Exception as exc:                    # the verifier's log went to stderr
-        bpf.cleanup()
-        raise NoXdp(f"loading {sources[0].name} failed: {exc}") from None
-    return bpf, fns
 
 
 def program_text(path: Path) -> str:
@@ -129,9 +128,7 @@ def cached_bytecode(source: str | Path, name: str, cflags: list[str],
     cache, else compiled (once, under the cache's lock) and cached. ``map_names``: every map the
     program uses."""
     flags = xdp_cflags(*cflags)
-    entry, compiled = _cached((Path(source),), {name: 0}, flags, flags, None)
-    if compiled:
-        compiled[0].cleanup()
+    entry = _cached((Path(source),), {name: 0}, flags, flags, None)
     return cache.bytecode(entry, name, map_names)
 
 

@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from ..lab import write_json
+from ..lab.tasks import gather
 from .fault_kinds import FAULTS, SECONDS, Target, heal, inject, leftover_processes
 from .faults import CHUNK, DEADLINE_S, REQUEST_TIMEOUT_S, FaultBench, left_after_teardown
 from .serve import _preload
@@ -127,7 +128,7 @@ def run_fault_soak(minutes: float = 60.0, every_s: float = 180.0, sample_s: floa
                                                             "coalesced")}})
             time.sleep(max(0.0, min(sample_s, next_fault - time.time())))
         open(stop, "w").close()
-        counts = [t.result(timeout=SEGMENT_S + 300) for t in tasks]   # a writer's backlog too
+        counts = gather(tasks, timeout=SEGMENT_S + 300)   # a writer's backlog too
         os.unlink(stop)
         final = settled_counters(lab)
         expected = {p.pid for p in lab.pools if p} | {lab.switch.pid}

@@ -1,16 +1,18 @@
-"""The XDP live-frames traffic generator, driven from Python, and an iperf3 runner.
+"""The traffic generator, driven from Python, and an iperf3 runner.
 
-Owns xdp/trafficgen.c's programs: request templates (KV GET with room, memcached GET over UDP)
-that ``gen_frame`` rewrites per frame (key index from a sweep, request id) and sends with
-BPF_PROG_TEST_RUN + BPF_F_TEST_XDP_LIVE_FRAMES out of a host namespace's eth0, from threads each
-pinned to one core and entered into that namespace, as fast as possible or at a fixed rate; the
-reply counter on the requester's eth0 (replies are counted there, then dropped) with its
-byte-exact sample checks; the bare reflector of the ``ceiling`` measurement.
+Request templates (KV GET with room, memcached GET over UDP) are sent out of a host namespace's
+eth0 from AF_PACKET TX rings (``hostagent.common.packet_ring``), one per thread, each thread
+pinned to one core: a call writes the next frames' key index (from a sweep: ``Sweep``) and
+request id into the ring's copies of the template and hands a batch to the kernel, as fast as
+possible or at a fixed rate. (BPF_PROG_TEST_RUN in live-frames mode sent several times as many
+frames a second from XDP, but kernels may refuse it: this one does, ``xdp.features``.) The
+programs of trafficgen.c: the reply counter on the requester's eth0 (replies are counted there,
+then dropped) with its byte-exact sample checks, and the bare reflector of the ``ceiling``
+measurement.
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import socket
@@ -28,10 +30,11 @@ from scapy.packet import Raw
 from scapy.utils import checksum
 
 import xdp
+from hostagent.common.packet_ring import PacketRing
 from kvproto import HEADER_LEN, OFFSET, PORT, Flag, Message, Op, ProtocolError
 from kvproto.frames import HDR_OFF
 from kvproto.scapy_layer import KV
-from xdp import libbpf, netns
+from xdp import netns
 from xdp.attach import attach_xdp, detach_port
 from xdp.loader import load_xdp
 from xdp.program import Program
@@ -41,11 +44,12 @@ from ..lab import TestbedError, Topology, attach_pass_programs, ip
 SOURCE = Path(__file__).resolve().parent / "trafficgen.c"
 C = xdp.constants(SOURCE)
 GEN_PORT = 40123                     # UDP source port of every generated request
-ANCHOR = "kvgen0"                    # idle veth in the sender's namespace holding gen_frame
 MC_PORT = C["KV_GEN_MC_PORT"]
 UDP_OFF = HDR_OFF                    # UDP payload: Ethernet + IPv4 (no options) + UDP
-SWEEPS = {"sequential": C["KV_GEN_SWEEP_SEQ"], "uniform": C["KV_GEN_SWEEP_UNIFORM"],
-          "zipf": C["KV_GEN_SWEEP_ZIPF"]}
+SWEEPS = ("sequential", "uniform", "zipf")
+ZIPF_SLOTS = 1 << 16                 # Zipf sweep: key index = table[random slot]
+FMT_BE32, FMT_HEX8 = 0, 1            # a key index as 4 bytes big-endian, or 8 lowercase hex digits
+_HEX = np.frombuffer(b"0123456789abcdef", np.uint8)
 REPLIES = ("kv_pool", "kv_switch", "reflected", "mc_reply")  # what counts as an answered request
 
 
@@ -76,14 +80,60 @@ def endpoint(netns_name: str, ifname: str = "eth0") -> Endpoint:
 
 @dataclass(frozen=True)
 class Template:
-    """A request frame and where ``gen_frame`` writes into it. The first ``hdr_len`` bytes are
-    rewritten into every frame; bytes after them (a GET's room) are not, nobody reads them."""
+    """A request frame and where each copy of it gets its key index and request id."""
     frame: bytes
     hdr_len: int
     key_off: int
-    key_fmt: int
+    key_fmt: int                     # FMT_BE32 or FMT_HEX8
     id_off: int
-    id_len: int
+    id_len: int                      # 2 or 4 bytes, big-endian
+
+
+class Sweep:
+    """Which key index each frame of a template asks for, and its request id: ``sweep`` over
+    key_base .. key_base + nkeys - 1 (sequential: frame number mod nkeys; uniform random; Zipf
+    of exponent ``zipf_s``, index 0 the most popular), the request id (the thread's number << 24
+    | its frame number, 2-byte ids the low 16 bits). ``write`` stamps a batch of frames."""
+
+    def __init__(self, t: Template, nkeys: int, sweep: str = "sequential", key_base: int = 0,
+                 zipf_s: float = 1.0):
+        if not 1 <= nkeys < 1 << 32 or sweep not in SWEEPS:
+            raise ValueError("nkeys out of range or unknown sweep")
+        self.t, self.nkeys, self.sweep, self.key_base = t, nkeys, sweep, key_base
+        self.zipf = self._zipf_table(nkeys, zipf_s) if sweep == "zipf" else None
+
+    @staticmethod
+    def _zipf_table(nkeys: int, s: float) -> np.ndarray:
+        """Slot j holds the key index whose Zipf(s) CDF first reaches (j + 0.5) / slots: index 0
+        is the most popular. Keys rarer than one slot in ZIPF_SLOTS get none."""
+        cdf = np.cumsum(1.0 / np.arange(1, nkeys + 1, dtype=np.float64) ** s)
+        idx = np.searchsorted(cdf / cdf[-1], (np.arange(ZIPF_SLOTS) + 0.5) / ZIPF_SLOTS)
+        return np.minimum(idx, nkeys - 1).astype(np.uint32)
+
+    def keys(self, seq: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Key indexes of frames number ``seq`` of one thread."""
+        if self.sweep == "zipf":
+            idx = self.zipf[rng.integers(0, ZIPF_SLOTS, seq.size)]
+        elif self.sweep == "uniform":
+            idx = rng.integers(0, self.nkeys, seq.size)
+        else:
+            idx = seq % self.nkeys
+        return (self.key_base + idx.astype(np.uint64)).astype(np.uint32)
+
+    def write(self, frames: np.ndarray, rows: np.ndarray, seq: np.ndarray, thread: int,
+              rng: np.random.Generator) -> None:
+        """Stamp key indexes and request ids into rows ``rows`` of ``frames`` (copies of the
+        template), frames number ``seq`` of thread ``thread``."""
+        t, idx = self.t, self.keys(seq, rng)
+        if t.key_fmt == FMT_HEX8:
+            nibbles = (idx[:, None] >> np.arange(28, -1, -4, dtype=np.uint32)) & 0xF
+            frames[rows, t.key_off:t.key_off + 8] = _HEX[nibbles]
+        else:
+            frames[rows, t.key_off:t.key_off + 4] = idx.astype(">u4").view(np.uint8).reshape(-1, 4)
+        rid = (np.uint32(thread) << np.uint32(24)) | (seq & 0xFFFFFF).astype(np.uint32)
+        width = ">u2" if t.id_len == 2 else ">u4"
+        frames[rows, t.id_off:t.id_off + t.id_len] = (
+            rid.astype(width).view(np.uint8).reshape(-1, t.id_len))
 
 
 def kv_get(src: Endpoint, dst: Endpoint, ns: int, key: bytes, room: int) -> Template:
@@ -91,8 +141,8 @@ def kv_get(src: Endpoint, dst: Endpoint, ns: int, key: bytes, room: int) -> Temp
     frame = bytes(Ether(src=src.mac, dst=dst.mac) / IP(src=src.ip, dst=dst.ip) /
                   UDP(sport=GEN_PORT, dport=PORT, chksum=0) /
                   KV(op=Op.GET, ns=ns, key=key) / Raw(bytes(room)))
-    return Template(frame, UDP_OFF + HEADER_LEN, UDP_OFF + OFFSET["chunk"],
-                    C["KV_GEN_FMT_BE32"], UDP_OFF + OFFSET["req_id"], 4)
+    return Template(frame, UDP_OFF + HEADER_LEN, UDP_OFF + OFFSET["chunk"], FMT_BE32,
+                    UDP_OFF + OFFSET["req_id"], 4)
 
 
 def memcached_get(src: Endpoint, dst: Endpoint) -> Template:
@@ -101,7 +151,7 @@ def memcached_get(src: Endpoint, dst: Endpoint) -> Template:
     text = b"\x00\x00\x00\x00\x00\x01\x00\x00get " + memcached_key(0) + b"\r\n"
     frame = bytes(Ether(src=src.mac, dst=dst.mac) / IP(src=src.ip, dst=dst.ip) /
                   UDP(sport=GEN_PORT, dport=MC_PORT, chksum=0) / Raw(text))
-    return Template(frame, len(frame), UDP_OFF + 14, C["KV_GEN_FMT_HEX8"], UDP_OFF, 2)
+    return Template(frame, len(frame), UDP_OFF + 14, FMT_HEX8, UDP_OFF, 2)
 
 
 @dataclass
@@ -133,19 +183,19 @@ class Run:
 
 
 class Generator(Program, source=str(SOURCE), stats="KV_CNT_"):
-    """The compiled programs and their maps; one per process is enough (the programs are not
-    tied to a namespace until attached). ``counters()``: count_replies' counters by name."""
+    """The reply counter and the reflector, compiled, and the sender of what ``configure``
+    says; one per process is enough (the programs are not tied to a namespace until attached).
+    ``counters()``: count_replies' counters by name."""
 
     def __init__(self):
-        self.bpf, fns = load_xdp(SOURCE, ("gen_frame", "count_replies", "reflect"))
-        self.gen_fn, self.count_fn, self.reflect_fn = (
-            fns[n] for n in ("gen_frame", "count_replies", "reflect"))
-        (self.cfg, self.state, self.zipf, self.rx_cfg, self.rx_count, self.rx_sample) = (
-            self.bpf.get_table(n) for n in (b"gen_cfg", b"gen_state", b"gen_zipf", b"rx_cfg",
-                                            b"rx_count", b"rx_sample"))
+        self.bpf, fns = load_xdp(SOURCE, ("count_replies", "reflect"))
+        self.count_fn, self.reflect_fn = fns["count_replies"], fns["reflect"]
+        (self.rx_cfg, self.rx_count, self.rx_sample) = (
+            self.bpf.get_table(n) for n in (b"rx_cfg", b"rx_count", b"rx_sample"))
         self._sample_gen = 0
         self.clear_sample()
-        self.template: Template | None = None
+        self.sweep: Sweep | None = None
+        self._sent: list[int] = []
 
     def close(self) -> None:
         self.bpf.cleanup()
@@ -154,27 +204,11 @@ class Generator(Program, source=str(SOURCE), stats="KV_CNT_"):
     def configure(self, t: Template, nkeys: int, sweep: str = "sequential", key_base: int = 0,
                   zipf_s: float = 1.0) -> None:
         """Send ``t`` with key indexes key_base .. key_base + nkeys - 1, swept as asked."""
-        if not 1 <= nkeys < 1 << 32 or t.hdr_len > C["KV_GEN_HDR_MAX"]:
-            raise ValueError("nkeys out of range or template header too long")
-        c = self.cfg.Leaf(hdr_len=t.hdr_len, sweep=SWEEPS[sweep], nkeys=nkeys,
-                          key_base=key_base, key_off=t.key_off, key_fmt=t.key_fmt,
-                          id_off=t.id_off, id_len=t.id_len)
-        ctypes.memmove(c.hdr, t.frame, t.hdr_len)
-        if sweep == "zipf":
-            self._fill_zipf(nkeys, zipf_s)
-        self.cfg[0] = c
-        self.state.clear()
-        self.template = t
+        self.sweep = Sweep(t, nkeys, sweep, key_base, zipf_s)
 
-    def _fill_zipf(self, nkeys: int, s: float) -> None:
-        """Slot j holds the key index whose Zipf(s) CDF first reaches (j + 0.5) / slots: index 0
-        is the most popular. Keys rarer than one slot in KV_GEN_ZIPF_SLOTS get none."""
-        slots = C["KV_GEN_ZIPF_SLOTS"]
-        cdf = np.cumsum(1.0 / np.arange(1, nkeys + 1, dtype=np.float64) ** s)
-        idx = np.searchsorted(cdf / cdf[-1], (np.arange(slots) + 0.5) / slots)
-        keys = (self.zipf.Key * slots)(*range(slots))
-        values = (self.zipf.Leaf * slots)(*np.minimum(idx, nkeys - 1).tolist())
-        self.zipf.items_update_batch(keys, values)
+    @property
+    def template(self) -> Template | None:
+        return self.sweep.t if self.sweep else None
 
     # ---- where it goes -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -206,7 +240,8 @@ class Generator(Program, source=str(SOURCE), stats="KV_CNT_"):
         return self.rx_count.get_fd()
 
     def sent(self) -> int:
-        return sum(int(v.seq) for v in self.state[self.state.Key(0)])
+        """Frames handed to the kernel by the last run's threads (so far)."""
+        return sum(self._sent)
 
     def clear_sample(self) -> None:
         """Ask for a new sample: count_replies keeps the next reply of the new generation."""
@@ -222,61 +257,65 @@ class Generator(Program, source=str(SOURCE), stats="KV_CNT_"):
         return None
 
     # ---- sending -------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _anchored(self, sender: str):
-        """Each BPF_PROG_TEST_RUN puts its program into the kernel's XDP dispatcher and takes
-        it out again, waiting for an RCU grace period both times (~20 ms a call here). While
-        gen_frame is also attached somewhere it stays in the dispatcher and a call costs
-        microseconds: here, to a veth pair made for that in the sender's namespace, left down
-        (no frame ever reaches it)."""
-        ip("link", "del", ANCHOR, ns=sender, check=False)  # a crashed run's
-        ip("link", "add", ANCHOR, "type", "veth", "peer", "name", ANCHOR + "p", ns=sender)
+    def _send(self, n: int, src: Endpoint, cpu: int, rate: float, batch: int,
+              stop: threading.Event) -> None:
+        """Thread ``n``'s loop: pinned to ``cpu``, a packet ring in the sender's namespace,
+        batches of frames as fast as possible or ``rate`` frames a second (batches of about a
+        millisecond's worth, each sent when it is due)."""
+        os.sched_setaffinity(0, {cpu})
+        with netns.inside(src.netns):
+            ring = PacketRing(src.ifname, len(self.sweep.t.frame), max(batch, 64))
         try:
-            with netns.inside(sender):
-                attach_xdp(ANCHOR, self.gen_fn)
-            yield
+            ring.frames[:] = np.frombuffer(self.sweep.t.frame, np.uint8)
+            rng = np.random.default_rng(n)
+            size = min(ring.slots, batch if not rate else max(1, int(rate / 1000)))
+            seq, due = 0, time.monotonic()
+            while not stop.is_set():
+                if rate:
+                    wait = due - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
+                    due = max(due, time.monotonic() - 0.01) + size / rate
+                self.sweep.write(ring.frames, ring.next_frames(size),
+                                 np.arange(seq, seq + size, dtype=np.uint64), n, rng)
+                seq += ring.send(size)
+                self._sent[n] = seq
         finally:
-            ip("link", "del", ANCHOR, ns=sender, check=False)
+            ring.close()
 
     def run(self, src: Endpoint, seconds: float = 1.0, warmup: float = 0.3, rate: float = 0,
-            cores: tuple[int, ...] = (0,), windows: int = 1, batch: int = 1 << 16) -> Run:
+            cores: tuple[int, ...] = (0,), windows: int = 1, batch: int = 1024) -> Run:
         """Send the configured frames out of ``src`` from one thread per core and count replies
         over ``seconds`` after ``warmup``, in ``windows`` equal parts. ``rate``: frames per
-        second in all, evenly spaced on each core by gen_frame itself (the core spins between
-        frames); 0: as fast as possible. The sample slot holds a reply of the measured time."""
-        if self.template is None:
+        second in all, shared evenly by the cores; 0: as fast as possible. The sample slot holds
+        a reply of the measured time."""
+        if self.sweep is None:
             raise RuntimeError("configure() first")
-        c = self.cfg[0]
-        c.gap_ns = int(1e9 * len(cores) / rate) if rate else 0
-        self.cfg[0] = c
         stop, errors = threading.Event(), []
-        frame, fd = self.template.frame, self.gen_fn.fd
+        self._sent = [0] * len(cores)
 
-        def worker(cpu: int):
+        def worker(n: int, cpu: int):
             try:
-                os.sched_setaffinity(0, {cpu})
-                with netns.inside(src.netns):
-                    while not stop.is_set():
-                        libbpf.live_frames(fd, frame, src.ifindex, batch)
+                self._send(n, src, cpu, rate / len(cores), batch, stop)
             except BaseException as exc:  # reported by the caller
                 errors.append(exc)
                 stop.set()
 
-        threads = [threading.Thread(target=worker, args=(c,), daemon=True) for c in cores]
-        with self._anchored(src.netns):
+        threads = [threading.Thread(target=worker, args=(i, c), daemon=True)
+                   for i, c in enumerate(cores)]
+        for t in threads:
+            t.start()
+        try:
+            stop.wait(warmup)
+            self.clear_sample()
+            marks = [(self.counters(), self.sent(), time.monotonic())]
+            for _ in range(windows):
+                stop.wait(seconds / windows)
+                marks.append((self.counters(), self.sent(), time.monotonic()))
+        finally:
+            stop.set()
             for t in threads:
-                t.start()
-            try:
-                stop.wait(warmup)
-                self.clear_sample()
-                marks = [(self.counters(), self.sent(), time.monotonic())]
-                for _ in range(windows):
-                    stop.wait(seconds / windows)
-                    marks.append((self.counters(), self.sent(), time.monotonic()))
-            finally:
-                stop.set()
-                for t in threads:
-                    t.join(30)
+                t.join(30)
         if errors:
             raise TestbedError(f"generator failed: {errors[0]}")
         (c0, s0, t0), (c1, s1, t1) = marks[0], marks[-1]
@@ -352,7 +391,7 @@ def check_reflected(frame: bytes | None, t: Template) -> str | None:
         return "no frame sampled"
     if len(frame) != len(t.frame):
         return f"reflected frame has {len(frame)} bytes, sent {len(t.frame)}"
-    written = [(t.key_off, 8 if t.key_fmt == C["KV_GEN_FMT_HEX8"] else 4), (t.id_off, t.id_len)]
+    written = [(t.key_off, 8 if t.key_fmt == FMT_HEX8 else 4), (t.id_off, t.id_len)]
     a, b = bytearray(frame[:t.hdr_len]), bytearray(t.frame[:t.hdr_len])
     for off, n in written:
         a[off:off + n] = b[off:off + n] = bytes(n)

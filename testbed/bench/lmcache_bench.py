@@ -31,7 +31,7 @@ import numpy as np
 
 from ..lab import Lab, TestbedError, write_json
 from ..lab.mooncake import HTTP_PORT, RPC_PORT, port_open
-from ..lab.tasks import StartLine
+from ..lab.tasks import StartLine, gather
 from ..lmcache_engine import CHUNK_TOKENS
 from .faults import _fresh
 from .lmcache_node import LMCACHE_FIX
@@ -184,7 +184,7 @@ def run_phases(lab: Lab, store: dict, phases: list[tuple[str, dict]], dtype: str
             line.ready(tasks, timeout=600 if k == 0 else PHASE_TIMEOUT_S)
             marks.append((lab.link_bytes(pool, "tx"), lab.counters() if lab.switch else None))
             line.go(tasks)
-        results = [t.result(timeout=PHASE_TIMEOUT_S) for t in tasks]
+        results = gather(tasks, timeout=PHASE_TIMEOUT_S)
     finally:
         for t in tasks:
             if t.proc.poll() is None:

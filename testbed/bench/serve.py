@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..lab import Lab, TestbedError, write_json
-from ..lab.tasks import StartLine
+from ..lab.tasks import StartLine, gather
 from ..lab.topology import plain_bridge_ports
 from ..sim.config import MODELS
 from ..sim.trace import DEFAULT_TRACE
@@ -149,12 +149,14 @@ def serve_phases(lab: Lab, wl: Workload, ns: int, prefill_tok_s: float, block_by
         at = start.go([t for _, t in tasks])
         if at_start is not None and phase is steps[-1]:
             at_start(at)
-        for i, t in tasks:
+        if failed is None:
+            for (i, _), r in zip(tasks, gather([t for _, t in tasks], timeout=1800)):
+                _merge(res[i], r)
+            continue
+        for i, t in tasks:                            # failures are data: wait for every node
             try:
                 _merge(res[i], t.result(timeout=1800))
             except TestbedError as exc:
-                if failed is None:
-                    raise
                 failed.append((i, str(exc)))
     return res
 

@@ -29,7 +29,7 @@ from hostagent.common.tier_policy import DEMOTES, WRITE_DOWNS, PolicyConfig, Pol
 from hostagent.common.tier_policy import DEFAULT_COSTS
 
 from ..lab import Lab, TestbedError, write_json
-from ..lab.tasks import StartLine
+from ..lab.tasks import StartLine, gather
 from ..sim.config import MODELS
 from .serve import CHUNK, CLUSTER_GBIT, block_bytes_for, check_choices
 from .serve_workloads import Workload, _request, arrivals, block_key, zipf_weights
@@ -200,7 +200,7 @@ def run_mode(lab: Lab, wl: Workload, cfg: PolicyConfig, block_bytes: int, node_b
                             preset.prefill_tokens_per_s, pol, node_bytes)
              for i, n in enumerate(nodes)]
     start.go(tasks)
-    res = [t.result(timeout=1800) for t in tasks]
+    res = gather(tasks, timeout=1800)
     disk = _pool_disk_hits(lab) - disk0
     blocks = max(1, sum(r["blocks"] for r in res))
     hits = {k: sum(r["hits"][k] for r in res) for k in ("node", "switch", "pool")}

@@ -1,11 +1,6 @@
-/* trafficgen.c - the XDP programs of the traffic generator (testbed/generator.py drives them).
+/* trafficgen.c - the XDP programs of the traffic generator (testbed/bench/generator.py drives
+ * them and sends the requests itself, from packet rings).
  *
- *  gen_frame      run with BPF_PROG_TEST_RUN in live-frames mode on a request template: every
- *                 frame gets the template's headers again (the frame pages are recycled, and the
- *                 switch may have turned the last user of a page into a reply), then a key index
- *                 from a sweep (sequential, uniform random or Zipf-like via a table) and a request
- *                 id, and goes out with XDP_TX. At a fixed rate, each CPU sends one frame per
- *                 gap_ns and drops (does not send) the runs in between.
  *  count_replies  on the requester's veth end: counts (per CPU) the replies addressed to the
  *                 generator's UDP port, keeps the first one of each sample generation in a
  *                 per-CPU slot for byte-exact checks, and drops them (no socket waits for
@@ -21,17 +16,7 @@
 #include <linux/udp.h>
 #include "kvproto.h"
 
-#define KV_GEN_HDR_MAX 128        /* template bytes rewritten into every frame */
-#define KV_GEN_ZIPF_SLOTS 65536   /* Zipf sweep: key index = gen_zipf[random slot] */
 #define KV_GEN_SAMPLE_MAX 3536    /* a 3520-byte MTU frame and its Ethernet header */
-#define KV_GEN_MAX_LAG_NS 100000  /* a fixed-rate sender behind by more never catches up more */
-
-#define KV_GEN_SWEEP_SEQ 0        /* key index = frame number mod nkeys (per CPU) */
-#define KV_GEN_SWEEP_UNIFORM 1    /* uniform random in [0, nkeys) */
-#define KV_GEN_SWEEP_ZIPF 2       /* from the table the driver filled */
-
-#define KV_GEN_FMT_BE32 0         /* the index as 4 bytes big-endian (the KV chunk field) */
-#define KV_GEN_FMT_HEX8 1         /* the index as 8 lowercase hex digits (a memcached key) */
 
 #define KV_GEN_MC_PORT 11211      /* memcached's UDP port (its frame header is 8 bytes) */
 
@@ -44,24 +29,6 @@
 #define KV_CNT_MC_OTHER 5         /* memcached END (miss), errors */
 #define KV_CNT_BYTES 6            /* frame bytes of everything counted */
 #define KV_CNT_MAX 8
-
-struct gen_cfg {
-    __u32 hdr_len;                 /* template bytes copied into each frame, 1..KV_GEN_HDR_MAX */
-    __u32 sweep;                   /* KV_GEN_SWEEP_* */
-    __u32 nkeys;                   /* key indexes swept: key_base .. key_base + nkeys - 1 */
-    __u32 key_base;
-    __u32 key_off;                 /* frame offset of the key index */
-    __u32 key_fmt;                 /* KV_GEN_FMT_* */
-    __u32 id_off;                  /* frame offset of the request id */
-    __u32 id_len;                  /* 2 or 4 bytes, big-endian */
-    __u64 gap_ns;                  /* per CPU, between frames: 0 as fast as possible */
-    __u8  hdr[KV_GEN_HDR_MAX];
-};
-
-struct gen_state {                 /* per CPU */
-    __u64 seq;                     /* frames sent from this CPU (drives the sequential sweep) */
-    __u64 next_ns;                 /* fixed rate: when the next frame is due */
-};
 
 struct rx_cfg {
     __be16 port;                   /* the generator's UDP source port */
@@ -77,9 +44,6 @@ struct rx_sample {
     __u8  data[KV_GEN_SAMPLE_MAX];
 };
 
-BPF_ARRAY(gen_cfg, struct gen_cfg, 1);
-BPF_PERCPU_ARRAY(gen_state, struct gen_state, 1);
-BPF_ARRAY(gen_zipf, __u32, KV_GEN_ZIPF_SLOTS);
 BPF_ARRAY(rx_cfg, struct rx_cfg, 1);
 BPF_PERCPU_ARRAY(rx_count, __u64, KV_CNT_MAX);
 BPF_PERCPU_ARRAY(rx_sample, struct rx_sample, 1);
@@ -90,69 +54,6 @@ static __always_inline __u64 opaque(__u32 v)
     __u64 n = v;
     asm volatile("" : "+r"(n));
     return n;
-}
-
-static __always_inline __u32 key_index(struct gen_cfg *c, __u64 seq)
-{
-    __u32 idx;
-    if (c->sweep == KV_GEN_SWEEP_ZIPF) {
-        __u32 slot = bpf_get_prandom_u32() & (KV_GEN_ZIPF_SLOTS - 1);
-        __u32 *z = gen_zipf.lookup(&slot);
-        idx = z ? *z : 0;
-    } else if (c->sweep == KV_GEN_SWEEP_UNIFORM) {
-        idx = bpf_get_prandom_u32() % c->nkeys;
-    } else {
-        idx = seq % c->nkeys;
-    }
-    return c->key_base + idx;
-}
-
-int gen_frame(struct xdp_md *ctx)
-{
-    __u32 zero = 0;
-    struct gen_cfg *c = gen_cfg.lookup(&zero);
-    struct gen_state *s = gen_state.lookup(&zero);
-    if (!c || !s || !c->nkeys)
-        return XDP_ABORTED;
-    if (c->gap_ns) {
-        __u64 now = bpf_ktime_get_ns();
-        if (now < s->next_ns)
-            return XDP_DROP;
-        __u64 due = s->next_ns > now - KV_GEN_MAX_LAG_NS ? s->next_ns : now - KV_GEN_MAX_LAG_NS;
-        s->next_ns = due + c->gap_ns;
-    }
-    __u64 len = opaque(c->hdr_len);
-    if (len < 1 || len > KV_GEN_HDR_MAX || bpf_xdp_store_bytes(ctx, 0, c->hdr, len))
-        return XDP_ABORTED;
-
-    __u64 seq = s->seq++;
-    __u32 idx = key_index(c, seq);
-    if (c->key_fmt == KV_GEN_FMT_HEX8) {
-        __u8 hex[8];
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            __u8 nib = (idx >> (28 - 4 * i)) & 0xf;
-            hex[i] = nib < 10 ? '0' + nib : 'a' + nib - 10;
-        }
-        if (bpf_xdp_store_bytes(ctx, c->key_off, hex, sizeof(hex)))
-            return XDP_ABORTED;
-    } else {
-        __be32 v = bpf_htonl(idx);
-        if (bpf_xdp_store_bytes(ctx, c->key_off, &v, sizeof(v)))
-            return XDP_ABORTED;
-    }
-
-    __u32 rid = (bpf_get_smp_processor_id() << 24) | (seq & 0xffffff);
-    if (c->id_len == 2) {
-        __be16 v = bpf_htons(rid & 0xffff);
-        if (bpf_xdp_store_bytes(ctx, c->id_off, &v, sizeof(v)))
-            return XDP_ABORTED;
-    } else {
-        __be32 v = bpf_htonl(rid);
-        if (bpf_xdp_store_bytes(ctx, c->id_off, &v, sizeof(v)))
-            return XDP_ABORTED;
-    }
-    return XDP_TX;
 }
 
 static __always_inline void bump(__u32 idx, __u64 n)

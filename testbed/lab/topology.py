@@ -250,19 +250,23 @@ def _without_xdp_server(namespaces: list[str], ifname: str) -> list[str]:
     return keep
 
 
-def attach_loss(namespaces: list[str], loss: float, ifname: str = "eth0") -> None:
+def attach_loss(namespaces: list[str], loss: float, ifname: str = "eth0",
+                unsummed: bool = False) -> None:
     """Replace the pass program on each node's veth end by one that drops ``loss`` (0..1) of
-    the KV frames it receives (this kernel has no netem); loss=0 restores plain passing."""
+    the KV frames it receives (this kernel has no netem) and, if ``unsummed``, every KV frame
+    without a UDP checksum (a middlebox's rule); neither restores plain passing."""
     if not 0 <= loss < 1:
         raise TestbedError("loss must be in [0, 1)")
-    if loss == 0:
+    if loss == 0 and not unsummed:
         attach_pass_programs(namespaces, ifname)
         return
     # compiled once per kernel (the bytecode cache): a fault that starts loss mid-run starts it
     # at once, not after seconds of BCC
     fd, maps = load_bytecode(cached_bytecode(HERE / "lossy.c", "xdp_lossy", [],
-                                             ("loss_ppm", "loss_dropped")), "xdp_lossy")
+                                             ("loss_ppm", "loss_unsummed", "loss_dropped")),
+                             "xdp_lossy")
     libbpf.map_update(maps["loss_ppm"], 0, int(loss * 1_000_000).to_bytes(4, "little"))
+    libbpf.map_update(maps["loss_unsummed"], 0, int(unsummed).to_bytes(4, "little"))
     for ns in _without_xdp_server(namespaces, ifname):
         with netns.inside(ns):
             attach_xdp(ifname, fd)

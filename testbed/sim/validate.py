@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..lab import Lab, write_json
+from ..lab.tasks import gather
 from .config import GIB, SimConfig
 from .evaluate import capacity_blocks
 from .model import simulate
@@ -125,7 +126,7 @@ def run_validate(trace_path: str, limit: int = 2000, capacity: float = 0.05,
         start_at = time.time() + 2.0
         tasks = [lab.start_task(f"h{i + 1}", f"{__name__}:drive", trace_abs, n, pool,
                                 routes_path, i, speedup, start_at) for i in range(HOSTS)]
-        live = [task.result(timeout=900) for task in tasks]
+        live = gather(tasks, timeout=900)
         after = _counters(lab)
         counters = lab.stats()
     delta = {node: {d: after[node][d] - before[node][d] for d in ("tx", "rx")} for node in after}

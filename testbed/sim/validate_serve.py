@@ -21,6 +21,7 @@ import time
 from ..bench import serve as bench_serve
 from ..bench.serve_workloads import block_key
 from ..lab import Lab, write_json
+from ..lab.tasks import gather
 from .config import FRAME_OVERHEAD, MODELS
 from .trace import DEFAULT_TRACE
 from .serve_model import Calibration, simulate_serve, summarise
@@ -80,7 +81,7 @@ def calibrate(lab: Lab, block_bytes: int, chunk: int, link_gbit: float) -> Calib
     tasks = [lab.start_task(h.name, f"{__name__}:probe", lab.pool_addrs, chunk, PROBE_NS,
                             block_bytes, PROBE_REPS, PROBE_SET, i == 0, h.name, start_at)
              for i, h in enumerate(lab.topo.host_nodes)]
-    res = [t.result(timeout=600) for t in tasks]
+    res = gather(tasks, timeout=600)
     m = {k: [x for r in res for x in r[k]] for k in res[0]}
     med = {k: statistics.median(v) for k, v in m.items()}
     chunks = -(-block_bytes // chunk)

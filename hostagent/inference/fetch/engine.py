@@ -1,18 +1,17 @@
 """The fetch engine's driver: its lifecycle (load, attach, restore), the transfer table and
-the arena's slots, and the step loop that ties the send ring (``sendring``: its test-run calls
-and the thread that makes them), transfers, loss recovery and verification together. Python
-decides per step, never per chunk.
+the arena's slots, and the step loop that ties the send ring (``sendring``: its send calls and
+the thread that makes them), transfers, loss recovery and verification together. Python decides
+per step, never per chunk.
 
 Each ``step``: queue GETs from every active transfer into the send ring (``transfers.fill``),
-send up to ``call_frames`` of them in one BPF_PROG_TEST_RUN call in live-frames mode (the kernel
-runs the switch's program and receives the replies into the arena within the call when the
+send up to ``call_frames`` of them in one call from an AF_PACKET TX ring (the kernel transmits
+them, runs the switch's program and receives the replies into the arena within the call when the
 switch answers), then verify what arrived (``verify``) and finish or fail transfers. Threaded
-(the default where the process may run on more than one CPU) a sender thread makes the test-run
-calls (they release the GIL) while the stepping thread verifies: on this 2-core machine 1.35-1.63
-GB/s against 1.13-1.22 in one thread (64 MiB, 3072-byte chunks, from the switch); on a machine
-whose other core is busy one thread can win (every wake-up waits for a time slice). A few GETs
-(at most ``batch_size``: a round of retransmissions) the stepping thread sends itself while the
-sender thread is idle, sparing a hand-off that cost more than the call.
+(the default where the process may run on more than one CPU) a sender thread makes the send
+calls (they release the GIL) while the stepping thread verifies; on a machine whose other core
+is busy one thread can win (every wake-up waits for a time slice). A few GETs (at most
+``batch_size``: a round of retransmissions) the stepping thread sends itself while the sender
+thread is idle, sparing a hand-off that cost more than the call.
 
 A block of unknown size is fetched in two steps: a one-slot probe transfer asks for chunk 0
 (the program then accepts only chunk 0 and records the reply's chunk count), then a contiguous
@@ -24,13 +23,12 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import socket
-import struct
 import time
 from collections.abc import Sequence
 
 from hostagent.common import auth as auth_mod
+from hostagent.common.packet_ring import PacketRing
 from hostagent.common.transfer import TransferTimeout, parse_addr, pool_for
 from kvproto import DEFAULT_CHUNK, PORT, Flag
 from kvproto.frames import PAYLOAD_OFF
@@ -107,27 +105,28 @@ class FetchEngine:
                 raise NoXdp(f"pool {host}:{port} is not on the KV port {PORT}")
         self._ns = Netns(self.netns_name)
         self._att = FetchAttachment(self.ifname, self._ns)
-        self._sock = None
+        self._sock = self._packet = None
         try:
             self._att.inspect()
             self._routes = self._resolve()
+            with self._ns:
+                self._packet = PacketRing(self.ifname, PAYLOAD_OFF + self.chunk_size,
+                                          max(2048, self.call_frames))
             self.prog = FetchProgram(self.chunk_size, self.slots)
             self._setup(self.prog)
             self._att.attach(self.prog.fd)
         except BaseException:
             self._close_partial()
             raise
-        self.nonce = int(self.prog.ctl[0]["nonce"])
         self.folder = Folder(self.chunk_size)
         self._ids = RequestIds(XFERS, GEN_MASK)        # random, not reused while replies may come
         self._slots = SlotAllocator(self.slots)
         self._active: list[Transfer] = []
         self._counter_base: dict[str, int] = {}
-        self._ring = SendRing(self.prog)
-        template = bytes(PAYLOAD_OFF + self.chunk_size)           # headers written per frame
-        self._sender = Sender(self._ring, self._ns, self._att.ifindex, template,
-                              struct.pack("<Q", self.nonce), self.call_frames, self.batch_size,
-                              self.stats, self.threaded)
+        self._ring = SendRing(self.prog, self._packet, self.chunk_size)
+        for header in self._headers.values():
+            self._ring.set_route(*header)
+        self._sender = Sender(self._ring, self.call_frames, self.stats, self.threaded)
         self._opened = True
         log.info("XDP fetch engine on %s (%d-byte chunks, %d slots, CRC by %s)", self.ifname,
                  self.chunk_size, self.slots, CRC_IMPL)
@@ -150,14 +149,13 @@ class FetchEngine:
     def _setup(self, prog: FetchProgram) -> None:
         """A freshly loaded program's control block and routes."""
         ctl = prog.ctl[0]
-        ctl["nonce"] = getattr(self, "nonce", 0) or (
-            int.from_bytes(secrets.token_bytes(8), "little") | 1)
         ctl["port"] = socket.htons(self.port)
-        ctl["loss_ppm"], ctl["frame_len"] = self._att.loss_ppm, PAYLOAD_OFF + self.chunk_size
-        ctl["owner"] = os.getpid()
-        for p, r in self._routes.items():
-            prog.set_route(r.index, route_header(self._mac, r.mac, r.src, self.port, p[0], p[1],
-                                                 self.chunk_size))
+        ctl["loss_ppm"], ctl["owner"] = self._att.loss_ppm, os.getpid()
+        self._headers = {p: (r.index, route_header(self._mac, r.mac, r.src, self.port, p[0],
+                                                   p[1], self.chunk_size))
+                         for p, r in self._routes.items()}
+        for index, header in self._headers.values():
+            prog.set_route(index, header)
 
     def _close_partial(self) -> None:
         if self.prog is not None:
@@ -165,6 +163,9 @@ class FetchEngine:
             self.prog = None
         if self._sock is not None:
             self._sock.close()
+        if self._packet is not None:
+            self._packet.close()
+            self._packet = None
         self._att.close()
         self._ns.close()
 
@@ -234,9 +235,7 @@ class FetchEngine:
         new = FetchProgram(self.chunk_size, slots)
         try:
             self._setup(new)
-            ctl = new.ctl[0]
-            ctl["send_pos"] = ctl["send_end"] = self._ring.cons
-            ctl["loss_ppm"] = self.loss_ppm
+            new.ctl[0]["loss_ppm"] = self.loss_ppm
             self._att.swap(new.fd)
         except BaseException:
             new.close()

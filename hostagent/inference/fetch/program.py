@@ -28,8 +28,7 @@ from xdp.attach import Attachment
 from xdp.program import Program
 
 PROG_NAME = "kv_fetch"
-MAP_NAMES = ("kvf_arena", "kvf_meta", "kvf_xfers", "kvf_sendq", "kvf_ctl", "kvf_routes",
-             "kvf_stats")
+MAP_NAMES = ("kvf_arena", "kvf_meta", "kvf_xfers", "kvf_ctl", "kvf_routes", "kvf_stats")
 SIZED_BY_SLOTS = ("kvf_arena", "kvf_meta")
 STAND_INS = ("xdp_pass", "xdp_lossy")       # programs the engine may stand in for
 
@@ -49,9 +48,8 @@ class FetchProgram(Program, source="kvfetch.c", stats="KV_FETCH_STAT_"):
                            ("route", "<u4"), ("status", "<u4"), ("err", "<u4"),
                            ("received", "<u4"), ("tail_len", "<u4"), ("seen_nchunks", "<u4"),
                            ("bad", "<u4")])
-    CTL_DTYPE = np.dtype([("nonce", "<u8"), ("send_pos", "<u8"), ("send_end", "<u8"),
-                          ("port", "<u4"), ("loss_ppm", "<u4"), ("frame_len", "<u4"),
-                          ("owner", "<u4")])
+    CTL_DTYPE = np.dtype([("port", "<u4"), ("loss_ppm", "<u4"), ("owner", "<u4"),
+                          ("reserved", "<u4")])
 
     def __init__(self, chunk_size: int, slots: int):
         if not 8 <= chunk_size <= C["KV_MAX_PAYLOAD"] or chunk_size % 8:
@@ -75,7 +73,6 @@ class FetchProgram(Program, source="kvfetch.c", stats="KV_FETCH_STAT_"):
         self.arena_mv = memoryview(arena)
         self.meta = np.frombuffer(mm("kvf_meta", slots * 8), np.uint64)
         self.xfers = np.frombuffer(mm("kvf_xfers", XFERS * XFER_DTYPE.itemsize), XFER_DTYPE)
-        self.sendq = np.frombuffer(mm("kvf_sendq", SENDQ * 8), np.uint64)
         self.ctl = np.frombuffer(mm("kvf_ctl", CTL_DTYPE.itemsize), CTL_DTYPE)
 
     def stats_fd(self) -> int:
@@ -108,7 +105,8 @@ class FetchProgram(Program, source="kvfetch.c", stats="KV_FETCH_STAT_"):
 
 C = FetchProgram.C
 GEN_MASK = C["KV_FETCH_GEN_MASK"]
-XFERS, SENDQ = C["KV_FETCH_XFERS"], C["KV_FETCH_SENDQ"]
+XFERS, ROUTES = C["KV_FETCH_XFERS"], C["KV_FETCH_ROUTES"]
+SENDQ = 1 << 16                  # send-queue positions whose times the engine keeps (a power of 2)
 XFER_DTYPE = FetchProgram.struct_dtype(FetchProgram.XFER_DTYPE, "KV_FETCH_XFER_SIZE")
 CTL_DTYPE = FetchProgram.struct_dtype(FetchProgram.CTL_DTYPE, "KV_FETCH_CTL_SIZE")
 OWNER_OFF = CTL_DTYPE.fields["owner"][1]
