@@ -72,10 +72,12 @@ auth_opt = click.option("--auth-key-file", type=click.Path(dir_okay=False),
                         "sealed on put and checked on get [env KVSWITCH_AUTH_KEY_FILE].")
 
 
-def _keyring(path):
+def _keyring(path, ns: int):
+    """The key file's keyring, None without one; refused (one line) where it cannot be used or
+    has no key for ``ns``: the one rule of every connector (``auth.keyring_for``)."""
     from .common import auth
     try:
-        return auth.load_keyring(path) if path else None
+        return auth.keyring_for(ns, path) if path else None
     except auth.KeyFileError as exc:
         raise click.BadParameter(str(exc), param_hint="--auth-key-file") from None
 
@@ -313,7 +315,7 @@ def put(pools, ns, key, path, chunk_size, window, deadline, auth_key_file):
     data = path.read()
     if not data:
         raise click.BadParameter("the block is empty", param_hint="--file")
-    ring = _keyring(auth_key_file)
+    ring = _keyring(auth_key_file, ns)
 
     async def go():
         async with kvclient.KVClient(pools, chunk_size, window, deadline, auth=ring) as c:
@@ -342,7 +344,7 @@ def get(pools, ns, key, out, no_cache, start_at, chunk_size, window, deadline, a
     from .common.auth import AuthError
     from .inference.fetch import open_client
     key_bytes = _key(key)
-    ring = _keyring(auth_key_file)
+    ring = _keyring(auth_key_file, ns)
 
     async def go():
         # the engine's arena starts small and grows to the block once its size is known

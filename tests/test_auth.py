@@ -153,6 +153,41 @@ def test_key_file_permissions_and_the_process_keyring(tmp_path, monkeypatch):
     assert auth.resolve(auth.DEFAULT) is ring
 
 
+def test_a_key_file_used_for_a_namespace_must_have_its_key(tmp_path, monkeypatch):
+    """``keyring_for``, every connector's rule: the key file (else the process's keyring) must
+    load and cover the namespace; a file that lacks it is refused, in one line naming both,
+    instead of leaving the namespace's blocks unsealed and unchecked."""
+    p = tmp_path / "k"
+    p.write_text(f"3 {'ab' * 32}\n")
+    os.chmod(p, 0o600)
+    assert auth.keyring_for(3, p).key_for(3) == bytes.fromhex("ab" * 32)
+    with pytest.raises(KeyFileError) as e:
+        auth.keyring_for(4, p)
+    assert str(e.value) == (f"key file {p} has no key for namespace 4 (no '4 <hex key>' line "
+                            "and no master key): its blocks would be neither sealed nor checked")
+    master = tmp_path / "m"
+    master.write_text(f"* {'cd' * 32}\n")
+    os.chmod(master, 0o600)
+    assert auth.keyring_for(0, master).covers(0) and auth.keyring_for(2 ** 32 - 1, master)
+    monkeypatch.setattr(auth, "_configured", [])
+    monkeypatch.delenv(auth.ENV, raising=False)
+    assert auth.keyring_for(4) is None                  # no key file anywhere: off
+    monkeypatch.setattr(auth, "_configured", [])
+    monkeypatch.setenv(auth.ENV, str(p))
+    with pytest.raises(KeyFileError, match=r"^\$KVSWITCH_AUTH_KEY_FILE: key file .* has no key "
+                                           r"for namespace 4 "):
+        auth.keyring_for(4)
+    assert auth.keyring_for(3) is auth.current()
+    os.chmod(p, 0o644)
+    monkeypatch.setattr(auth, "_configured", [])
+    with pytest.raises(KeyFileError, match=r"^\$KVSWITCH_AUTH_KEY_FILE: key file .*: readable"):
+        auth.keyring_for(3)
+    auth.configure(keyring=auth.Keyring({1: K}))
+    with pytest.raises(KeyFileError, match="^the keyring given to hostagent.common.auth."
+                                           "configure has no key for namespace 2 "):
+        auth.keyring_for(2)
+
+
 def test_fetch_engine_request_ids_are_random_and_not_reused():
     ids = RequestIds(256, (1 << 24) - 1, hold=100.0)
     idxs = [ids.take_index() for _ in range(256)]

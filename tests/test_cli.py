@@ -181,6 +181,10 @@ def test_a_plot_goes_beside_the_json_or_nowhere():
     (["get", "--pool", "999.1.1.1", "--key", "00" * 16], "'999.1.1.1' is not an IPv4 address"),
     (["get", "--pool", "10.0.0.1:99999", "--key", "00" * 16], "bad port"),
     (["get", "--pool", "10.0.0.1", "--key", "zz"], "is not hex"),
+    (["get", "--pool", "0.0.0.0", "--key", "00" * 16],
+     "pool address '0.0.0.0' cannot be a pool node: the unspecified address"),
+    (["put", "--pool", "10.0.0.1", "--pool", "224.0.0.1", "--key", "00" * 16, "--file",
+      "/etc/hostname"], "pool address '224.0.0.1' cannot be a pool node: a multicast address"),
     (["serve", "--stats-file", "/nonexistent/dir/stats.json"], "cannot write into"),
     (["serve", "--bind", "192.0.2.77"], "cannot serve on 192.0.2.77"),
     (["serve", "--capacity", "0"], "capacity must be positive"),
@@ -210,6 +214,20 @@ KEY0 = "00" * 16
         "negative token", "token too large", "short of a block", "capacity too large"])
 def test_hostagent_bad_values_give_one_line(args, message):
     assert message in _one_line_error("hostagent", *args)
+
+
+@pytest.mark.parametrize("op", ["get", "put"])
+def test_a_key_file_without_the_namespace_is_one_line(tmp_path, op):
+    """``--auth-key-file`` (or $KVSWITCH_AUTH_KEY_FILE) without a key for ``--ns``: refused
+    before anything is sent, not a transfer neither sealed nor checked."""
+    key_file = tmp_path / "ns.key"
+    key_file.write_text(f"4 {'5a' * 32}\n")
+    key_file.chmod(0o600)
+    extra = ["--file", "/etc/hostname"] if op == "put" else []
+    line = _one_line_error("hostagent", op, "--pool", "127.0.0.1:9", "--key", KEY0, "--ns", "5",
+                           "--auth-key-file", str(key_file), *extra)
+    assert f"key file {key_file} has no key for namespace 5 (no '5 <hex key>' line" in line
+    assert "--auth-key-file" in line
 
 
 @pytest.mark.parametrize("op", ["get", "put"])

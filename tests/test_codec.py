@@ -165,11 +165,22 @@ def test_corrupt_coded_chunk_is_caught_by_the_chunk_check():
 
 
 @pytest.mark.parametrize("spec", ["zstd", "int3", "int4hh", "int8/x4", "none/g16", "int8/g0",
-                                  ""])
+                                  "", "int8/g1", "int8/g99999999999", "int4/g65538", "int8/g²"])
 def test_unknown_codec_is_one_clear_line(spec):
     with pytest.raises(codec.UnknownCodec) as e:
         codec_for(_layout(), spec)
     assert "\n" not in str(e.value) and "codec" in str(e.value)
+
+
+def test_a_group_is_checked_where_options_are():
+    """``parse`` (what the connectors' option checks call) bounds the group, 2..MAX_GROUP
+    tokens: a group past the block would otherwise pass and be cut to the block unseen."""
+    assert codec.parse("int8/g2") == ("int8", 2)
+    assert codec.parse(f"int4/g{codec.MAX_GROUP}") == ("int4", codec.MAX_GROUP)
+    with pytest.raises(codec.UnknownCodec) as e:
+        codec.parse("int8/g99999999999")
+    assert str(e.value) == ("bad KV codec 'int8/g99999999999': its group of 99999999999 tokens "
+                            f"is not in 2..{codec.MAX_GROUP}")
 
 
 def test_int4h_needs_a_head_dim_of_64():

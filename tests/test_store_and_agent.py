@@ -65,6 +65,33 @@ def test_pool_for_is_stable_and_spreads():
         parse_addr("1.2.3.4:99999")
 
 
+@pytest.mark.parametrize("text, line", [
+    ("0.0.0.0", "pool address '0.0.0.0' cannot be a pool node: the unspecified address"),
+    ("255.255.255.255:7", "pool address '255.255.255.255' cannot be a pool node: the broadcast "
+                          "address"),
+    ("224.0.0.1", "pool address '224.0.0.1' cannot be a pool node: a multicast address"),
+    ("239.255.255.250", "pool address '239.255.255.250' cannot be a pool node: a multicast "
+                        "address"),
+    ("5", "pool address '5' (0.0.0.5) cannot be a pool node: in 0.0.0.0/8 ('this network', "
+          "never a destination)"),
+    ("0.1.2.3", "pool address '0.1.2.3' cannot be a pool node: in 0.0.0.0/8 ('this network', "
+                "never a destination)"),
+])
+def test_an_address_no_pool_node_can_have_is_refused_in_one_line(text, line):
+    with pytest.raises(ValueError) as e:
+        parse_addr(text)
+    assert str(e.value) == line
+
+
+def test_loopback_private_and_named_pool_addresses_stay_allowed():
+    assert parse_addr("127.0.0.1") == ("127.0.0.1", 19286)
+    assert parse_addr("127.8.9.10:7") == ("127.8.9.10", 7)
+    assert parse_addr("10.0.0.1") == ("10.0.0.1", 19286)
+    assert parse_addr("192.168.1.2") == ("192.168.1.2", 19286)
+    assert parse_addr("198.18.0.255") == ("198.18.0.255", 19286)   # not known as broadcast
+    assert parse_addr("localhost:9") == ("127.0.0.1", 9)
+
+
 class LossyServer(PoolServer):
     """Drops every 7th datagram it receives and every 5th it would send."""
 

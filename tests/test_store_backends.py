@@ -126,6 +126,14 @@ def test_lmcache_keys_carry_model_layout_and_chunk():
     ({"pools": "198.18.0.101", "fetch_engine": "xdp"}, "fetch_engine"),
     ({"pools": "198.18.0.101", "namespace": "one"}, "namespace"),
     ({"pools": "198.18.0.101", "auth_key_file": "/nonexistent/key"}, "auth_key_file"),
+    ({"pools": "0.0.0.0"}, "pools"),                   # addresses no pool node can have
+    ({"pools": "198.18.0.101,255.255.255.255"}, "pools"),
+    ({"pools": ["224.0.0.1"]}, "pools"),
+    ({"pools": "5"}, "pools"),                         # 0.0.0.5
+    ({"pools": "198.18.0.101", "deadline": 1e-9}, "deadline"),
+    ({"pools": "198.18.0.101", "probe_deadline": 0.0009}, "probe_deadline"),
+    ({"pools": "198.18.0.101", "namespace": -1}, "namespace"),
+    ({"pools": "198.18.0.101", "namespace": 1 << 32}, "namespace"),
 ])
 def test_a_bad_option_is_one_line_naming_it(options, named):
     with pytest.raises(StoreConfigError) as e:
@@ -134,20 +142,123 @@ def test_a_bad_option_is_one_line_naming_it(options, named):
     assert "\n" not in str(e.value)
 
 
-def test_lmcache_refuses_a_bad_option_at_load_loudly():
-    """Through LMCache's own plugin loading: the engine's start fails (LMCache would catch an
-    Exception and run on with misses only) and one error line names the option."""
+def test_the_options_must_be_a_mapping():
+    with pytest.raises(StoreConfigError) as e:
+        StoreSettings.from_options(["pools", "198.18.0.101"], "test")
+    assert str(e.value) == ("kvswitch test: the options must be a mapping of option names to "
+                            "values (a JSON object), not a list")
+
+
+@pytest.mark.parametrize("options", [
+    {"pools": "127.0.0.1,10.0.0.1:7,192.168.1.2,localhost"},   # loopback and private
+    {"pools": "198.18.0.101", "namespace": 0},
+    {"pools": "198.18.0.101", "namespace": 0xFFFFFFFF},
+    {"pools": "198.18.0.101", "deadline": 0.001, "probe_deadline": 3600},
+    {"pools": "198.18.0.101", "retry_s": 0.0001},                # not a deadline
+])
+def test_good_values_pass(options):
+    s = StoreSettings.from_options(options, "test")
+    assert all(getattr(s, k) == (tuple(v.split(",")) if k == "pools" else v)
+               for k, v in options.items())
+
+
+# ---- the key file must cover the namespace -----------------------------------------------
+@pytest.fixture
+def no_process_keyring(monkeypatch):
+    """The process's keyring unset (it is read from $KVSWITCH_AUTH_KEY_FILE on first use)."""
+    from hostagent.common import auth
+    monkeypatch.setattr(auth, "_configured", [])
+    monkeypatch.delenv(auth.ENV, raising=False)
+    return monkeypatch
+
+
+def test_a_key_file_without_the_namespace_is_refused(tmp_path, no_process_keyring):
+    ns3 = tmp_path / "ns3.key"
+    ns3.write_text(f"3 {'11' * 32}\n")
+    ns3.chmod(0o600)
+    with pytest.raises(StoreConfigError) as e:
+        StoreSettings.from_options({"pools": "198.18.0.101", "auth_key_file": str(ns3)}, "t")
+    assert str(e.value) == (f"kvswitch t: option 'auth_key_file': key file {ns3} has no key "
+                            "for namespace 1 (no '1 <hex key>' line and no master key): its "
+                            "blocks would be neither sealed nor checked")
+    s = StoreSettings.from_options({"pools": "198.18.0.101", "auth_key_file": str(ns3),
+                                    "namespace": 3}, "t")
+    assert s.keyring().covers(3)
+    master = _key_file(tmp_path / "master.key", "22" * 32)    # a master key covers them all
+    for ns in (0, 1, 0xFFFFFFFF):
+        StoreSettings.from_options({"pools": "198.18.0.101", "auth_key_file": master,
+                                    "namespace": ns}, "t")
+    assert StoreSettings.from_options({"pools": "198.18.0.101"}, "t").keyring() is None
+
+
+def test_the_environments_key_file_is_checked_as_the_options_default(tmp_path,
+                                                                    no_process_keyring):
+    """$KVSWITCH_AUTH_KEY_FILE is auth_key_file's default: unusable (mode 644) or without the
+    namespace, it is a bad option at the option check, not a ValueError when the I/O starts."""
+    from hostagent.common import auth
+    path = tmp_path / "env.key"
+    path.write_text(f"3 {'11' * 32}\n")
+    path.chmod(0o644)
+    no_process_keyring.setenv(auth.ENV, str(path))
+    with pytest.raises(StoreConfigError) as e:
+        StoreSettings.from_options({"pools": "198.18.0.101", "namespace": 3}, "t")
+    assert str(e.value) == (f"kvswitch t: option 'auth_key_file': $KVSWITCH_AUTH_KEY_FILE: key "
+                            f"file {path}: readable or writable by others (chmod 600 it)")
+    path.chmod(0o600)
+    with pytest.raises(StoreConfigError, match=r"\$KVSWITCH_AUTH_KEY_FILE: key file .* has no "
+                                               r"key for namespace 1 "):
+        StoreSettings.from_options({"pools": "198.18.0.101"}, "t")
+    s = StoreSettings.from_options({"pools": "198.18.0.101", "namespace": 3}, "t")
+    assert s.keyring() is auth.current() and s.keyring().covers(3)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # LMCache's opentelemetry
+def test_lmcache_plugin_refuses_an_unusable_environment_key_file(tmp_path, no_process_keyring):
+    """At the plugin's option check, as every bad option: PluginConfigError (which LMCache
+    does not turn into a warning and misses), one error line naming it."""
     require_lmcache()
-    (colour, host), err = fixture("lmcache_load", ["127.0.0.1:9", {"colour": "red"}],
-                                  ["no-such-host.invalid", {}])
+    from hostagent.common import auth
+    from hostagent.inference.lmcache_connector import PluginConfigError, settings_for
+    path = tmp_path / "env.key"
+    path.write_text("ab" * 32 + "\n")
+    path.chmod(0o644)
+    no_process_keyring.setenv(auth.ENV, str(path))
+
+    class Config:
+        extra_config = {"remote_storage_plugin.kvswitch.pools": "198.18.0.101"}
+
+    with pytest.raises(PluginConfigError) as e:
+        settings_for(Config(), "kvswitch", None)
+    assert str(e.value) == ("kvswitch LMCache plugin kvswitch: extra_config key "
+                            "'remote_storage_plugin.kvswitch.auth_key_file': "
+                            f"$KVSWITCH_AUTH_KEY_FILE: key file {path}: readable or writable "
+                            "by others (chmod 600 it)")
+
+
+def test_lmcache_refuses_a_bad_option_at_load_loudly(tmp_path):
+    """Through LMCache's own plugin loading: the engine's start fails (LMCache would catch an
+    Exception and run on with misses only) and one error line names the option; so does an
+    unusable key file in $KVSWITCH_AUTH_KEY_FILE (auth_key_file's default), which used to pass
+    the check and fail as a ValueError LMCache turned into a warning and misses."""
+    require_lmcache()
+    env_key = tmp_path / "env.key"
+    env_key.write_text("ab" * 32 + "\n")
+    env_key.chmod(0o644)
+    (colour, host, key), err = fixture("lmcache_load", ["127.0.0.1:9", {"colour": "red"}],
+                                       ["no-such-host.invalid", {}], ["127.0.0.1:9", {}],
+                                       env={"KVSWITCH_AUTH_KEY_FILE": str(env_key)})
     assert colour["raised"] == "PluginConfigError"
     assert "'remote_storage_plugin.kvswitch.colour': unknown option" in colour["message"]
     assert host["raised"] == "PluginConfigError"
     assert "'remote_storage_plugin.kvswitch.pools': pool address" in host["message"]
+    assert key["raised"] == "PluginConfigError"
+    assert ("'remote_storage_plugin.kvswitch.auth_key_file': $KVSWITCH_AUTH_KEY_FILE: key file "
+            f"{env_key}: readable or writable by others (chmod 600 it)") in key["message"]
     errors = [ln for ln in err.splitlines() if "ERROR" in ln and "kvswitch" in ln]
-    assert len(errors) == 2, err[-2000:]                       # one line per bad config
+    assert len(errors) == 3, err[-2000:]                       # one line per bad config
     assert "remote_storage_plugin.kvswitch.colour" in errors[0]
     assert "no-such-host.invalid" in errors[1]
+    assert "KVSWITCH_AUTH_KEY_FILE" in errors[2]
 
 
 SGLANG_LINES = {"backend_name": "kvswitch", "module_path": "hostagent.inference.sglang_backend",

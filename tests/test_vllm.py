@@ -54,6 +54,14 @@ def test_settings_need_pools_and_refuse_unknown_keys():
     ({"pools": ["10.0.0.1"], "deadline": 0}, "deadline"),
     ({"pools": ["10.0.0.1"], "load_failure": "retry"}, "load_failure"),
     ({"pools": ["10.0.0.1"], "kv_codec": "zstd"}, "kv_codec"),
+    ({"pools": ["10.0.0.1"], "kv_codec": "int8/g99999999999"}, "kv_codec"),
+    ({"pools": ["0.0.0.0"]}, "pools"),                                     # no node's address
+    ({"pools": ["10.0.0.1", "255.255.255.255"]}, "pools"),
+    ({"pools": ["224.0.0.1"]}, "pools"),
+    ({"pools": ["5"]}, "pools"),                                           # 0.0.0.5
+    ({"pools": ["10.0.0.1"], "deadline": 1e-9}, "deadline"),
+    ({"pools": ["10.0.0.1"], "probe_deadline": 0.0009}, "probe_deadline"),
+    ({"pools": ["10.0.0.1"], "auth_key_file": "/nonexistent/key"}, "auth_key_file"),
 ])
 def test_a_bad_extra_config_is_one_line_naming_the_key(extra, key):
     from hostagent.inference.vllm_connector_blocks import SettingsError
@@ -61,6 +69,74 @@ def test_a_bad_extra_config_is_one_line_naming_the_key(extra, key):
         Settings.from_extra(extra)
     msg = str(e.value)
     assert f"key {key!r}:" in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("extra, line", [
+    ({"pools": ["224.0.0.1"]}, "key 'pools': pool address '224.0.0.1' cannot be a pool node: a "
+                               "multicast address"),
+    ({"pools": ["5"]}, "key 'pools': pool address '5' (0.0.0.5) cannot be a pool node: in "
+                       "0.0.0.0/8 ('this network', never a destination)"),
+    ({"pools": ["10.0.0.1"], "deadline": 1e-9}, "key 'deadline': 1e-09 is not a number of "
+     "seconds in 0.001..3600 (a deadline under 1 ms is too short for any answer)"),
+    ({"pools": ["10.0.0.1"], "kv_codec": "int8/g99999999999"}, "key 'kv_codec': bad KV codec "
+     "'int8/g99999999999': its group of 99999999999 tokens is not in 2..65536"),
+])
+def test_the_refusals_say_why_in_one_line(extra, line):
+    with pytest.raises(ValueError) as e:
+        Settings.from_extra(extra)
+    assert str(e.value) == f"kvswitch connector: kv_connector_extra_config {line}"
+
+
+def test_a_list_as_the_extra_config_is_one_line_naming_it():
+    from hostagent.inference.vllm_connector_blocks import SettingsError
+    with pytest.raises(SettingsError) as e:
+        Settings.from_extra(["pools", "10.0.0.1"])
+    assert str(e.value) == ("kvswitch connector: kv_connector_extra_config must be a mapping of "
+                            "option names to values (a JSON object), not a list")
+
+
+def test_good_values_pass_as_in_the_stores():
+    """Namespace 0 and the last one, loopback and private pools, the deadline floor, the
+    largest codec group: taken here as by the LMCache/SGLang options (one rule each)."""
+    from hostagent.inference.store_io import StoreSettings
+    for extra in ({"pools": ["127.0.0.1", "10.0.0.1:7", "192.168.1.2"], "namespace": 0},
+                  {"pools": ["10.0.0.1"], "namespace": 0xFFFFFFFF},
+                  {"pools": ["10.0.0.1"], "deadline": 0.001, "probe_deadline": 0.001}):
+        s = Settings.from_extra(extra)
+        assert all(getattr(s, k) == (tuple(v) if k == "pools" else v) for k, v in extra.items())
+        StoreSettings.from_options(extra, "test")
+    assert Settings.from_extra({"pools": ["10.0.0.1"],
+                                "kv_codec": "int8/g65536"}).kv_codec == "int8/g65536"
+
+
+def test_the_key_file_must_have_the_namespace(tmp_path, monkeypatch):
+    """auth_key_file, else $KVSWITCH_AUTH_KEY_FILE: unusable or without a key for the
+    namespace, refused by the option check (as the stores'); with none, no keyring."""
+    from hostagent.common import auth
+    monkeypatch.setattr(auth, "_configured", [])
+    monkeypatch.delenv(auth.ENV, raising=False)
+    path = tmp_path / "ns.key"
+    path.write_text(f"3 {'11' * 32}\n")
+    path.chmod(0o600)
+    with pytest.raises(ValueError) as e:
+        Settings.from_extra({"pools": ["10.0.0.1"], "auth_key_file": str(path)})
+    assert str(e.value) == ("kvswitch connector: kv_connector_extra_config key 'auth_key_file': "
+                            f"key file {path} has no key for namespace 1 (no '1 <hex key>' line "
+                            "and no master key): its blocks would be neither sealed nor checked")
+    s = Settings.from_extra({"pools": ["10.0.0.1"], "auth_key_file": str(path), "namespace": 3})
+    assert s.keyring().key_for(3) == bytes.fromhex("11" * 32)
+    assert Settings.from_extra({"pools": ["10.0.0.1"]}).keyring() is None
+    path.chmod(0o644)
+    monkeypatch.setenv(auth.ENV, str(path))
+    auth._configured.clear()                    # the process's keyring: read again from it
+    with pytest.raises(ValueError, match=r"key 'auth_key_file': \$KVSWITCH_AUTH_KEY_FILE: key "
+                                         r"file .*: readable or writable by others"):
+        Settings.from_extra({"pools": ["10.0.0.1"], "namespace": 3})
+    path.chmod(0o600)
+    with pytest.raises(ValueError, match=r"\$KVSWITCH_AUTH_KEY_FILE: key file .* has no key for "
+                                         r"namespace 1 "):
+        Settings.from_extra({"pools": ["10.0.0.1"]})
+    assert Settings.from_extra({"pools": ["10.0.0.1"], "namespace": 3}).keyring().covers(3)
 
 
 def test_layout_tag_and_keys_are_the_hugging_face_connectors():

@@ -29,7 +29,8 @@ Configuration: ``load_keyring(path)`` reads a key file (lines ``<ns> <64 hex dig
 ``#`` comments); ``configure(...)`` sets the process's keyring (connectors call it with their
 config's key file); without that, ``$KVSWITCH_AUTH_KEY_FILE`` names the key file. Clients take
 ``auth=DEFAULT`` (that keyring), a ``Keyring`` or ``None`` (off). A namespace the keyring has
-a key for is sealed on PUT and checked on GET; other namespaces are not touched.
+a key for is sealed on PUT and checked on GET; other namespaces are not touched, so a connector
+refuses at start a key file without a key for its namespace (``keyring_for``).
 """
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ def load_keyring(path: str | os.PathLike) -> Keyring:
 
 # ---- the process's keyring -----------------------------------------------------------------------
 DEFAULT = object()          # clients' auth= default: the process's keyring
-_configured: list = []      # [Keyring | None] once configure() was called
+_configured: list = []      # [Keyring | None, where it came from] once configure() or current()
 
 
 def configure(key_file: str | os.PathLike | None = None,
@@ -147,16 +148,40 @@ def configure(key_file: str | os.PathLike | None = None,
     """Set the keyring every client of this process uses by default (connectors call this with
     their config's key file); ``configure()`` with neither turns authentication off."""
     ring = load_keyring(key_file) if key_file is not None else keyring
-    _configured[:] = [ring]
+    where = (f"key file {os.fspath(key_file)}" if key_file is not None else
+             "the keyring given to hostagent.common.auth.configure")
+    _configured[:] = [ring, where]
     return ring
 
 
 def current() -> Keyring | None:
-    """The process's keyring: the configured one, else the one in $KVSWITCH_AUTH_KEY_FILE."""
+    """The process's keyring: the configured one, else the one in $KVSWITCH_AUTH_KEY_FILE
+    (KeyFileError, naming the variable, when that file cannot be used)."""
     if not _configured:
         path = os.environ.get(ENV)
-        _configured[:] = [load_keyring(path) if path else None]
+        try:
+            ring = load_keyring(path) if path else None
+        except KeyFileError as exc:
+            raise KeyFileError(f"${ENV}: {exc}") from None
+        _configured[:] = [ring, f"${ENV}: key file {path}"]
     return _configured[0]
+
+
+def keyring_for(ns: int, key_file: str | os.PathLike | None = None) -> Keyring | None:
+    """The keyring a connector of namespace ``ns`` uses, checked when it starts: its key
+    file's, else the process's (``current()``); None where no key file is configured at all
+    (its blocks are not authenticated). The rule every connector applies: a key file it uses
+    must load and must have a key for ``ns`` (a line of its own or a master key), else
+    KeyFileError, one line naming the file and ``ns``: a key file that lacks the namespace would
+    leave its blocks neither sealed nor checked, without a word."""
+    if key_file is not None:
+        ring, where = load_keyring(key_file), f"key file {os.fspath(key_file)}"
+    else:
+        ring, where = current(), _configured[1]
+    if ring is not None and not ring.covers(ns):
+        raise KeyFileError(f"{where} has no key for namespace {ns} (no '{ns} <hex key>' line "
+                           "and no master key): its blocks would be neither sealed nor checked")
+    return ring
 
 
 def resolve(auth) -> Keyring | None:

@@ -7,6 +7,7 @@ rendezvous hashing).
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import socket
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
@@ -75,7 +76,9 @@ class TransferStats:
 
 def parse_addr(text: str, default_port: int = PORT) -> tuple[str, int]:
     """'10.0.0.1', 'pool-3' or '10.0.0.1:19286' -> (IPv4 address, port); a name is resolved
-    now, so replies can be matched to the address asked."""
+    now, so replies can be matched to the address asked. ValueError (one line naming the
+    address) for a port out of range, a name that does not resolve, or an address no pool
+    node can have (``not_a_node``)."""
     host, sep, port = text.rpartition(":")
     if not sep:
         host, port = text, str(default_port)
@@ -86,7 +89,31 @@ def parse_addr(text: str, default_port: int = PORT) -> tuple[str, int]:
     except (socket.gaierror, UnicodeError):
         raise ValueError(f"pool address {host!r} is not an IPv4 address or a name that "
                          "resolves to one") from None
+    why = not_a_node(addr)
+    if why:
+        shown = repr(host) if host == addr else f"{host!r} ({addr})"
+        raise ValueError(f"pool address {shown} cannot be a pool node: {why}")
     return addr, int(port)
+
+
+_THIS_NETWORK = ipaddress.IPv4Network("0.0.0.0/8")
+
+
+def not_a_node(addr: str) -> str | None:
+    """Why the IPv4 address ``addr`` cannot be one node's (a datagram to it never reaches one
+    pool node that answers from it), or None. Unspecified (0.0.0.0), "this network" (0.0.0.0/8:
+    '5' resolves to 0.0.0.5), limited broadcast and multicast are refused; loopback and private
+    addresses are addresses like any other."""
+    ip = ipaddress.IPv4Address(addr)
+    if ip.is_unspecified:
+        return "the unspecified address"
+    if ip in _THIS_NETWORK:
+        return "in 0.0.0.0/8 ('this network', never a destination)"
+    if ip == ipaddress.IPv4Address("255.255.255.255"):
+        return "the broadcast address"
+    if ip.is_multicast:
+        return "a multicast address"
+    return None
 
 
 def pool_for(pools: Sequence[tuple[str, int]], ns: int, key: bytes) -> tuple[str, int]:

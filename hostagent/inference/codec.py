@@ -40,6 +40,11 @@ import torch
 CODECS = ("none", "int8", "fp8", "int4", "int4h")
 DEFAULT_GROUP = {"int8": 16, "fp8": 16, "int4": 256, "int4h": 256}
 SCALE_MIN = 2.0 ** -20                     # a representable fp16 (subnormal) scale floor
+# the longest group NAME/gTOKENS may ask for, checked where options are (``parse``): a group
+# longer than the block is cut to the block (``make``), and blocks are hundreds of tokens (vLLM's
+# block size or a multiple; the longest default group is 256), so a group past 65,536 tokens is a
+# typo, not a codec, and must fail the option check rather than pass as the block's length
+MAX_GROUP = 1 << 16
 
 
 class UnknownCodec(ValueError):
@@ -47,14 +52,18 @@ class UnknownCodec(ValueError):
 
 
 def parse(spec: str) -> tuple[str, int | None]:
-    """``name`` or ``name/g<tokens>`` → (name, group or None)."""
+    """``name`` or ``name/g<tokens>`` → (name, group or None); the group 2..MAX_GROUP."""
     name, _, rest = str(spec).strip().lower().partition("/")
     if name not in CODECS:
         raise UnknownCodec(f"unknown KV codec {spec!r}: choose one of {', '.join(CODECS)}")
     if not rest:
         return name, None
-    if name == "none" or not rest.startswith("g") or not rest[1:].isdigit() or int(rest[1:]) < 2:
+    if name == "none" or not rest.startswith("g") or not rest[1:].isascii() \
+            or not rest[1:].isdigit():
         raise UnknownCodec(f"bad KV codec {spec!r}: write NAME or NAME/gTOKENS (e.g. int8/g16)")
+    if not 2 <= int(rest[1:]) <= MAX_GROUP:
+        raise UnknownCodec(f"bad KV codec {spec!r}: its group of {int(rest[1:])} tokens is not "
+                           f"in 2..{MAX_GROUP}")
     return name, int(rest[1:])
 
 
@@ -347,5 +356,5 @@ def max_abs_error_bound(spec: str, kv: torch.Tensor, block_tokens: int) -> float
     return rng / 15 * 0.5 * 1.01 + 2 * a * 2 ** -11 + 1e-6
 
 
-__all__ = ["CODECS", "Codec", "UnknownCodec", "make", "parse", "ratio", "rotation",
-           "warm_up"]
+__all__ = ["CODECS", "MAX_GROUP", "Codec", "UnknownCodec", "make", "parse", "ratio",
+           "rotation", "warm_up"]

@@ -22,10 +22,12 @@ I/O thread, where a MemoryObj is free without an eviction; else LMCache's loop a
 The wrapper LMCache puts around a connector drops the MemoryObj's reference after ``put``, so
 ``put`` here does not.
 
-A bad option raises ``PluginConfigError`` at load, after one error-level log line naming it.
-LMCache catches every ``Exception`` a plugin raises while it is created, logs it and runs on
-with misses only; ``PluginConfigError`` derives from ``BaseException`` so that it stops the
-engine's start instead.
+A bad option raises ``PluginConfigError`` at load, after one error-level log line naming it;
+so does a ``$KVSWITCH_AUTH_KEY_FILE`` that cannot be used or has no key for the namespace (it is
+``auth_key_file``'s default; ``hostagent.inference.options``). LMCache catches every
+``Exception`` a plugin raises while it is created, logs it and runs on with misses only;
+``PluginConfigError`` derives from ``BaseException`` so that it stops the engine's start
+instead.
 """
 from __future__ import annotations
 

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hostagent.common import auth as auth_mod
-from hostagent.common.transfer import BlockNotFound, Refused, parse_addr
+from hostagent.common.transfer import BlockNotFound, Refused
 from kvproto import DEFAULT_CHUNK
+from . import options as options_mod
 from .client import KVClient
 from .vllm_connector_pool import Reachability, unreachable
 
@@ -56,10 +57,10 @@ def store_key(model: str, layout: str, name: str | bytes) -> bytes:
 
 # ---- options ---------------------------------------------------------------------------------
 class StoreConfigError(ValueError):
-    """A bad option: one line that names it."""
+    """A bad option: one line that names it (``key`` None: the options as a whole)."""
 
-    def __init__(self, where: str, key: str, why: str):
-        super().__init__(f"kvswitch {where}: option {key!r}: {why}")
+    def __init__(self, where: str, key: str | None, why: str):
+        super().__init__(f"kvswitch {where}: " + (f"option {key!r}: " if key else "") + why)
         self.key = key
 
 
@@ -67,12 +68,12 @@ class StoreConfigError(ValueError):
 class StoreSettings:
     """The options both stores take. Only ``pools`` is required."""
     pools: tuple[str, ...]
-    namespace: int = 1
+    namespace: int = options_mod.DEFAULT_NS   # 0..2^32-1, as every connector's (options)
     chunk_size: int = DEFAULT_CHUNK    # must be the switch's --chunk-size for hits
     window: int = 64                   # chunks in flight per block
     concurrency: int = 16              # blocks (or probes) in flight per batch
-    deadline: float = 10.0             # seconds for one block
-    probe_deadline: float = 2.0        # seconds for one existence probe
+    deadline: float = 10.0             # seconds for one block (at least options.MIN_DEADLINE)
+    probe_deadline: float = 2.0        # seconds for one existence probe (the same)
     retry_s: float = 5.0               # a silent pool node is asked again after this (doubling)
     model_id: str | None = None        # names the weights in every key; default: the engine's
     fetch_engine: str = "auto"         # auto: the XDP fetch engine where it can run; off
@@ -80,59 +81,23 @@ class StoreSettings:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], where: str) -> StoreSettings:
-        """Checked settings; StoreConfigError names the first bad option (unknown, of the
-        wrong type, out of range, an address that does not resolve, an unusable key file)."""
-        from switchd.dataplane import MAX_CHUNK
-        opts = dict(options)
-        fields = cls.__dataclass_fields__
-        for key in opts:
-            if key not in fields:
-                raise StoreConfigError(where, key, f"unknown option; known: {', '.join(fields)}")
-        pools = opts.pop("pools", None)
-        if isinstance(pools, str):
-            pools = [p.strip() for p in pools.split(",") if p.strip()]
-        if not pools or not isinstance(pools, (list, tuple)):
-            raise StoreConfigError(where, "pools", 'required: "IP[:PORT],..." (the pool nodes)')
-        for addr in pools:
-            try:
-                parse_addr(str(addr))
-            except ValueError as exc:
-                raise StoreConfigError(where, "pools", str(exc)) from None
-        ints = {"namespace": (0, 0xFFFFFFFF), "chunk_size": (8, MAX_CHUNK),
-                "window": (1, 1 << 16), "concurrency": (1, 4096)}
-        for key, (lo, hi) in ints.items():
-            v = opts.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int)
-                                  or not lo <= v <= hi):
-                raise StoreConfigError(where, key, f"{v!r} is not an integer in {lo}..{hi}")
-        if opts.get("chunk_size", DEFAULT_CHUNK) % 8:
-            raise StoreConfigError(where, "chunk_size", f"{opts['chunk_size']} is not a chunk "
-                                   f"size the switch takes (a multiple of 8, at most "
-                                   f"{MAX_CHUNK})")
-        for key in ("deadline", "probe_deadline", "retry_s"):
-            v = opts.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                  or not 0 < v <= 3600):
-                raise StoreConfigError(where, key, f"{v!r} is not a number of seconds in "
-                                       "(0, 3600]")
-        if opts.get("fetch_engine", "auto") not in ("auto", "off"):
-            raise StoreConfigError(where, "fetch_engine",
-                                   f"{opts['fetch_engine']!r} is not one of auto, off")
-        for key in ("model_id", "auth_key_file"):
-            if opts.get(key) is not None and not isinstance(opts[key], str):
-                raise StoreConfigError(where, key, f"{opts[key]!r} is not a string")
-        if opts.get("auth_key_file") is not None:
-            try:
-                auth_mod.load_keyring(opts["auth_key_file"])
-            except auth_mod.KeyFileError as exc:
-                raise StoreConfigError(where, "auth_key_file", str(exc)) from None
-        return cls(pools=tuple(str(p) for p in pools), **opts)
+        """Checked settings (``hostagent.inference.options``, the checks every connector
+        shares); StoreConfigError names the first bad option (unknown, of the wrong type, out
+        of range, an address that does not resolve or is no node's, a key file that cannot be
+        used or has no key for the namespace)."""
+        try:
+            opts = options_mod.mapping(options, "the options")
+            options_mod.known(opts, cls.__dataclass_fields__)
+            pools = options_mod.common(
+                opts, {"window": (1, 1 << 16), "concurrency": (1, 4096)},
+                '"IP[:PORT],..."', {"fetch_engine": ("auto", "off")})
+        except options_mod.BadOption as exc:
+            raise StoreConfigError(where, exc.key, exc.why) from None
+        return cls(**{**opts, "pools": pools})
 
     def keyring(self):
-        """The client's ``auth``: the key file's keyring, else the process's (auth.DEFAULT)."""
-        if self.auth_key_file is None:
-            return auth_mod.DEFAULT
-        return auth_mod.load_keyring(self.auth_key_file)
+        """The client's ``auth``: the key file's keyring, else the process's (None: off)."""
+        return auth_mod.keyring_for(self.namespace, self.auth_key_file)
 
 
 # ---- I/O -------------------------------------------------------------------------------------

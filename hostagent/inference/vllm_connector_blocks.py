@@ -18,28 +18,30 @@ from typing import Any
 
 from hostagent.common.hashing import block_hashes
 from kvproto import DEFAULT_CHUNK
+from . import options
 from .block_layout import BlockLayout
 
 
 # ---- settings ------------------------------------------------------------------------------
 class SettingsError(ValueError):
-    """A bad ``kv_connector_extra_config``: one line that names the key."""
+    """A bad ``kv_connector_extra_config``: one line that names the key (None: the whole)."""
 
-    def __init__(self, key: str, why: str):
-        super().__init__(f"kvswitch connector: kv_connector_extra_config key {key!r}: {why}")
+    def __init__(self, key: str | None, why: str):
+        super().__init__("kvswitch connector: " + (f"kv_connector_extra_config key {key!r}: "
+                                                   if key else "") + why)
 
 
 @dataclass(frozen=True)
 class Settings:
     """``kv_connector_extra_config``, checked. Only ``pools`` is required."""
     pools: tuple[str, ...]
-    namespace: int = 1
+    namespace: int = options.DEFAULT_NS   # 0..2^32-1, as every connector's (options.namespace)
     chunk_size: int = DEFAULT_CHUNK    # must be the switch's --chunk-size for hits
     window: int = 64                   # chunks in flight per block
     concurrency: int = 4               # blocks in flight per load or save
     probe_window: int = 64             # chunk-0 probes in flight
-    deadline: float = 10.0             # seconds for one block before its load fails
-    probe_deadline: float = 2.0        # seconds the scheduler waits for a probe at most
+    deadline: float = 10.0             # seconds for one block before its load fails (>= 1 ms)
+    probe_deadline: float = 2.0        # seconds the scheduler waits for a probe at most (ditto)
     retry_s: float = 5.0               # a silent pool node is asked again after this (doubling)
     model_id: str | None = None        # names the weights; default: vLLM's model and revision
     block_tokens: int | None = None    # pool block tokens; default: vLLM's block size
@@ -47,57 +49,33 @@ class Settings:
     fetch_engine: str = "auto"         # auto: the XDP fetch engine where it can run; off
     kv_codec: str = "none"             # none, int8, fp8, int4, int4h or NAME/gTOKENS (codec)
     load_failure: str = "recompute"    # a block that cannot be loaded: recompute, or fail
+    auth_key_file: str | None = None   # keyed authentication; default $KVSWITCH_AUTH_KEY_FILE
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
-        """The settings of a ``kv_connector_extra_config``; SettingsError names the first bad
-        key (unknown, of the wrong type, out of range, an address that does not resolve)."""
-        from switchd.dataplane import MAX_CHUNK
-        from hostagent.common.transfer import parse_addr
-        extra = dict(extra or {})
-        fields = cls.__dataclass_fields__
-        for key in extra:
-            if key not in fields:
-                raise SettingsError(key, f"unknown key; known: {', '.join(fields)}")
-        pools = extra.pop("pools", None)
-        if isinstance(pools, str):
-            pools = [p.strip() for p in pools.split(",") if p.strip()]
-        if not pools or not isinstance(pools, (list, tuple)):
-            raise SettingsError("pools", 'required: ["IP[:PORT]", ...], the pool nodes')
-        for addr in pools:
-            try:
-                parse_addr(str(addr))
-            except ValueError as exc:
-                raise SettingsError("pools", str(exc)) from None
-        ints = {"namespace": (1, 0xFFFFFFFF), "chunk_size": (8, MAX_CHUNK),
-                "window": (1, 1 << 16), "concurrency": (1, 1024), "probe_window": (1, 1 << 16),
-                "block_tokens": (1, 1 << 20), "max_pending_save_mib": (1, 1 << 20)}
-        for key, (lo, hi) in ints.items():
-            v = extra.get(key)
-            if v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                raise SettingsError(key, f"{v!r} is not an integer in {lo}..{hi}")
-        if extra.get("chunk_size", DEFAULT_CHUNK) % 8:
-            raise SettingsError("chunk_size", f"{extra['chunk_size']} is not a chunk size the "
-                                f"switch takes (a multiple of 8, at most {MAX_CHUNK})")
-        for key in ("deadline", "probe_deadline", "retry_s"):
-            v = extra.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                  or not 0 < v <= 3600):
-                raise SettingsError(key, f"{v!r} is not a number of seconds in (0, 3600]")
-        for key, choices in (("fetch_engine", ("auto", "off")),
-                             ("load_failure", ("recompute", "fail"))):
-            if key in extra and extra[key] not in choices:
-                raise SettingsError(key, f"{extra[key]!r} is not one of {', '.join(choices)}")
-        if "model_id" in extra and not isinstance(extra["model_id"], str):
-            raise SettingsError("model_id", f"{extra['model_id']!r} is not a string")
-        from .codec import UnknownCodec, parse
+        """The settings of a ``kv_connector_extra_config``, checked as every connector's
+        options (``hostagent.inference.options``); SettingsError names the first bad key
+        (unknown, of the wrong type, out of range, an address that does not resolve or is no
+        node's, a key file that cannot be used or has no key for the namespace), or the whole
+        when it is not a mapping."""
         try:
-            parse(extra.get("kv_codec", "none"))
-        except (UnknownCodec, TypeError, AttributeError) as exc:
-            raise SettingsError("kv_codec", str(exc)) from None
-        return cls(pools=tuple(str(p) for p in pools), **extra)
+            extra = options.mapping(extra, "kv_connector_extra_config")
+            options.known(extra, cls.__dataclass_fields__, "key")
+            pools = options.common(
+                extra, {"window": (1, 1 << 16), "concurrency": (1, 1024),
+                        "probe_window": (1, 1 << 16), "block_tokens": (1, 1 << 20),
+                        "max_pending_save_mib": (1, 1 << 20)},
+                '["IP[:PORT]", ...]', {"fetch_engine": ("auto", "off"),
+                                       "load_failure": ("recompute", "fail")})
+            options.kv_codec(extra.get("kv_codec", "none"))
+        except options.BadOption as exc:
+            raise SettingsError(exc.key, exc.why) from None
+        return cls(**{**extra, "pools": pools})
+
+    def keyring(self):
+        """The clients' ``auth``: the key file's keyring, else the process's (None: off)."""
+        from hostagent.common import auth
+        return auth.keyring_for(self.namespace, self.auth_key_file)
 
 
 # ---- layout and keys -----------------------------------------------------------------------

@@ -93,7 +93,9 @@ class PoolBackend:
         self._thread = threading.Thread(target=self.loop.run_forever, name="kvswitch-io",
                                         daemon=True)
         self._thread.start()
-        self.client = KVClient(list(s.pools), s.chunk_size, s.window, s.deadline)
+        self.keyring = s.keyring()          # the key file's, else the process's (None: off)
+        self.client = KVClient(list(s.pools), s.chunk_size, s.window, s.deadline,
+                               auth=self.keyring)
         self._call(self.client.__aenter__(), 10)
         # Whole-block GETs: the XDP fetch engine where it can run, opened by the worker
         # (open_getter; in vLLM's two-process layout the scheduler only probes)
@@ -210,8 +212,8 @@ class PoolBackend:
         if self.getter is None:
             from hostagent.inference.fetch import AsyncFetchClient, FetchEngine, NoXdp
             s = self.settings
-            c = AsyncFetchClient(FetchEngine(list(s.pools), s.chunk_size, deadline=s.deadline),
-                                 s.window, s.deadline, owns=True)
+            c = AsyncFetchClient(FetchEngine(list(s.pools), s.chunk_size, deadline=s.deadline,
+                                             auth=self.keyring), s.window, s.deadline, owns=True)
             try:
                 self.getter = await c.__aenter__()
                 log.warning("kvswitch: the XDP fetch engine on %s fetches blocks",
@@ -329,7 +331,7 @@ def backend_for(settings: Settings) -> PoolBackend:
     """The process's backend for these pools and transfer settings (made on first use)."""
     key = (settings.pools, settings.chunk_size, settings.window, settings.concurrency,
            settings.probe_window, settings.deadline, settings.probe_deadline, settings.retry_s,
-           settings.max_pending_save_mib, settings.fetch_engine)
+           settings.max_pending_save_mib, settings.fetch_engine, settings.auth_key_file)
     with _LOCK:
         if key not in _BACKENDS:
             _BACKENDS[key] = PoolBackend(settings)
