@@ -17,6 +17,7 @@ from .slots import Slots
 
 FILLED = CONSTANTS["KV_CF_FILLED"]
 SPECULATIVE = CONSTANTS["KV_CF_SPECULATIVE"]
+UNCHECKED = CONSTANTS["KV_CF_UNCHECKED"]
 PINNED = CONSTANTS["KV_AF_PINNED"]
 
 
@@ -131,7 +132,10 @@ class Cache:
         if not v or v.gen != b.gen or not v.len or (o.ns, o.chunk, bytes(o.key)) != (
                 ns, chunk, key):
             return None
-        return self._entry(ns, key, chunk, v), bytes(v.data[:v.len])
+        data = bytes(v.data[:v.len])
+        if v.flags & UNCHECKED and checksum(data) != v.csum:
+            return None                # learned, not checked yet, and would fail: never served
+        return self._entry(ns, key, chunk, v), data
 
     @staticmethod
     def _entry(ns, key, chunk, v) -> Entry:

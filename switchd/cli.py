@@ -107,10 +107,12 @@ TABLE_KEYS = ("quotas", "port_namespaces", "port_bindings")
 @click.option("--port-ns", "port_ns", multiple=True, metavar="IF=NS[,NS...]",
               help="Limit a port to these namespaces (repeatable); requests for others, and "
                    "frames the data plane cannot check, are dropped.")
-@click.option("--uplink", "uplinks", multiple=True, metavar="IF",
+@click.option("--uplink", "uplinks", multiple=True, metavar="IF[=IP[,IP...]]",
               help="Port to the switch above, towards the pool nodes (repeatable): replies "
                    "from every pool node behind it pass and are learned, also those that "
-                   "switch made from its cache; never bound to a source.")
+                   "switch made from its cache; never bound to a source. With the pool nodes' "
+                   "IPv4 addresses their identities are the uplink's before any frame is seen "
+                   "(their MACs asked for by ARP there); --port-security needs them.")
 @click.option("--downlink", "downlinks", multiple=True, metavar="IF",
               help="Port to a switch below, a rack of inference nodes (repeatable): many "
                    "nodes' GETs, no replies; never bound to a source (the switch below binds "
@@ -134,26 +136,32 @@ def run(obj: Context, config, **_):
     from .daemon import Daemon, Settings
     v = with_config(click.get_current_context(), config, CONFIG_KEYS, TABLE_KEYS)
     pool_ports, pool_addrs = _parse_pool_ports(v["pool_ports"])
-    uplinks, downlinks = list(v["uplinks"]), list(v["downlinks"])
-    ports = list(v["ports"])
-    ports += [p for p in pool_ports + uplinks + downlinks if p not in ports]
+    uplinks, uplink_pools = _parse_uplinks(v["uplinks"])
+    downlinks = list(v["downlinks"])
+    hosts = list(v["ports"])
+    ports = hosts + [p for p in pool_ports + uplinks + downlinks if p not in hosts]
     if not ports:
         raise SwitchError("no ports: give --port IF (repeatable) or a --config with 'ports'")
     bindings = {p: (None, a) for p, a in pool_addrs.items()}
     bindings.update(_parse_bindings(v["port_bind"], ports))
-    _check_trunks(uplinks, downlinks, pool_ports, bindings)
+    _check_trunks(hosts, uplinks, downlinks, pool_ports, bindings)
     if v["port_security"]:
         unbound = [p for p in pool_ports if p not in bindings]
         if unbound:
             raise SwitchError(f"--port-security binds pool ports before any frame is seen: give "
                               f"the pool node's address, --pool-port {unbound[0]}=IP (or "
                               f"--port-bind {unbound[0]}=[MAC,]IP)")
+        undeclared = [p for p in uplinks if p not in uplink_pools]
+        if undeclared:
+            raise SwitchError(f"--port-security reserves the pool nodes' identities on every "
+                              f"switch: give those behind uplink {undeclared[0]}, --uplink "
+                              f"{undeclared[0]}=IP[,IP...]")
     dep = Deployment(v["chunk_size"], v["cache_entries"], obj.pin_dir)
     settings = Settings(
         ports, pool_ports, v["mode"], v["coalesce"], v["pending_timeout_ms"] / 1000,
         None if v["policy"] == "off" else v["policy"], v["interval"], _parse_quotas(v["quotas"]),
         v["metrics_port"], _parse_port_ns(v["port_ns"], ports), v["fill_headroom"],
-        v["port_security"], bindings, v["force"], uplinks, downlinks,
+        v["port_security"], bindings, v["force"], uplinks, downlinks, uplink_pools,
         _parse_share(v["cache_share"]))
     obj.enter()
     Daemon(dep, settings).run()
@@ -168,11 +176,13 @@ def _parse_share(spec: str | None) -> tuple[int, int] | None:
     return (int(k), int(n)) if int(n) > 1 else None
 
 
-def _check_trunks(uplinks, downlinks, pool_ports, bindings) -> None:
-    """A trunk is one kind of port, and never bound to one source."""
+def _check_trunks(hosts, uplinks, downlinks, pool_ports, bindings) -> None:
+    """A trunk is one kind of port (a node's port bound to one source is another: a port both
+    would be trusted as a trunk and never bound), and never bound to one source."""
     for port in uplinks + downlinks:
-        kinds = [k for k, ps in (("--uplink", uplinks), ("--downlink", downlinks),
-                                 ("--pool-port", pool_ports)) if port in ps]
+        kinds = [k for k, ps in (("--port", hosts), ("--uplink", uplinks),
+                                 ("--downlink", downlinks), ("--pool-port", pool_ports))
+                 if port in ps]
         if len(kinds) > 1:
             raise SwitchError(f"port {port} is given as {' and '.join(kinds)}: one kind each")
         if port in bindings:
@@ -199,6 +209,20 @@ def _parse_port_ns(items, ports: list[str]) -> dict[str, list[int]]:
             raise SwitchError(f"--port-ns {port}={spec}: give namespaces 0..4294967295")
         limits[port] = namespaces
     return limits
+
+
+def _parse_uplinks(items) -> tuple[list[str], dict[str, list[str]]]:
+    names, pools = [], {}
+    for item in items:
+        port, sep, addrs = item.partition("=")
+        ips = [a.strip() for a in addrs.split(",")] if sep else []
+        if not port or (sep and not all(_is_ipv4(a) for a in ips)):
+            raise SwitchError(f"--uplink {item!r} is not IF or IF=IP[,IP...] (the pool nodes "
+                              "behind it, e.g. uplink=198.18.0.101,198.18.0.102)")
+        names.append(port)
+        if ips:
+            pools.setdefault(port, []).extend(ips)
+    return names, pools
 
 
 def _parse_pool_ports(items) -> tuple[list[str], dict[str, str]]:

@@ -18,7 +18,7 @@ from .dataplane import (PINNED_MAPS, ROLE_HOST, ROLE_POOL, DataPlane, Deployment
 from .cache import Cache
 from .manager import CacheManager
 from .metrics import serve_metrics
-from .ports import resolve, sync
+from .ports import own, resolve, sync
 
 log = logging.getLogger("switchd")
 LOCK_DIR = "/run/kvswitch"
@@ -45,6 +45,8 @@ class Settings:
     # links to other switches (never bound to a source): towards the pool nodes / a rack
     uplinks: list[str] = field(default_factory=list)
     downlinks: list[str] = field(default_factory=list)
+    # uplink -> the pool nodes' IPv4 addresses behind it, owned by the uplink before any frame
+    uplink_pools: dict[str, list[str]] = field(default_factory=dict)
     share: tuple[int, int] | None = None          # (K, N): cache only blocks in share K of N
 
 
@@ -66,7 +68,12 @@ class PinLock:
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, str(os.getpid()).encode(), 0)
 
-    def release(self) -> None:
+    def release(self, remove: bool = False) -> None:
+        if remove:                         # a start that failed: its lock file goes too
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
         os.close(self.fd)
 
 
@@ -79,6 +86,7 @@ class Daemon:
         for port in self.s.ports:
             ifindex(port)                      # the plainest mistake is reported first
         pin_dir = self.deployment.pin_dir
+        made_dir = bool(pin_dir) and not os.path.exists(pin_dir)
         lock = PinLock(pin_dir) if pin_dir else None
         fresh = bool(pin_dir) and not os.path.exists(os.path.join(pin_dir, "kv_cache"))
         dp = None
@@ -94,8 +102,13 @@ class Daemon:
                         os.unlink(os.path.join(pin_dir, name))
                     except FileNotFoundError:
                         pass
+            if made_dir:                       # nor the directory it made for them
+                try:
+                    os.rmdir(pin_dir)
+                except OSError:
+                    pass
             if lock:
-                lock.release()
+                lock.release(remove=made_dir)
             raise
         try:
             self._serve(dp, manager)
@@ -110,11 +123,16 @@ class Daemon:
         bindings = {}
         for port, (mac, ip) in s.port_bindings.items():   # before attaching: nothing else
             bindings[port] = (mac or resolve(port, ip), ip)   # answers on that port
+        behind = {port: [(resolve(port, ip), ip) for ip in ips]    # the pool nodes an uplink
+                  for port, ips in s.uplink_pools.items()}         # leads to, by ARP there
         for port in s.ports:
             trunk = port in s.uplinks or port in s.downlinks
             dp.set_port_role(port, ROLE_POOL if port in s.pool_ports + s.uplinks else ROLE_HOST,
                              s.port_namespaces.get(port), s.port_security and not trunk,
-                             bindings.get(port), trunk)
+                             bindings.get(port), trunk, owns_sources=s.port_security and trunk)
+        for port, sources in behind.items():
+            for mac, ip in sources:
+                own(dp, ifindex(port), mac, ip)
         sync(dp)
         dp.set_replication_ports(s.ports)
         dp.set("coalesce", int(s.coalesce))

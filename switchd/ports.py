@@ -119,17 +119,31 @@ def claim(dp: DataPlane, index: int, mac: str, ip: str) -> list[int]:
     return sorted(taken)
 
 
+def own(dp: DataPlane, index: int, mac: str, ip: str) -> None:
+    """Make trunk ``index`` the owner of (mac, ip), one of the many sources it carries (a pool
+    node behind an uplink), taking it from a port that had it (a node's port would have had it
+    by mistake: it is unbound)."""
+    macs, ips = owners(dp)
+    for other in {o for o in (macs.get(mac_raw(mac)), ips.get(ip_raw(ip))) if o and o != index}:
+        _unbind(dp, other)
+    dp.src_macs[dp.src_macs.Key(mac_raw(mac))] = dp.src_macs.Leaf(index)
+    dp.src_ips[dp.src_ips.Key(ip_raw(ip))] = dp.src_ips.Leaf(index)
+
+
 def sync(dp: DataPlane) -> None:
     """Owner entries exactly for the bound ports (after a restart, or ports that went away):
-    stale entries go, missing ones are written."""
-    want_macs, want_ips = {}, {}
+    stale entries go, missing ones are written; a trunk's own (KV_PF_SOURCES: the sources it
+    carries) stay while it owns sources."""
+    want_macs, want_ips, trunks = {}, {}, set()
     for k, v in dp.ports.items():
         if v.flags & PF["BOUND"]:
             want_macs.setdefault(int.from_bytes(bytes(v.mac) + b"\0\0", "little"), k.value)
             want_ips.setdefault(v.ip, k.value)
+        if v.flags & PF["SOURCES"]:
+            trunks.add(k.value)
     for table, want in ((dp.src_macs, want_macs), (dp.src_ips, want_ips)):
         for k, v in list(table.items()):
-            if want.get(k.value) != v.value:
+            if want.get(k.value) != v.value and v.value not in trunks:
                 del table[k]
         for key, index in want.items():
             table[table.Key(key)] = table.Leaf(index)

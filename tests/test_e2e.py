@@ -262,11 +262,13 @@ def test_a_port_running_someone_elses_program_is_refused():
                                        topo.pin_dir, "run", "--port", "eth0"),
                            capture_output=True, text=True, timeout=120)
         pins_left = os.path.exists(topo.pin_dir) and os.listdir(topo.pin_dir)
+        dir_left = os.path.exists(topo.pin_dir)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [
         "switchd: error: eth0 already runs XDP program 'xdp_pass': remove it first "
         "('switchd detach --port eth0') or start with --force"]
     assert not pins_left, f"a failed start left pinned maps behind: {pins_left}"
+    assert not dir_left, "a failed start left the pin directory it made behind"
 
 
 def test_a_second_daemon_cannot_take_the_first_ones_ports(lab):

@@ -128,6 +128,22 @@ def test_an_error_is_not_replicated(sw):
     assert the_round(sw).waiters == 2
 
 
+def test_a_lone_readers_round_writes_no_waiter_until_another_port_waits(sw):
+    """Issue 62: a lone reader's round is one kv_pending entry, its asker kept inline; a second
+    port's GET moves the first asker into kv_waiters and is held; the reply reaches both."""
+    run(sw, get_frame(req_id=1))
+    assert len(sw.waiters) == 0 and the_round(sw).first.req_id == socket.htonl(1)
+    assert run(sw, get_frame(req_id=2, src=HOST2_IP), port="host2")[0] == XDP.DROP
+    assert waiter(sw, "host").req_id == socket.htonl(1) and waiter(sw, "host2").coalesced == 1
+    gen = the_round(sw).gen
+    verdict, out = run(sw, reply_frame(), port="pool")
+    assert verdict == XDP.REDIRECT and out == broadcast_of(bytes(reply_frame()), gen)
+    run(sw, get_frame(req_id=3))                   # alone again: its reply goes the plain way
+    reply = bytes(reply_frame())
+    assert run(sw, reply, port="pool") == (XDP.PASS, reply) and len(sw.waiters) == 2, \
+        "only the two copies' waiters (left to the egress program) remain"
+
+
 def test_a_waiting_port_asking_again_once_the_reply_is_due_goes_upstream(sw):
     """Its GET or the reply may be lost on a link: asking again after the reply was due (the
     estimate, at least half the pending timeout) is let through; the round keeps its timers
@@ -144,7 +160,7 @@ def test_a_waiting_port_asking_again_once_the_reply_is_due_goes_upstream(sw):
     assert moved(sw, before) == {"reasked": 1, "get_miss": 1, "packets": 1, "xdp_pass": 1}
     assert waiter(sw, "host2").req_id == socket.htonl(4), "answered at its latest request id"
     rnd = the_round(sw)
-    assert rnd.sent == sent and rnd.waiters == 2 and not rnd.flags
+    assert rnd.sent == sent and rnd.waiters == 2 and rnd.flags == CONSTANTS["KV_RF_SHARED"]
 
 
 def test_the_round_timeout_follows_the_measured_reply_time(sw):
@@ -169,13 +185,23 @@ def test_the_round_timeout_follows_the_measured_reply_time(sw):
 
 
 def test_the_data_plane_measures_rounds_asked_once_only(sw):
+    """A round holding others is sampled; a lone reader's one chunk in KV_ROUND_SAMPLE (the
+    estimate is every CPU's: a sample per reply kept its line bouncing between them)."""
     run(sw, get_frame(req_id=1))
-    run(sw, reply_frame(), port="pool")
+    run(sw, reply_frame(), port="pool")          # chunk 3, alone: no sample
+    assert sw.get("round_srtt_ns") == 0
+    sample = CONSTANTS["KV_ROUND_SAMPLE"]
+    run(sw, get_frame(req_id=1, chunk=sample))
+    run(sw, reply_frame(chunk=sample), port="pool")
     first = sw.get("round_srtt_ns")
     assert 0 < first < 10 ** 9 and sw.get("round_var_ns") == first // 2
-    run(sw, get_frame(req_id=1))
+    run(sw, get_frame(req_id=1, chunk=sample))
     sw.set("pending_ns", 1)
-    run(sw, get_frame(req_id=2))                 # a retry: which GET a reply answers is unknown
+    run(sw, get_frame(req_id=2, chunk=sample))   # a retry: which GET a reply answers is unknown
     sw.set("pending_ns", 10 ** 9)
-    run(sw, reply_frame(), port="pool")
+    run(sw, reply_frame(chunk=sample), port="pool")
     assert sw.get("round_srtt_ns") == first, "Karn: no sample from a retried round"
+    run(sw, get_frame(req_id=1))
+    run(sw, get_frame(req_id=2, src=HOST2_IP), port="host2")
+    run(sw, reply_frame(), port="pool")          # chunk 3, holding another: sampled
+    assert sw.get("round_srtt_ns") != first

@@ -10,6 +10,7 @@ from scapy.packet import Raw
 from kvproto import Flag, checksum
 from kvproto.scapy_layer import KV
 from kvproto.frames import XDP
+from switchd.cache import UNCHECKED
 from switchd.dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment
 from xdp_fixtures import (CASES, HOST_IP, KEY, OTHER_IP, PAYLOAD, POOL_IP,  # noqa: F401
                           Case, broadcast_of, get_frame, put_frame, reply_frame, waiter_of)
@@ -135,7 +136,9 @@ def test_replies_of_every_length_are_learned_with_their_crc(dp, cache, length):
 
 @pytest.mark.parametrize("length,at", [(1024, 0), (1024, 1023), (1024, 1008), (1023, 1015),
                                        (1009, 1008), (17, 16), (15, 14), (700, 350)])
-def test_a_reply_failing_its_crc_in_any_byte_is_passed_not_learned(dp, cache, length, at):
+def test_a_reply_failing_its_crc_in_any_byte_is_never_served(dp, cache, length, at):
+    """Learning copies a reply's payload unchecked (off the reader's path); the slot's first hit
+    checks its CRC and, when it fails, empties the slot and lets the GET go on to the pool."""
     cache.admit(5, KEY)
     data = _pattern(length)
     bad = bytearray(data)
@@ -146,8 +149,24 @@ def test_a_reply_failing_its_crc_in_any_byte_is_passed_not_learned(dp, cache, le
     raw = bytes(frame)
     before = dp.counters()["fill_corrupt"]
     assert run(dp, raw, port="pool") == (XDP.PASS, raw)      # the reader checks it too
-    assert cache.get(5, KEY, 3) is None
+    assert cache.get(5, KEY, 3) is None, "switchd never reads unchecked bytes that fail"
+    get = bytes(get_frame(req_id=2))
+    assert run(dp, get) == (XDP.PASS, get), "not answered: on to the pool node"
     assert dp.counters()["fill_corrupt"] - before == 1
+    assert run(dp, get) == (XDP.PASS, get) and dp.counters()["fill_corrupt"] - before == 1, \
+        "the slot was emptied: a plain miss now"
+
+
+def test_a_learned_chunk_is_checked_at_its_first_hit_then_served_as_it_is(dp, cache):
+    cache.admit(5, KEY)
+    run(dp, get_frame())
+    assert run(dp, reply_frame(), port="pool")[0] == XDP.PASS
+    slot = cache.slots.read(cache.slots.block(5, KEY).base + 3)
+    assert slot.flags & UNCHECKED and slot.len == len(PAYLOAD)
+    for req in (2, 3):
+        verdict, out = run(dp, get_frame(req_id=req))
+        assert verdict == XDP.TX and out.endswith(PAYLOAD)
+        assert not cache.slots.read(cache.slots.block(5, KEY).base + 3).flags & UNCHECKED
 
 
 def test_reply_larger_than_a_cache_entry_is_not_learned(dp, cache):

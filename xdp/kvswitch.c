@@ -24,7 +24,8 @@
  *    ports; elsewhere they are dropped and counted.
  *  - port checks, set by switchd per port: a secured port's frames must carry its bound source
  *    (Ethernet source, IPv4 source, ARP sender), one no other port owns (kv_src_macs,
- *    kv_src_ips; docs/security.md); a port limited to some namespaces may send only
+ *    kv_src_ips; docs/security.md); a trunk that owns its sources carries only its own, every
+ *    source becoming the trunk's the first time it is seen (KV_PF_SOURCES); a port limited to some namespaces may send only
  *    what the data plane can check (see limited_port_may_pass) and requests of any kind (GET,
  *    PUT, ...) only for its namespaces. Anything else from such a port is dropped and counted.
  *  - everything else (PUTs, malformed KV frames, non-KV traffic): XDP_PASS, untouched, so the
@@ -97,6 +98,10 @@ static __always_inline int mac_eq(const __u8 *a, const __u8 *b)
 
 static __always_inline int handle_get(struct xdp_md *ctx, struct kv_frame *f)
 {
+    if (f->eth->h_dest[0] & 1) {
+        count(KV_STAT_GROUP_DEST, 1);      /* a reply needs the pool node's own MAC */
+        return XDP_PASS;
+    }
     if (!kv_get_answerable(f)) {
         count(KV_STAT_PORT_ZERO, 1);       /* no reply can reach UDP port 0: nobody waits for one */
         return XDP_DROP;
@@ -136,7 +141,8 @@ static __always_inline int handle_reply(struct xdp_md *ctx, struct kv_frame *f,
     }
     struct kv_cache_key k = {};
     chunk_key(&k, kv);
-    if (!kv_pending.lookup(&k)) {
+    struct kv_pending *p = kv_pending.lookup(&k);
+    if (!p) {
         count(KV_STAT_UNSOLICITED, 1);  /* nobody asked through this switch: never learned */
         return XDP_PASS;
     }
@@ -148,7 +154,7 @@ static __always_inline int handle_reply(struct xdp_md *ctx, struct kv_frame *f,
             rec->nchunks = bpf_ntohl(kv->nchunks);
     }
     learn_reply(ctx, f, &k);
-    return release_waiters(ctx, &k);
+    return release_waiters(ctx, &k, p);
 }
 
 /* A NACK from a pool node passing through: the block or chunk is not there, for whoever asked
@@ -158,10 +164,11 @@ static __always_inline int handle_nack(struct xdp_md *ctx, struct kv_frame *f)
 {
     struct kv_cache_key k = {};
     chunk_key(&k, f->kv);
-    if (!kv_pending.lookup(&k))
+    struct kv_pending *p = kv_pending.lookup(&k);
+    if (!p)
         return XDP_PASS;
     count(KV_STAT_NACK_CLOSED, 1);
-    return release_waiters(ctx, &k);
+    return release_waiters(ctx, &k, p);
 }
 
 /* Whether a KV frame (parsed, or KV_BAD: its UDP header was read) is or may be a reply: it comes
@@ -201,6 +208,10 @@ int kv_ingress(struct xdp_md *ctx)
     if (setting(KV_SET_PORT_CHECKS) && !(clear && *clear)) {  /* spare the hit path a lookup */
         port = kv_ports.lookup(&ifindex);
         if (port && (port->flags & KV_PF_SECURED) && !source_ok(ctx, port, data, data_end)) {
+            count(KV_STAT_SPOOFED, 1);
+            return verdict(XDP_DROP);
+        }
+        if (port && (port->flags & KV_PF_SOURCES) && !trunk_source_ok(ctx, data, data_end)) {
             count(KV_STAT_SPOOFED, 1);
             return verdict(XDP_DROP);
         }

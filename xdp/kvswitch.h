@@ -83,6 +83,8 @@ struct kv_write_cmd {
 #define KV_WRITE_BAD 0             /* bad command (XDP_ABORTED) */
 #define KV_CF_FILLED 1             /* learned from a passing pool reply (else put by switchd) */
 #define KV_CF_SPECULATIVE 2        /* filled for a block not (yet) admitted: switchd decides */
+#define KV_CF_UNCHECKED 4          /* learned, its CRC not checked yet: the first hit checks it
+                                      (and empties the slot if it fails), never a reader */
 
 struct kv_admit_val {              /* admit set: replies for these blocks are cached as they pass */
     __u64 expires_ns;              /* 0: until removed */
@@ -113,12 +115,18 @@ struct kv_port_cfg {
                                       uplink (pool role) also carries replies another switch
                                       made from its cache (KV_F_FROM_SWITCH), which answer this
                                       switch's rounds as a pool node's replies do */
+#define KV_PF_SOURCES 32           /* a trunk that owns the sources it carries: each source (MAC,
+                                      IPv4) first seen on it becomes its own (kv_src_macs,
+                                      kv_src_ips), and a frame whose source another port owns is
+                                      dropped; switchd writes those behind an uplink beforehand */
 
 /* Who owns a source: kv_src_macs (MAC in the low 6 bytes of a u64, as in memory) and kv_src_ips
- * (IPv4, network order) map a bound source to the ifindex of the one port bound to it. A secured
- * port never learns, nor sends from, a source another port owns; switchd writes a pool port's and
- * every --port-bind source before attaching, the data plane a learned one as it binds. */
-#define KV_SRC_ENTRIES 1024
+ * (IPv4, network order) map a source to the ifindex of the one port it belongs to: a secured
+ * port's bound source, or one of the many a trunk carries (KV_PF_SOURCES). A port never learns,
+ * nor sends from, a source another port owns; switchd writes a pool port's, every --port-bind
+ * source and the pool nodes behind an uplink before attaching, the data plane a learned one as
+ * it binds a port or first sees it on a trunk. */
+#define KV_SRC_ENTRIES 65536
 
 struct kv_port_ns_key {            /* per-port namespace allow-list */
     __u32 ifindex;
@@ -130,6 +138,16 @@ struct kv_port_ns_key {            /* per-port namespace allow-list */
 #define KV_WAITER_ENTRIES 262144
 #define KV_DEVMAP_SLOTS 64         /* switch ports a reply can be replicated to */
 
+struct kv_waiter {                 /* where a replica for this port goes */
+    __u64 gen;                     /* kv_pending.gen of the round it joined */
+    __u8  mac[6];
+    __be16 port;                   /* UDP source port of the GET */
+    __be32 ip;                     /* IPv4 source of the GET */
+    __be32 req_id;                 /* the asker's latest request id */
+    __u32 coalesced;               /* 1: held here (its reply is a KV_F_REPLICA copy) */
+    __u32 reserved;
+};
+
 struct kv_pending {                /* a chunk whose GET went upstream and whose reply is awaited */
     __u64 gen;                     /* bpf_ktime_get_ns() when the upstream GET passed */
     __u32 waiters;                 /* ports waiting (the first asker included) */
@@ -139,26 +157,20 @@ struct kv_pending {                /* a chunk whose GET went upstream and whose 
     __u8  dmac[6];
     __u16 flags;                   /* KV_RF_* */
     __u64 sent;                    /* when its latest upstream GET passed (gen: when it opened) */
+    struct kv_waiter first;        /* the first asker, kept here until a second port waits too
+                                      (KV_RF_SHARED): a lone reader's round writes no waiter */
 };
 #define KV_RF_PROBATION 1          /* a round that expired was asked for again: nobody more is
                                       held for this chunk until a reply for it passes (a requester
                                       re-arming a round nobody answers cannot hold others
                                       beyond one round timeout); those already held stay held
                                       and get that reply */
+#define KV_RF_SHARED 2             /* the first asker is in kv_waiters too (another port joined) */
+#define KV_ROUND_SAMPLE 16         /* a lone round samples the round time one chunk in this many */
 
 struct kv_waiter_key {
     struct kv_cache_key chunk;
     __u32 ifindex;                 /* switch port the GET came in on */
-};
-
-struct kv_waiter {                 /* where a replica for this port goes */
-    __u64 gen;                     /* kv_pending.gen of the round it joined */
-    __u8  mac[6];
-    __be16 port;                   /* UDP source port of the GET */
-    __be32 ip;                     /* IPv4 source of the GET */
-    __be32 req_id;                 /* the asker's latest request id */
-    __u32 coalesced;               /* 1: held here (its reply is a KV_F_REPLICA copy) */
-    __u32 reserved;
 };
 
 struct kv_devport {                /* devmap value: BCC's layout for an egress program */
@@ -257,7 +269,8 @@ struct kv_ns_stats {
 #define KV_STAT_REPLICA_SKIP 19    /* broadcast copies dropped at ports with no waiter */
 #define KV_STAT_EXPIRED 20         /* pending rounds found stale and retried upstream */
 #define KV_STAT_UNCOALESCED 21     /* GETs not held: a second asker on a port already waiting */
-#define KV_STAT_FILL_CORRUPT 22    /* admitted reply whose payload fails its CRC: not learned */
+#define KV_STAT_FILL_CORRUPT 22    /* learned payload that failed its CRC at its first hit:
+                                      emptied, never served */
 #define KV_STAT_DENIED 23          /* request for a namespace its port may not use: dropped */
 #define KV_STAT_UNSOLICITED 24     /* pool reply matching no outstanding request: never learned */
 #define KV_STAT_SPEC_FILL 25       /* of KV_STAT_FILL: chunks learned speculatively */
@@ -286,6 +299,10 @@ struct kv_ns_stats {
                                       round's timers are not touched */
 #define KV_STAT_NACK_CLOSED 37     /* NACK from a pool port closing an open round: its waiters get
                                       it too (replicated like a reply, never learned) */
+#define KV_STAT_GROUP_DEST 38      /* GET to a group (broadcast/multicast) MAC: never answered nor
+                                      held here (a reply needs the pool node's own MAC): forwarded */
+#define KV_STAT_SRC_OWNED 39       /* a source first seen on a trunk that owns its sources
+                                      (KV_PF_SOURCES) became that trunk's */
 #define KV_STAT_MAX 40
 
 #endif /* KVSWITCH_H */

@@ -4,8 +4,9 @@
  *
  * Hits: a GET's chunk found through the block index (cached) and the GET turned into its reply
  * in place (answer_get). Misses: demand counted into the sketch switchd reads (count_miss).
- * Learning: a pool reply's payload written into its block's slot once its CRC checks
- * (learn_reply, crc32_ieee), slots carved from the fill region switchd granted (carve). */
+ * Learning: a pool reply's payload copied into its block's slot as it passes (learn_reply), slots
+ * carved from the fill region switchd granted (carve); its CRC is checked at the slot's first
+ * hit (checked_slot, crc32_ieee), off the path of the reader whose reply taught it. */
 
 /* CRC-32 (IEEE, reflected, as zlib.crc32), sliced: 16 bytes a step through KV_CRC_SLICES
  * tables of 256 entries (table k takes a byte k more zero bytes along; table 0 is the classic
@@ -21,8 +22,8 @@ BPF_ARRAY(kv_crc_table, struct kv_crc_table, 1);
 /* bytes the tail loop covers: what whole steps leave (fewer when a chunk is that small) */
 #define KV_CRC_TAIL (KV_CHUNK_MAX < KV_CRC_SLICES ? KV_CHUNK_MAX : KV_CRC_SLICES)
 
-/* CRC of p[0..len), len <= KV_CHUNK_MAX, p 8-byte aligned. Run only when learning a reply, so
- * what the cache holds always matches its CRC. The loops always run their full counts and keep
+/* CRC of p[0..len), len <= KV_CHUNK_MAX, p 8-byte aligned. Run at a learned slot's first hit,
+ * so what the cache serves always matches its CRC. The loops always run their full counts and keep
  * the CRC of the first len bytes with arithmetic, not a branch on len: a branch would make the
  * verifier walk the rest of the loop once per possible length. The step loop takes the whole
  * 16-byte steps below len; the tail loop then takes the len % 16 bytes after them, one at a
@@ -114,6 +115,29 @@ static __always_inline void count_miss(struct kv_cache_key *k)
     }
 }
 
+/* A learned slot's first hit, its seq read as q: its payload checked against the CRC the pool's
+ * reply carried, as a writer of the slot (so no write can come between the check and its mark).
+ * A slot that passes is marked checked; one that fails is emptied: its bytes are never served.
+ * Returns whether it may be served; 0 also when another CPU holds the slot (a miss this time). */
+static __always_inline int checked_slot(struct kv_cache_val *v, __u64 q)
+{
+    if (__sync_val_compare_and_swap(&v->seq, q, q + 1) != q)
+        return 0;
+    __u32 zero = 0;
+    struct kv_crc_table *tab = kv_crc_table.lookup(&zero);
+    __u32 len = v->len;
+    int ok = tab && len >= 1 && len <= KV_CHUNK_MAX && crc32_ieee(tab, v->data, len) == v->csum;
+    if (ok) {
+        v->flags &= ~KV_CF_UNCHECKED;
+    } else {
+        v->len = 0;
+        v->gen = 0;
+        count(KV_STAT_FILL_CORRUPT, 1);    /* never serve bytes that fail their own checksum */
+    }
+    kv_slot_release(v);
+    return ok;
+}
+
 /* k's slot, if its block has slots and the one for k holds k's chunk, finished (kvslot.h);
  * *seq: the slot's sequence word as read, for the check after the copy. */
 static __always_inline struct kv_cache_val *cached(struct kv_cache_key *k, __u64 *seq)
@@ -134,6 +158,13 @@ static __always_inline struct kv_cache_val *cached(struct kv_cache_key *k, __u64
         if ((q & 1) || (v->gen == gen && v->len))  /* being written, or for another chunk */
             count(KV_STAT_REUSED, 1);
         return 0;                  /* else not filled yet: a plain miss */
+    }
+    if (v->flags & KV_CF_UNCHECKED) {
+        if (!checked_slot(v, q))
+            return 0;              /* it failed its CRC (emptied), or another CPU checks it */
+        q = kv_slot_seq(v);
+        if (!kv_slot_holds(v, q, gen, k))
+            return 0;
     }
     *seq = q;
     return v;
@@ -201,8 +232,9 @@ static __always_inline struct kv_block *carve(struct kv_block_key *bk, __u32 n)
     return kv_blocks.lookup(bk);
 }
 
-/* Write a pool reply's payload into its slot if its block is admitted. Leaves the frame as it
- * was, but invalidates packet pointers. */
+/* Copy a pool reply's payload into its slot if its block is admitted (or switchd's speculative
+ * budget lasts), unchecked: its CRC is checked at its first hit (checked_slot), not on this
+ * reader's path. Leaves the frame as it was, but invalidates packet pointers. */
 static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
                                         struct kv_cache_key *k)
 {
@@ -210,7 +242,7 @@ static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
     struct kv_block_key bk = {};
     block_key(&bk, k);
     struct kv_admit_val *a = kv_admit.lookup(&bk);
-    __u16 flags = KV_CF_FILLED;
+    __u16 flags = KV_CF_FILLED | KV_CF_UNCHECKED;
     if (a && a->expires_ns && a->expires_ns < bpf_ktime_get_ns())
         return;
     if (!a) {
@@ -241,26 +273,16 @@ static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
         count(KV_STAT_FILL_FAIL, 1);
         return;
     }
-    s->len = 0;                        /* empty until the payload is in and checked */
-    __u32 zero = 0;
-    struct kv_crc_table *tab = kv_crc_table.lookup(&zero);
+    s->len = 0;                        /* empty until the payload is in */
     if (bpf_xdp_load_bytes(ctx, KV_PAYLOAD_OFF, s->data, len)) {
         s->gen = 0;
         kv_slot_release(s);
         count(KV_STAT_FILL_FAIL, 1);
         return;
     }
-    if (!tab || crc32_ieee(tab, s->data, len) != csum) {
-        s->gen = 0;
-        kv_slot_release(s);
-        count(KV_STAT_FILL_CORRUPT, 1);  /* never cache bytes that fail their own checksum */
-        return;
-    }
     kv_slot_label(s, gen, len, flags, csum, nchunks, k, bpf_ktime_get_ns());
-    __u16 stored = s->flags;           /* not `flags`: a register live across the CRC loop
-                                          would double the states the verifier walks */
     kv_slot_release(s);
     count(KV_STAT_FILL, 1);
-    if (stored & KV_CF_SPECULATIVE)
+    if (flags & KV_CF_SPECULATIVE)
         count(KV_STAT_SPEC_FILL, 1);
 }

@@ -4,7 +4,8 @@
  *
  * Tenant isolation (ns_allowed, limited_port_may_pass) and port security: a secured port's
  * frames carry its bound source, one no other port owns (source_ok, bind_port; kv_src_macs,
- * kv_src_ips; docs/security.md). */
+ * kv_src_ips; docs/security.md); a trunk that owns its sources carries only its own
+ * (trunk_source_ok): across a fabric, no rack can claim another rack's host or a pool node. */
 
 /* Tenant isolation: a port limited to some namespaces never gets (or causes) anything else. */
 static __always_inline int ns_allowed(struct xdp_md *ctx, struct kv_port_cfg *port, __u32 ns)
@@ -101,6 +102,37 @@ static __always_inline int bind_port(struct kv_port_cfg *port, __u32 ifindex, co
     return ok;
 }
 
+/* The source a frame claims: its Ethernet source and, for IPv4 and ARP, its address in *ip (0:
+ * none, e.g. an address probe). Returns 0 when the frame cannot carry a checkable source (from a
+ * group address, an ARP whose sender is not its Ethernet source, a VLAN tag: the inner source),
+ * 2 for IPv4 and ARP (an address a port may be bound to), 1 for the rest (IPv6, ...). */
+static __always_inline int frame_source(void *data, void *data_end, __be32 *ip)
+{
+    struct ethhdr *eth = data;
+    *ip = 0;
+    if ((void *)(eth + 1) > data_end || (eth->h_source[0] & 1))
+        return 0;                  /* no frame comes from a group address */
+    if (eth->h_proto == bpf_htons(ETH_P_IP)) {
+        struct iphdr *iph = (void *)(eth + 1);
+        if ((void *)(iph + 1) > data_end)
+            return 0;
+        *ip = iph->saddr;
+        return 2;
+    }
+    if (eth->h_proto == bpf_htons(ETH_P_ARP)) {
+        struct arphdr *arp = (void *)(eth + 1);
+        __u8 *sha = (void *)(arp + 1);
+        if ((void *)(sha + ETH_ALEN + 4) > data_end || arp->ar_hln != ETH_ALEN ||
+            arp->ar_pln != 4 || !mac_eq(sha, eth->h_source))
+            return 0;              /* an ARP sender other than the frame's source: a spoof */
+        __builtin_memcpy(ip, sha + ETH_ALEN, 4);
+        return 2;                  /* address probes (sender 0.0.0.0) are checked, not learned */
+    }
+    if (eth->h_proto == bpf_htons(ETH_P_8021Q) || eth->h_proto == bpf_htons(ETH_P_8021AD))
+        return 0;                  /* the inner source cannot be checked here */
+    return 1;
+}
+
 /* Port security: a secured port's frames carry its bound source, or are dropped; every frame
  * type is checked (its Ethernet source; an ARP's sender too; an IPv4 packet's source too). A
  * port whose source switchd left unset binds to the source of its first ARP or IPv4 frame with a
@@ -110,28 +142,11 @@ static __always_inline int bind_port(struct kv_port_cfg *port, __u32 ifindex, co
 static __always_inline int source_ok(struct xdp_md *ctx, struct kv_port_cfg *port, void *data,
                                      void *data_end)
 {
+    __be32 ip;
+    int kind = frame_source(data, data_end, &ip);
+    if (!kind)
+        return 0;
     struct ethhdr *eth = data;
-    if ((void *)(eth + 1) > data_end || (eth->h_source[0] & 1))
-        return 0;                  /* no frame comes from a group address */
-    __be32 ip = 0;
-    int learnable = 0;
-    if (eth->h_proto == bpf_htons(ETH_P_IP)) {
-        struct iphdr *iph = (void *)(eth + 1);
-        if ((void *)(iph + 1) > data_end)
-            return 0;
-        ip = iph->saddr;
-        learnable = 1;
-    } else if (eth->h_proto == bpf_htons(ETH_P_ARP)) {
-        struct arphdr *arp = (void *)(eth + 1);
-        __u8 *sha = (void *)(arp + 1);
-        if ((void *)(sha + ETH_ALEN + 4) > data_end || arp->ar_hln != ETH_ALEN ||
-            arp->ar_pln != 4 || !mac_eq(sha, eth->h_source))
-            return 0;              /* an ARP sender other than the frame's source: a spoof */
-        __builtin_memcpy(&ip, sha + ETH_ALEN, 4);
-        learnable = 1;             /* address probes (sender 0.0.0.0) are checked, not learned */
-    } else if (eth->h_proto == bpf_htons(ETH_P_8021Q) || eth->h_proto == bpf_htons(ETH_P_8021AD)) {
-        return 0;                  /* the inner source cannot be checked here */
-    }
     if (port->flags & KV_PF_BOUND) {
         if (!mac_eq(eth->h_source, port->mac))
             return 0;
@@ -147,7 +162,51 @@ static __always_inline int source_ok(struct xdp_md *ctx, struct kv_port_cfg *por
         count(KV_STAT_SRC_TAKEN, 1);
         return 0;                  /* another port's source: never passed, never learned */
     }
-    if (!learnable || !ip)
+    if (kind != 2 || !ip)
         return 1;                  /* nothing to bind to yet (IPv6, a probe): its MAC is free */
     return bind_port(port, ifindex, eth->h_source, ip);
+}
+
+/* Whether a source entry is this trunk's: an unowned one becomes its own (an insert that
+ * fails means another CPU or port took it first: look again). */
+static __always_inline int trunk_owns_mac(__u64 mac, __u32 ifindex)
+{
+    __u32 *owner = kv_src_macs.lookup(&mac);
+    if (!owner) {
+        if (!kv_src_macs.insert(&mac, &ifindex))
+            count(KV_STAT_SRC_OWNED, 1);
+        owner = kv_src_macs.lookup(&mac);
+    }
+    return owner && *owner == ifindex;
+}
+
+static __always_inline int trunk_owns_ip(__be32 ip, __u32 ifindex)
+{
+    __u32 *owner = kv_src_ips.lookup(&ip);
+    if (!owner) {
+        if (!kv_src_ips.insert(&ip, &ifindex))
+            count(KV_STAT_SRC_OWNED, 1);
+        owner = kv_src_ips.lookup(&ip);
+    }
+    return owner && *owner == ifindex;
+}
+
+/* A trunk that owns its sources (KV_PF_SOURCES): every source it carries is its own, the first
+ * time it is seen if nobody owns it yet. On a rack switch the uplink owns the pool nodes
+ * (written by switchd before any frame) and every host of other racks it has carried; on the
+ * pool-side switch each downlink owns its rack's hosts. A frame claiming a source another port
+ * owns is dropped (and counted in KV_STAT_SRC_TAKEN): a host of one rack cannot speak as a host
+ * of another, nor as a pool node, through any box. */
+static __always_inline int trunk_source_ok(struct xdp_md *ctx, void *data, void *data_end)
+{
+    __be32 ip;
+    if (!frame_source(data, data_end, &ip))
+        return 0;
+    struct ethhdr *eth = data;
+    __u32 ifindex = ctx->ingress_ifindex;
+    if (!trunk_owns_mac(mac_key(eth->h_source), ifindex) || (ip && !trunk_owns_ip(ip, ifindex))) {
+        count(KV_STAT_SRC_TAKEN, 1);
+        return 0;
+    }
+    return 1;
 }

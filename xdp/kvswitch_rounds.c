@@ -6,7 +6,8 @@
  * ports while it is open are held (kv_waiters) and join it; a round older than the round
  * timeout (measured here: round_estimate, round_sample) is asked again. The reply closes the
  * round and reaches every waiter through one devmap broadcast (release_waiters), the round's
- * generation carried in the frame for kv_egress to check. */
+ * generation carried in the frame for kv_egress to check. A lone reader's round costs one entry:
+ * its first asker stays inline in kv_pending until a second port waits too (share_round). */
 
 /* A new round for the chunk, going upstream to where this GET is addressed. */
 static __always_inline void open_round(struct kv_pending *p, struct kv_frame *f, __u64 now,
@@ -53,17 +54,42 @@ static __always_inline void round_sample(__u64 rtt)
     *srtt = s - (s >> 3) + (rtt >> 3);
 }
 
+/* The first asker's place in kv_waiters, written once another port is about to wait in the round
+ * too: a lone reader's round keeps it inline (KV_RF_SHARED says where it is). */
+static __always_inline void share_round(struct kv_pending *p, struct kv_cache_key *k)
+{
+    if (p->flags & KV_RF_SHARED)
+        return;
+    struct kv_waiter_key fk = {};
+    fk.chunk = *k;
+    fk.ifindex = p->first_ifindex;
+    struct kv_waiter first = p->first;
+    first.gen = p->gen;
+    kv_waiters.update(&fk, &first);
+    p->flags |= KV_RF_SHARED;
+}
+
+/* Port `wk`'s waiter in round `p`, wherever it is kept (NULL: none). */
+static __always_inline struct kv_waiter *round_waiter(struct kv_pending *p,
+                                                      struct kv_waiter_key *wk)
+{
+    if (wk->ifindex == p->first_ifindex && !(p->flags & KV_RF_SHARED))
+        return &p->first;
+    return kv_waiters.lookup(wk);
+}
+
 /* Put the waiter `w` of port `wk` into round `p`: a port already waiting in it has its request
  * id updated (the same asker again: answer its latest request), a new one is counted. Returns
  * whether the port was already waiting. */
 static __always_inline int add_waiter(struct kv_pending *p, struct kv_waiter_key *wk,
                                       struct kv_waiter *w, __u32 coalesced)
 {
-    struct kv_waiter *old = kv_waiters.lookup(wk);
+    struct kv_waiter *old = round_waiter(p, wk);
     if (old && old->gen == p->gen) {
         old->req_id = w->req_id;
         return 1;
     }
+    share_round(p, &wk->chunk);
     w->gen = p->gen;
     w->coalesced = coalesced;
     kv_waiters.update(wk, w);
@@ -86,7 +112,7 @@ static __always_inline int join_round(struct kv_pending *p, struct kv_frame *f,
         count(KV_STAT_GET_MISS, 1);
         return XDP_PASS;
     }
-    struct kv_waiter *old = kv_waiters.lookup(wk);
+    struct kv_waiter *old = round_waiter(p, wk);
     if (old && old->gen == p->gen) {
         if (old->ip != w->ip || old->port != w->port) {
             count(KV_STAT_UNCOALESCED, 1);  /* one waiter per port: let this one through */
@@ -102,6 +128,7 @@ static __always_inline int join_round(struct kv_pending *p, struct kv_frame *f,
         count(KV_STAT_COALESCED, 1);
         return XDP_DROP;
     }
+    share_round(p, &wk->chunk);
     w->gen = p->gen;
     w->coalesced = 1;
     kv_waiters.update(wk, w);
@@ -116,9 +143,16 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
 {
     count_miss(k);                 /* held or forwarded, it is demand the cache did not meet */
     __u64 now = bpf_ktime_get_ns();
+    struct kv_waiter w = {};
+    __builtin_memcpy(w.mac, f->eth->h_source, ETH_ALEN);
+    w.ip = f->ip->saddr;
+    w.port = f->udp->source;
+    w.req_id = f->kv->req_id;
+    w.gen = now;
     if (!setting(KV_SET_COALESCE)) {
         struct kv_pending open = {};   /* outstanding, so its reply may be learned; no holding */
         open_round(&open, f, now, ctx->ingress_ifindex);
+        open.first = w;
         kv_pending.update(k, &open);
         count(KV_STAT_GET_MISS, 1);
         return XDP_PASS;
@@ -126,11 +160,6 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
     struct kv_waiter_key wk = {};
     wk.chunk = *k;
     wk.ifindex = ctx->ingress_ifindex;
-    struct kv_waiter w = {};
-    __builtin_memcpy(w.mac, f->eth->h_source, ETH_ALEN);
-    w.ip = f->ip->saddr;
-    w.port = f->udp->source;
-    w.req_id = f->kv->req_id;
 
     struct kv_pending *p = kv_pending.lookup(k);
     if (p && (p->flags & KV_RF_PROBATION)) {
@@ -149,14 +178,8 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
     __u64 timeout = est > pending ? est : pending;
     if (p && now - p->sent < timeout)
         return join_round(p, f, &wk, &w, now, est > pending / 2 ? est : pending / 2);
-    if (!p) {
-        /* No round open: maybe one just closed on another CPU, whose reply was learned before
-         * the round was deleted. Look again rather than send a needless request upstream. */
-        __u64 seq;
-        struct kv_cache_val *v = cached(k, &seq);
-        if (v)
-            return answer_get(ctx, v, k, seq, f->payload_len);
-    }
+    /* (No second look into the cache when no round is open: a reply learned on another CPU
+     * just now is a rare race, and the look cost every lone reader's GET a lookup.) */
     if (p && same_dest(p, f)) {
         /* A stale round: its reply did not come within the round timeout. This GET asks
          * upstream again for the round, whose waiters keep waiting for whichever reply comes
@@ -172,8 +195,7 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
     }
     struct kv_pending np = {};
     open_round(&np, f, now, wk.ifindex);
-    w.gen = now;
-    kv_waiters.update(&wk, &w);
+    np.first = w;                  /* inline until another port waits too */
     if (p) {
         /* A stale round that went elsewhere: replaced by this GET's (on probation, as above). */
         count(KV_STAT_EXPIRED, 1);
@@ -189,26 +211,28 @@ static __always_inline int hold_or_forward(struct xdp_md *ctx, struct kv_frame *
     return XDP_PASS;
 }
 
-/* Close the chunk's pending round: one waiter gets the reply the ordinary way, several get it
+/* Close the chunk's pending round `p` (looked up by the caller): one waiter gets the reply the ordinary way, several get it
  * through a devmap broadcast. The round's generation rides in the frame itself, in the two
  * fields kv_egress rewrites for every copy it lets out (IPv4 destination: its high 32 bits,
  * request id: its low 32), so it never leaves the switch and needs no XDP metadata (which
  * kernels may refuse: bpf_xdp_adjust_meta). */
-static __always_inline int release_waiters(struct xdp_md *ctx, struct kv_cache_key *k)
+static __always_inline int release_waiters(struct xdp_md *ctx, struct kv_cache_key *k,
+                                           struct kv_pending *p)
 {
-    struct kv_pending *p = kv_pending.lookup(k);
-    if (!p)
-        return XDP_PASS;
-    if (!(p->flags & KV_RF_PROBATION))  /* asked once: the reply is that GET's (Karn) */
-        round_sample(bpf_ktime_get_ns() - p->sent);
     __u64 gen = p->gen;
     __u32 waiters = p->waiters;
+    __u16 flags = p->flags;
+    /* asked once: the reply is that GET's (Karn); a lone round one chunk in KV_ROUND_SAMPLE
+     * (the estimate is shared by every CPU: a sample per reply kept its line bouncing) */
+    if (!(flags & KV_RF_PROBATION) && (waiters > 1 || k->chunk % KV_ROUND_SAMPLE == 0))
+        round_sample(bpf_ktime_get_ns() - p->sent);
     struct kv_waiter_key wk = {};
     wk.chunk = *k;
     wk.ifindex = p->first_ifindex;
     kv_pending.delete(k);
     if (waiters <= 1) {
-        kv_waiters.delete(&wk);
+        if (flags & KV_RF_SHARED)
+            kv_waiters.delete(&wk);
         return XDP_PASS;
     }
     void *data = (void *)(long)ctx->data;      /* learning invalidated the frame's pointers */

@@ -213,15 +213,16 @@ class FabricLab(Lab):
         return os.path.join(self.tmp.name, f"switchd-{name}.log")
 
     def start_box(self, name: str, replace: bool = False) -> str:
-        """switchd on switch ``name``: hosts as ports, trunks as uplinks/downlinks, pool ports
-        bound to their nodes. With ``replace`` the plain bridge's programs stay until its own
+        """switchd on switch ``name``: hosts as ports, trunks as uplinks (with the pool nodes
+        behind them) and downlinks, pool ports bound to their nodes. With ``replace`` the plain bridge's programs stay until its own
         replace them (``--force``)."""
         b = self.topo.box(name)
         if not replace:
             bridge_pass(b.netns, b.ports, False)
         argv = self.switchd_run_argv()
         argv += [a for h in b.hosts for a in ("--port", h)]
-        argv += [a for u in b.uplinks for a in ("--uplink", u)]
+        # an uplink declares the pool nodes behind it: their identities are its own at once
+        argv += [a for u in b.uplinks for a in ("--uplink", f"{u}={','.join(self.pool_addrs)}")]
         argv += [a for d in b.downlinks for a in ("--downlink", d)]
         argv += [a for p in b.pools for a in self.pool_port_argv(p)]
         self.boxes[name], line, _ = self.launch_switchd(
