@@ -114,6 +114,7 @@ def test_a_get_to_a_group_mac_is_never_answered_from_the_cache():
                 after = d.counters()
                 assert after["group_dest"] - before["group_dest"] == 1
                 assert after["get_hit"] == before["get_hit"] and len(d.pending) == 0
-            assert xdp_test_run(d.ingress.fd, bytes(get_frame()), ifindex=ends["ghost"])[0] == XDP.TX
+            unicast = xdp_test_run(d.ingress.fd, bytes(get_frame()), ifindex=ends["ghost"])
+            assert unicast[0] == XDP.TX
         finally:
             d.bpf.cleanup()

@@ -214,8 +214,8 @@ class FabricLab(Lab):
 
     def start_box(self, name: str, replace: bool = False) -> str:
         """switchd on switch ``name``: hosts as ports, trunks as uplinks (with the pool nodes
-        behind them) and downlinks, pool ports bound to their nodes. With ``replace`` the plain bridge's programs stay until its own
-        replace them (``--force``)."""
+        behind them) and downlinks, pool ports bound to their nodes. With ``replace`` the plain
+        bridge's programs stay until its own replace them (``--force``)."""
         b = self.topo.box(name)
         if not replace:
             bridge_pass(b.netns, b.ports, False)
