@@ -66,6 +66,16 @@ def test_recovery_is_when_a_window_p50_is_back_within_10_percent():
     assert lost.failed() == 2 and lost.window(0, 10) == [0.1, 30.0, 31.0]
 
 
+def test_recovery_on_the_p99_sees_what_the_p50_does_not():
+    """A fault that leaves one request in ten slow for a while: the window's p50 is back at once,
+    its p99 only when those are gone."""
+    at = np.arange(0, 20, 0.05)
+    calm = _Tl(at, [0.1] * len(at))
+    tail = _Tl(at, [1.0 if 5 <= a < 8 and i % 10 == 0 else 0.1 for i, a in enumerate(at)])
+    assert fb.recovery_s(tail, calm, 5.0, 20.0) == 0.0
+    assert 2.0 <= fb.recovery_s(tail, calm, 5.0, 20.0, pct=99) <= 3.0
+
+
 def _clean_and_whole(out, faults):
     assert [r["fault"] for r in out["results"]] == faults
     for r in out["results"]:

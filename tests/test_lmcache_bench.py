@@ -43,6 +43,9 @@ def test_the_phases_warm_up_then_incast_rounds_then_zipf():
     zipf = [item for items in phases[4][1]["plan"].values() for item in items]
     assert len(zipf) == 15 and {pid for pid, *_ in zipf} <= set(range(ZIPF, ZIPF + 4))
     assert [w for w, _ in cfg.single_phases()] == ["store", "warm-up", "single"]
+    firsts, seconds = (cfg.single_phases(t)[-1][1]["plan"]["0"] for t in (0, 1))
+    assert not {pid for pid, *_ in firsts} & {pid for pid, *_ in seconds}, \
+        "each turn retrieves prefixes of its own"
 
 
 def test_lmcache_queue_workers_survive_callers_that_give_up(monkeypatch):
@@ -97,7 +100,8 @@ def test_a_tiny_run_of_every_store_side_by_side(tmp_path):
         r = subprocess.run(TESTBED + [
             "bench", "lmcache", "--nodes", "2", "--link-gbit", "0.5", "--hot-tokens", "256",
             "--incast-rounds", "1", "--zipf-prefixes", "2", "--zipf-requests", "2",
-            "--single-prefixes", "1", "--json", str(out_path), "--prefix", "lbt"],
+            "--single-prefixes", "1", "--single-rounds", "2", "--json", str(out_path),
+            "--prefix", "lbt"],
             capture_output=True, text=True, timeout=880)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(out_path.read_text())
@@ -113,3 +117,12 @@ def test_a_tiny_run_of_every_store_side_by_side(tmp_path):
         assert got[s, "incast"]["storage_egress_bytes"] > 1.8 * hot, (s, got[s, "incast"])
     assert got["kvswitch-switch", "incast"]["switch_hit_ratio"] is not None
     assert out["summary"]["byte_exact"]
+    # the lone retriever: every store two turns, alternating; medians and per-turn ratios
+    turns = {}
+    for row in out["results"]:
+        if row["workload"] == "single":
+            turns.setdefault(row["store"], []).append(row["turn"])
+    assert turns == {st: [0, 1] for st in stores}, turns
+    lone = out["summary"]["single"]
+    assert set(lone["gbytes_per_s"]) == set(stores)
+    assert set(lone["kvswitch_switch_over"]) == set(stores[1:])

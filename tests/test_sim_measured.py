@@ -193,11 +193,52 @@ def test_validate_serve_on_a_tiny_testbed(tmp_path):
     assert c["tiers"]["switch"]["measured"] > 0.3           # the switch served part of it
     for k in ("switch", "pool", "recompute"):
         assert abs(c["tiers"][k]["difference_pp"]) <= 5
+    assert {k for k, v in c["tiers"].items() if v["agrees"] == "by construction"} == \
+        {"switch", "pool", "cached_blocks", "recompute"}
     (e,) = c["pool_egress_bytes"]
     assert abs(e["error"]) <= 0.2
     cal = out["calibration"]["switch"]
     assert 0 < cal["rtt_s"] < 0.2 and cal["medians_s"]["one"] > 0
     assert json.loads((tmp_path / "v.json").read_text())["comparison"]
+
+
+def _serve_row(hit: float, replica: float) -> dict:
+    return {"workload": "burst", "mode": "switch", "switch_hit_ratio": hit, "replica_ratio": replica,
+            "chunks_fetched": 1000, "cached_block_ratio": 0.8, "ttft_p50_s": 0.5,
+            "ttft_p99_s": 1.0, "pool_egress_bytes": [10 ** 6]}
+
+
+def _serve_model(hit: float, replica: float) -> dict:
+    return {"tier_share": {"switch": hit, "switch_replica": replica,
+                           "pool": round(1 - hit - replica, 4)},
+            "cached_block_ratio": 0.8, "pool_egress_bytes": [10 ** 6], "chunks_fetched": 1000,
+            "requests": [{"ttft": 0.5, "warmup": False}] * 10}
+
+
+def test_the_serve_verdict_fails_a_model_whose_hit_and_replica_split_is_off():
+    """Issue 64: the switch's, the pool's and the recompute shares agree by construction (the
+    pool's is fetched - hits - replicas, recompute is the workload's); a model that got the
+    split between hits and held replicas 24.6 pp wrong (as a run once did) must fail, though
+    every share the old verdict looked at agrees to the digit."""
+    from testbed.sim.validate_serve import compare
+    good = compare(_serve_row(0.40, 0.30), _serve_model(0.42, 0.29))
+    assert good["ttft_p50_within_target"] and good["tiers_within_target"]
+    bad = compare(_serve_row(0.40, 0.30), _serve_model(0.646, 0.054))
+    assert bad["tiers"]["switch"]["difference_pp"] == 0.0
+    assert bad["tiers"]["pool"]["difference_pp"] == 0.0
+    assert not bad["tiers_within_target"]
+    assert not bad["tiers"]["switch_hit"]["agrees"] and not bad["tiers"]["switch_replica"]["agrees"]
+    slow = compare(_serve_row(0.40, 0.30), {**_serve_model(0.40, 0.30), "requests": [
+        {"ttft": 0.6, "warmup": False}] * 10})
+    assert not slow["ttft_p50_within_target"]
+
+
+def test_a_hit_ratio_bound_is_relative():
+    """Issue 64: 3 pp on a hit ratio of 0.049 passed a model that said 0.02."""
+    from testbed.sim.verdict import share_agrees
+    assert share_agrees(0.049, 0.045) and not share_agrees(0.049, 0.02)
+    assert share_agrees(0.6, 0.5) and not share_agrees(0.6, 0.45)
+    assert not share_agrees(None, 0.1) and not share_agrees(0.1, None)
 
 
 def test_reprice_follows_the_data_plane_cost():

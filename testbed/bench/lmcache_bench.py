@@ -14,7 +14,10 @@ Node 1 stores the prefixes first; then the workloads:
 
   incast   every node retrieves one hot prefix at once (``incast_rounds`` prefixes in turn)
   zipf     every node retrieves prefixes drawn from a Zipf law, one after another
-  single   one node alone, on an unshaped testbed of its own: GB/s
+  single   one node alone, on an unshaped testbed of its own: GB/s; the stores take turns,
+           ``single_rounds`` times each (their order rotating), fresh prefixes every turn, and
+           the figures are medians with their spread (an order decided by 4 reads in one run
+           had flipped between runs)
 
 Per store and workload: retrieve latency p50/p99, GB/s, the bytes leaving the storage node
 (its interface's counter) and byte-exactness of everything retrieved."""
@@ -91,8 +94,10 @@ class LmcacheBench:
         out.append(("zipf", {"kind": "retrieve", "nodes": everyone, "plan": plan}))
         return out
 
-    def single_phases(self) -> list[tuple[str, dict]]:
-        ids = [[SINGLE + i, self.single_tokens] for i in range(self.single_prefixes)]
+    def single_phases(self, turn: int = 0) -> list[tuple[str, dict]]:
+        """One turn of the lone retriever: prefixes of its own (none a store has seen)."""
+        ids = [[SINGLE + self.single_prefixes * turn + i, self.single_tokens]
+               for i in range(self.single_prefixes)]
         return self.warm_up([0], ids) + [("single", {"kind": "retrieve", "nodes": [0],
                                                      "plan": {"0": [[i, n, 0.0] for i, n in ids]}})]
 
@@ -249,29 +254,11 @@ def run_lmcache_bench(cfg: LmcacheBench, json_path: str | None = None,
                       [s for s in cfg.stores if s == "mooncake"]]
             for group in (g for g in groups if g):
                 with lab_for(cfg, group[0], shaped) as lab:
-                    for store in group:
-                        desc, proc = start_store(lab, store, tmp, cfg.timeout_s)
-                        desc["timeout_s"] = cfg.timeout_s
-                        try:
-                            t0 = time.monotonic()
-                            phases = run_phases(lab, desc, cfg.shaped_phases() if shaped
-                                                else cfg.single_phases(), cfg.dtype, tmp)
-                        except TestbedError as exc:    # the store hung or failed: say so
-                            log(f"bench lmcache: {store}: {exc}")
-                            results += [{"store": store, "workload": wl, "error": str(exc)}
-                                        for wl in cfg.workloads if (wl != "single") == shaped]
-                            continue
-                        finally:
-                            stop(proc)
-                        raw[f"{store}/{'shaped' if shaped else 'unshaped'}"] = phases
-                        for wl in (w for w in cfg.workloads
-                                   if (w != "single") == shaped):
-                            row = summarize(store, wl, phases, per_token)
-                            results.append(row)
-                            log(f"bench lmcache: {store:16} {wl:7} p50 {row['p50_s']:.3f} s "
-                                f"p99 {row['p99_s']:.3f} s {row['gbytes_per_s']:.3f} GB/s "
-                                f"egress {row['storage_egress_bytes'] / 1e6:.1f} MB exact "
-                                f"{row['byte_exact']} ({time.monotonic() - t0:.0f} s)")
+                    turns = 1 if shaped else cfg.single_rounds
+                    for turn in range(turns):
+                        for store in group[turn % len(group):] + group[:turn % len(group)]:
+                            _one_store(cfg, lab, store, shaped, turn, tmp, per_token, results,
+                                       raw, log)
     config = {**asdict(cfg), "stores": list(cfg.stores), "kv_bytes_per_token": per_token,
               "hot_prefix_bytes": cfg.hot_tokens * per_token, "chunk_bytes": CHUNK,
               "lmcache_chunk_tokens": CHUNK_TOKENS, "cpus": len(os.sched_getaffinity(0)),
@@ -285,10 +272,61 @@ def run_lmcache_bench(cfg: LmcacheBench, json_path: str | None = None,
     return out
 
 
+def _one_store(cfg: LmcacheBench, lab: Lab, store: str, shaped: bool, turn: int, tmp: str,
+               per_token: int, results: list, raw: dict, log) -> None:
+    """The store started on the lab's storage node, its phases run, its rows added."""
+    desc, proc = start_store(lab, store, tmp, cfg.timeout_s)
+    desc["timeout_s"] = cfg.timeout_s
+    try:
+        t0 = time.monotonic()
+        phases = run_phases(lab, desc, cfg.shaped_phases() if shaped
+                            else cfg.single_phases(turn), cfg.dtype, tmp)
+    except TestbedError as exc:    # the store hung or failed: say so
+        log(f"bench lmcache: {store}: {exc}")
+        results += [{"store": store, "workload": wl, "error": str(exc)}
+                    for wl in cfg.workloads if (wl != "single") == shaped]
+        return
+    finally:
+        stop(proc)
+    raw[f"{store}/{'shaped' if shaped else f'unshaped-{turn}'}"] = phases
+    for wl in (w for w in cfg.workloads if (w != "single") == shaped):
+        row = summarize(store, wl, phases, per_token)
+        if not shaped:
+            row["turn"] = turn
+        results.append(row)
+        log(f"bench lmcache: {store:16} {wl:7} p50 {row['p50_s']:.3f} s "
+            f"p99 {row['p99_s']:.3f} s {row['gbytes_per_s']:.3f} GB/s "
+            f"egress {row['storage_egress_bytes'] / 1e6:.1f} MB exact "
+            f"{row['byte_exact']} ({time.monotonic() - t0:.0f} s)")
+
+
+def lone_summary(results: list[dict]) -> dict:
+    """The lone retriever per store: median GB/s and spread over its turns; kvswitch through
+    the switch against each store, a ratio per turn (each turn's stores ran back to back), its
+    median and spread."""
+    rows = [r for r in results if r.get("workload") == "single" and "error" not in r]
+    by: dict[str, dict[int, float]] = {}
+    for r in rows:
+        by.setdefault(r["store"], {})[r.get("turn", 0)] = r["gbytes_per_s"]
+    out = {s: {"median": round(float(np.median(list(v.values()))), 4),
+               "min": min(v.values()), "max": max(v.values()), "turns": len(v)}
+           for s, v in by.items()}
+    sw = by.get("kvswitch-switch", {})
+    ratios = {}
+    for s, v in by.items():
+        per_turn = [sw[t] / v[t] for t in sw if t in v and v[t]] if s != "kvswitch-switch" \
+            else []
+        if per_turn:
+            ratios[s] = {"median": round(float(np.median(per_turn)), 3),
+                         "min": round(min(per_turn), 3), "max": round(max(per_turn), 3)}
+    return {"gbytes_per_s": out, "kvswitch_switch_over": ratios}
+
+
 def summary(results: list[dict], config: dict) -> dict:
     failed = sorted({r["store"] for r in results if "error" in r})
     by = {(r["store"], r["workload"]): r for r in results if "error" not in r}
-    out: dict = {"byte_exact": all(r["byte_exact"] for r in by.values()), "failed": failed}
+    out: dict = {"byte_exact": all(r["byte_exact"] for r in results if "error" not in r),
+                 "failed": failed}
     sw = by.get(("kvswitch-switch", "incast"))
     if sw:
         rounds = config["incast_rounds"] * config["hot_prefix_bytes"]
@@ -296,9 +334,8 @@ def summary(results: list[dict], config: dict) -> dict:
         out["incast_p99_peer_over_switch"] = {
             s: round(r["p99_s"] / sw["p99_s"], 2) for (s, w), r in by.items()
             if w == "incast" and s != "kvswitch-switch"}
-    single = {s: r["gbytes_per_s"] for (s, w), r in by.items() if w == "single"}
-    if single:
-        out["single_gbytes_per_s"] = single
+    if any(w == "single" for _, w in by):
+        out["single"] = lone_summary(results)
     return out
 
 
@@ -310,11 +347,13 @@ def plot(out: dict, path: str) -> None:
     by = {(r["store"], r["workload"]): r for r in out["results"]}
     panels = [("incast", "p99_s", "incast: retrieve p99 (s)"),
               ("zipf", "p50_s", "zipf: retrieve p50 (s)"),
-              ("single", "gbytes_per_s", "one retriever, unshaped: GB/s"),
+              ("single", "gbytes_per_s", "one retriever, unshaped: GB/s (median)"),
               ("incast", "storage_egress_bytes", "incast: MB out of the storage node")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    lone = out["summary"].get("single", {}).get("gbytes_per_s", {})
     for ax, (wl, key, title) in zip(axes, panels):
-        vals = [by.get((s, wl), {}).get(key, 0) or 0 for s in stores]
+        vals = [(lone.get(s, {}).get("median", 0) if wl == "single" else
+                 by.get((s, wl), {}).get(key, 0)) or 0 for s in stores]
         if key.endswith("_bytes"):
             vals = [v / 1e6 for v in vals]
         ax.bar(range(len(stores)), vals, color=["C2", "C0", "C1", "C3", "C4"][:len(stores)])

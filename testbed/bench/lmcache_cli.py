@@ -36,13 +36,16 @@ POSITIVE = click.IntRange(1)
 @click.option("--zipf-requests", type=POSITIVE, default=6, show_default=True,
               help="Retrieves per node in the zipf workload.")
 @click.option("--single-prefixes", type=POSITIVE, default=4, show_default=True,
-              help="Prefixes the lone retriever retrieves on the unshaped testbed.")
+              help="Prefixes the lone retriever retrieves on the unshaped testbed, a turn.")
+@click.option("--single-rounds", type=POSITIVE, default=5, show_default=True,
+              help="Turns each store takes at the lone retriever (stores alternate).")
 @click.option("--prefix", default="lb", show_default=True,
               help="Names the testbeds' namespaces (PREFIX, PREFIXm, PREFIXu, PREFIXmu).")
 @json_opt("bench/results/lmcache.json")
 @plot_opt()
 def command(stores, workloads, nodes, link_gbit, timeout_s, hot_tokens, incast_rounds,
-            zipf_prefixes, zipf_requests, single_prefixes, prefix, json_path, plot_path):
+            zipf_prefixes, zipf_requests, single_prefixes, single_rounds, prefix, json_path,
+            plot_path):
     """kvswitch as LMCache's remote tier beside LMCache's server, Redis and Mooncake Store."""
     check_choices("store", stores, STORES)
     check_choices("workload", workloads, WORKLOADS)
@@ -56,6 +59,7 @@ def command(stores, workloads, nodes, link_gbit, timeout_s, hot_tokens, incast_r
                        hot_tokens=hot_tokens,
                        incast_rounds=incast_rounds, zipf_prefixes=zipf_prefixes,
                        zipf_requests=zipf_requests, single_prefixes=single_prefixes,
+                       single_rounds=single_rounds,
                        stores=tuple(stores), workloads=tuple(workloads), prefix=prefix)
     out = run_lmcache_bench(cfg, json_path, plot_path, log=click.echo)
     click.echo(json.dumps(out["summary"], indent=2))

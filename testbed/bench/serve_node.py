@@ -170,7 +170,8 @@ def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests
     cls = SpreadEngine if spread else FailoverEngine if failover else FetchEngine
     out = {"ttft": [], "warmup": [], "queue": [], "fetch": [], "prefill": [], "cached_blocks": 0,
            "blocks": 0, "chunks": 0, "from_switch": 0, "replicas": 0, "from_pool": 0,
-           "retransmits": 0, "byte_exact": True, "wrong_bytes": 0, "fetch_errors": 0}
+           "retransmits": 0, "byte_exact": True, "wrong_bytes": 0, "fetch_errors": 0,
+           "recomputed_blocks": 0}
     writer = Writer(pools, chunk_size, ns, block_bytes, spread) if write else None
     with cls(pools, chunk_size, deadline=deadline) as eng:
         # arrivals count from the common start, whenever this node's engine was open
@@ -213,6 +214,7 @@ def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests
             out["ttft"].append(time.monotonic() - arrival)
             out["warmup"].append(bool(req.get("warmup")))
             out["cached_blocks"] += cached
+            out["recomputed_blocks"] += len(keys) - cached
             out["blocks"] += len(keys)
             if writer is not None and cached < len(keys):
                 writer.q.put(keys[cached:])

@@ -186,7 +186,8 @@ def sim_validate(trace_path, serve, limit, capacity, speedup, routing, nodes, po
                                  json_path=json_path or "bench/results/sim-validate-serve.json",
                                  log=lambda m: click.echo(m, err=True))
         click.echo(json.dumps(out["comparison"], indent=2))
-        fail_unless(out["completed"])
+        click.echo(f"within targets: {json.dumps(out['within_targets'])}")
+        fail_unless(out["completed"] and all(out["within_targets"].values()))
         return
     from .validate import run_validate
     out = run_validate(trace_path, limit, capacity, speedup, routing,
@@ -232,7 +233,7 @@ def _validate_fabric(racks, hosts_per_rack, pools, oversub, link_gbit, pool_link
                    f"{p50['model']} ({err}); hit ratio live / model: "
                    + (", ".join(levels) or "no kvswitch"))
     click.echo(f"within targets: {json.dumps(out['within_targets'])}\nwrote {json_path}")
-    fail_unless(out.get("completed", True))
+    fail_unless(out.get("completed", True) and all(out["within_targets"].values()))
 
 
 @sim.command("fabric")
