@@ -60,8 +60,8 @@ def bench_lone(cs: int, sizes_mib: list[int], rounds: int, log=print) -> list[di
     rng = np.random.default_rng(62)
     runs = {m: {"bridge": [], "switch": [], "then_all_hits": []} for m in sizes_mib}
     with lab:
-        blocks = {(m, r, mode): (os.urandom(16), rng.integers(0, 256, nch[m] * cs,
-                                                             np.uint8).tobytes())
+        blocks = {(m, r, mode): (os.urandom(16),
+                                 rng.integers(0, 256, nch[m] * cs, np.uint8).tobytes())
                   for m in sizes_mib for r in range(rounds) for mode in ("bridge", "switch")}
         for key, data in blocks.values():
             lab.put("h1", NS, key, data)

@@ -13,7 +13,8 @@ in the bench's placement (independent, or split: fabric_serve_model).
 
 Compared per (workload, mode): TTFT p50 (target: within 10 %) and p99, the hit ratio of each
 level the mode runs a switch at (hits / (hits + misses + coalesced GETs), target: within 20 %
-of the measured ratio, 1 pp at least: testbed.sim.verdict), the bytes each rack's uplink delivered into the rack and each pool node's egress.
+of the measured ratio, 1 pp at least: testbed.sim.verdict), the bytes each rack's uplink
+delivered into the rack and each pool node's egress.
 ``compare_fabric`` builds the comparison from a result `bench serve --racks` already wrote
 (``--live-json``; a validation's own result too, its ``live`` part): its constants then come
 from the result (a validation's ``calibration``), else from the committed single-switch
