@@ -204,8 +204,8 @@ def test_validate_serve_on_a_tiny_testbed(tmp_path):
 
 def _serve_row(hit: float, replica: float) -> dict:
     return {"workload": "burst", "mode": "switch", "switch_hit_ratio": hit,
-            "replica_ratio": replica, "chunks_fetched": 1000, "cached_block_ratio": 0.8, "ttft_p50_s": 0.5,
-            "ttft_p99_s": 1.0, "pool_egress_bytes": [10 ** 6]}
+            "replica_ratio": replica, "chunks_fetched": 1000, "cached_block_ratio": 0.8,
+            "ttft_p50_s": 0.5, "ttft_p99_s": 1.0, "pool_egress_bytes": [10 ** 6]}
 
 
 def _serve_model(hit: float, replica: float) -> dict:

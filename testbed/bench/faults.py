@@ -19,8 +19,8 @@ read afterwards past the switch's cache), TTFT p50/p99 before, during (from the 
 ``AFTER_S`` past its end) and after, the bridge's p99 over the same requests, seconds from the
 fault's end until a sliding window's TTFT p50, and its p99, is within 10 % of the fault-free
 run's, and what was left behind (processes, namespaces, pins, cgroups). With the memory store
-every run shares one testbed (each on empty pool nodes and a fresh switch); Mooncake's master outlives a
-pool server, so there each run has a testbed of its own."""
+every run shares one testbed (each on empty pool nodes and a fresh switch); Mooncake's master
+outlives a pool server, so there each run has a testbed of its own."""
 from __future__ import annotations
 
 import contextlib
