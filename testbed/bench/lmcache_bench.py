@@ -62,6 +62,7 @@ class LmcacheBench:
     zipf_gap_s: float = 0.1             # mean pause between a node's retrieves
     single_prefixes: int = 4
     single_tokens: int = 1024
+    single_rounds: int = 5              # turns each store takes at the lone retriever
     stores: tuple[str, ...] = STORES
     workloads: tuple[str, ...] = WORKLOADS
     dtype: str = "bfloat16"
