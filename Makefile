@@ -73,6 +73,7 @@ test-e2e:
 	$(PY) -m pytest -q -m e2e tests
 
 # every result file README and docs cite: present, and measuring the code as it is now
+# (KVSWITCH_REQUIRE_STAMPS=1: a cited result without a `measured` stamp fails too)
 check-results:
 	$(VENV)/bin/testbed results-check
 

@@ -1,7 +1,7 @@
 """The `testbed` command line, every command of it: topologies, demos, benchmarks, the fuzzer,
-trace evaluation and replay, the cluster model. Each command parses its options and calls the
-library function of its experiment (testbed.lab, .bench, .sim, .demos, .fuzz), imported when the
-command runs."""
+trace evaluation and replay, the cluster model, the results check. Each command parses its
+options and calls the library function of its experiment (testbed.lab, .bench, .sim, .demos,
+.fuzz, .provenance), imported when the command runs."""
 from __future__ import annotations
 
 import json
@@ -460,24 +460,19 @@ def replay(trace_path, capacity, limit, speedup, interval, policy, fill_headroom
 @main.command("results-check")
 @click.option("--root", default=".", show_default=True, help="The checkout to check.",
               type=click.Path(exists=True, file_okay=False))
-def results_check(root):
-    """Every result file README and docs cite: present, and newer than the code it measures."""
-    from .lab.freshness import DATED, NotACheckout, check
+@click.option("--require-stamps", is_flag=True, envvar="KVSWITCH_REQUIRE_STAMPS",
+              help="A cited result without a `measured` stamp (what made it, on which commit) "
+                   "fails as unstamped.")
+def results_check(root, require_stamps):
+    """Every result file README and docs cite: present, and made by the code as it is now."""
+    from .provenance import NotACheckout, check, render
     try:
-        findings = check(root)
+        lines, ok = render(check(root, require_stamps=require_stamps))
     except NotACheckout as exc:
         raise click.ClickException(str(exc)) from None
-    for f in findings:
-        where = (f" {DATED[f.name]}" if f.status == "dated" else
-                 f" {f.changed_lines} lines in {', '.join(f.changed_files)}"
-                 if f.changed_lines else "")
-        click.echo(f"{f.status:8} {f.name:34} {f.result_commit or '-':10}{where}")
-    bad = [f for f in findings if f.status not in ("fresh", "dated")]
-    dated = sum(f.status == "dated" for f in findings)
-    click.echo(f"{len(findings) - len(bad) - dated} of {len(findings) - dated} cited result "
-               f"files are fresh ({dated} dated: history)"
-               + (f"; not: {', '.join(f.name for f in bad)}" if bad else ""))
-    fail_unless(not bad)
+    for line in lines:
+        click.echo(line)
+    fail_unless(ok)
 
 
 # ---- the cluster model (testbed.sim.cli) -------------------------------------------------------

@@ -31,12 +31,22 @@ def measured(argv: list[str] | None = None) -> dict:
             "kernel": os.uname().release, "command": shlex.join(argv)}
 
 
+def is_stamp(value) -> bool:
+    """Whether a result's ``measured`` is a stamp of what made it (``measured()``'s)."""
+    return isinstance(value, dict) and "commit" in value and "command" in value
+
+
 def write_json(path: str | Path | None, result: dict) -> None:
     """Write ``result`` to ``path`` (parents made), if a path is given, stamped with what made it
-    (a ``measured`` it already has is kept: a result rewritten from another)."""
+    (a stamp it already has is kept: a result rewritten from another). ``measured`` is the
+    stamp's key: a result using it for anything else is refused (ValueError)."""
     if not path:
         return
+    if "measured" in result and not is_stamp(result["measured"]):
+        raise ValueError("a result's 'measured' is the stamp of what made it: give the data "
+                         "another key")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    result = {"measured": result.get("measured") or measured(), **result}
+    result = {**result, "measured": result.get("measured") or measured()}
+    result = {"measured": result.pop("measured"), **result}
     path.write_text(json.dumps(result, indent=2) + "\n")

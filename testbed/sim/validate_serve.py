@@ -202,7 +202,7 @@ def run_validate_serve(nodes: int = 8, pools: int = 2, link_gbit: float = 0.025,
                                  "cache_entries": Lab.__init__.__defaults__[2],
                                  "fill_headroom": "1/16 of the cache"}},
            "calibration": cals,
-           "measured": rows,
+           "live": rows,          # what the testbed measured ("measured": the stamp)
            "comparison": comparisons,
            "targets": {"ttft_p50_relative": TARGET_P50, "share_relative": RELATIVE,
                        "share_floor": FLOOR, "shares_checked": list(CHECKED),
