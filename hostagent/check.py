@@ -36,7 +36,7 @@ def node_check(chunk_size: int = DEFAULT_CHUNK) -> list[Finding]:
     from hostagent.pool.xdpserve import sizes
     segs, slots, blocks = sizes(64 << 20)
     programs = load_programs(xdp.source("kvfetch.c"), {"kv_fetch": 0},
-                             [f"-DKV_FETCH_CHUNK={chunk_size}"])
+                             [f"-DKV_CHUNK={chunk_size}"])
     programs += load_programs(xdp.source("kvserve.c"), {"kv_serve": 0, "kv_serve_pass": 0},
                               [f"-DKV_SERVE_SEGS={segs}", f"-DKV_SERVE_SLOTS={slots}",
                                f"-DKV_SERVE_BLOCKS={blocks}"])

@@ -19,8 +19,8 @@ import click
 from .inference import client as kvclient
 from .common.transfer import BlockNotFound, Refused, TransferTimeout, parse_addr
 from .common.hashing import DEFAULT_BLOCK_TOKENS, block_hashes
-from kvproto import DEFAULT_CHUNK, MAX_PAYLOAD, PORT, Status
-from kvproto.cli import FINITE, FloatRange, SizeType, one_line_errors, with_config
+from kvproto import MAX_CHUNK, PORT, Status, check_chunk_size
+from kvproto.cli import FINITE, FloatRange, SizeType, chunk_option, one_line_errors, with_config
 from .pool.server import serve as serve_forever
 from .pool.store import MemoryStore, PutBudgets
 
@@ -50,16 +50,7 @@ ns_opt = click.option("--ns", type=click.IntRange(0, 0xFFFFFFFF), default=1, sho
 key_opt = click.option("--key", required=True, help="Block key, 32 hex digits.")
 
 
-def _chunk_size(ctx, param, value):
-    if value is not None and value % 8:
-        raise click.BadParameter(f"{value} is not a multiple of 8 (the switch and the fetch "
-                                 "engine move chunks in 8-byte words)")
-    return value
-
-
-chunk_opt = click.option("--chunk-size", type=click.IntRange(8, MAX_PAYLOAD), default=DEFAULT_CHUNK,
-                         show_default=True, callback=_chunk_size,
-                         help="Bytes per chunk (one datagram each), a multiple of 8.")
+chunk_opt = chunk_option()
 window_opt = click.option("--window", type=click.IntRange(1, 4096), default=64,
                           show_default=True, help="Chunk requests in flight per block.")
 deadline_opt = click.option("--deadline", type=FloatRange(0, 86400, min_open=True),
@@ -124,9 +115,11 @@ def _make_store(ctx: click.Context, v: dict):
     for name in ("assembly", "assembly_per_ns", "assembly_per_source"):
         if v[name] <= 0:
             raise click.BadParameter("must be positive", param_hint=f"--{name.replace('_', '-')}")
-    if v["pool_chunk_size"] and v["pool_chunk_size"] % 8:
-        raise click.BadParameter(f"{v['pool_chunk_size']} is not a multiple of 8",
-                                 param_hint="--chunk-size")
+    if v["pool_chunk_size"]:
+        try:
+            check_chunk_size(v["pool_chunk_size"])
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--chunk-size") from None
     budgets = PutBudgets(v["assembly"], min(v["assembly_per_ns"], v["assembly"]),
                          min(v["assembly_per_source"], v["assembly"]), v["incomplete_blocks"],
                          v["incomplete_per_ns"], v["incomplete_per_source"],
@@ -184,9 +177,7 @@ def _allocated(make, capacity: int, *args, **kw):
 
 
 @main.command("check")
-@click.option("--chunk-size", type=click.IntRange(8, MAX_PAYLOAD), default=DEFAULT_CHUNK,
-              show_default=True, callback=_chunk_size,
-              help="The chunk size to compile the fetch engine for.")
+@chunk_option(help="The chunk size to compile the fetch engine for.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of lines.")
 def check_cmd(chunk_size, as_json):
     """What this kernel grants a node's programs (the fetch engine, the pool's XDP server),
@@ -235,7 +226,7 @@ def check_cmd(chunk_size, as_json):
               default=10.0, show_default=True,
               help="Seconds an incomplete block waits for a new chunk (a re-sent one does not "
                    "count).")
-@click.option("--chunk-size", "pool_chunk_size", type=click.IntRange(0, MAX_PAYLOAD), default=0,
+@click.option("--chunk-size", "pool_chunk_size", type=click.IntRange(0, MAX_CHUNK), default=0,
               show_default=True, help="Bytes every chunk but a block's last must have "
                                       "(0: the block's first full chunk sets it).")
 @click.option("--xdp-slots-per-ns", type=click.IntRange(0), default=None,

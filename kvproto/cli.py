@@ -36,6 +36,31 @@ class SizeType(click.ParamType):
             self.fail(exc.message, param, ctx)
 
 
+class ChunkSizeType(click.ParamType):
+    """A chunk size (kvproto.check_chunk_size): the one click type every CLI's --chunk-size uses."""
+    name = "bytes"
+
+    def convert(self, value, param, ctx):
+        from .wire import check_chunk_size
+        try:
+            return check_chunk_size(int(value))
+        except ValueError as exc:
+            self.fail(str(exc) if str(value).strip().lstrip("-").isdigit() else
+                      f"{value!r} is not a number of bytes", param, ctx)
+
+
+CHUNK_SIZE = ChunkSizeType()
+
+
+def chunk_option(default: int | None = None, **kw):
+    """``--chunk-size``, the same in every command (``default`` None: the protocol's)."""
+    from .wire import DEFAULT_CHUNK
+    kw.setdefault("help", "Bytes per chunk (one datagram each; the switch's --chunk-size for "
+                          "hits).")
+    return click.option("--chunk-size", type=CHUNK_SIZE, show_default=True,
+                        default=DEFAULT_CHUNK if default is None else default, **kw)
+
+
 class _Finite:
     """Refuses nan and inf after the float type's own checks: nan passes every comparison a
     bound makes (``soak --minutes nan`` never ended) and inf is no length, rate or share."""

@@ -20,9 +20,24 @@ VERSION = CONSTANTS["KV_VERSION"]
 HEADER_LEN = CONSTANTS["KV_HDR_LEN"]
 MAX_PAYLOAD = CONSTANTS["KV_MAX_PAYLOAD"]
 KEY_LEN = 16
-# the chunk size every command and library uses unless told (a switch caches chunks of its own
-# --chunk-size only, so hits need the same size on both sides)
-DEFAULT_CHUNK = 1024
+# the chunk (kvproto.h): the size every command and library uses unless told (a switch caches
+# chunks of its own --chunk-size only, so hits need the same size on both sides), and the one
+# rule for any other: a multiple of CHUNK_ALIGN from CHUNK_ALIGN to MAX_CHUNK
+DEFAULT_CHUNK = CONSTANTS["KV_DEFAULT_CHUNK"]
+CHUNK_ALIGN = CONSTANTS["KV_CHUNK_ALIGN"]
+MAX_CHUNK = CONSTANTS["KV_MAX_CHUNK"]
+VETH_MAX_MTU = CONSTANTS["KV_VETH_MAX_MTU"]     # this kernel refuses native XDP on veths above
+
+
+def check_chunk_size(size: int) -> int:
+    """``size`` if it is a chunk size a deployment may use, else ValueError saying the rule."""
+    if isinstance(size, bool) or not isinstance(size, int) or not CHUNK_ALIGN <= size <= MAX_CHUNK \
+            or size % CHUNK_ALIGN:
+        raise ValueError(f"chunk size {size!r} is not a multiple of {CHUNK_ALIGN} from "
+                         f"{CHUNK_ALIGN} to {MAX_CHUNK} (the switch and the fetch engine move "
+                         f"chunks in {CHUNK_ALIGN}-byte words; a larger frame needs a larger "
+                         f"MTU than native XDP takes on a veth)")
+    return size
 
 
 def _enum_from(prefix: str, base: type) -> type:

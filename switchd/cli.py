@@ -13,8 +13,7 @@ import time
 
 import click
 
-from kvproto import DEFAULT_CHUNK
-from kvproto.cli import one_line_errors, with_config
+from kvproto.cli import chunk_option, one_line_errors, with_config
 from xdp import NoXdp, netns
 from xdp.attach import MODES, detach_port
 from xdp.loader import preflight
@@ -59,8 +58,7 @@ def main(ctx, netns_name, pin_dir):
 
 
 @main.command("check")
-@click.option("--chunk-size", type=int, default=DEFAULT_CHUNK, show_default=True,
-              help="The chunk size to compile the switch's programs for.")
+@chunk_option(help="The chunk size to compile the switch's programs for.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of lines.")
 def check_cmd(chunk_size, as_json):
     """What this kernel grants the switch's programs, feature by feature; run it first. Exits
@@ -84,8 +82,7 @@ TABLE_KEYS = ("quotas", "port_namespaces", "port_bindings")
                    "before any frame is seen (its MAC asked for by ARP on that port); "
                    "--port-security needs it.")
 @click.option("--config", type=click.Path(dir_okay=False), help="TOML file with the same keys.")
-@click.option("--chunk-size", type=int, default=DEFAULT_CHUNK, show_default=True,
-              help="Chunk payload bytes.")
+@chunk_option(help="Chunk payload bytes (the hosts' and pool nodes' --chunk-size).")
 @click.option("--cache-entries", type=int, default=65536, show_default=True,
               help="Chunks the cache holds.")
 @click.option("--mode", type=click.Choice(MODES), default="native", show_default=True,

@@ -13,9 +13,9 @@ import socket
 from dataclasses import dataclass
 
 import xdp
-from kvproto import DEFAULT_CHUNK
+from kvproto import DEFAULT_CHUNK, check_chunk_size
 from xdp import NoXdp, libbpf, pin
-from xdp.attach import VETH_MAX_MTU, attach_xdp, attached_program, detach_port
+from xdp.attach import attach_xdp, attached_program, detach_port
 from xdp.loader import import_bcc, load_xdp
 from xdp.program import Program, prefixed, program_map_ids
 
@@ -26,8 +26,6 @@ ROLE_HOST, ROLE_POOL = CONSTANTS["KV_ROLE_HOST"], CONSTANTS["KV_ROLE_POOL"]   # 
 PF = {n[len("KV_PF_"):]: v for n, v in CONSTANTS.items() if n.startswith("KV_PF_")}
 CACHE_VAL_HEADER = CONSTANTS["KV_CACHE_VAL_HEADER"]  # bytes of kv_cache_val before data[]
 # The largest chunk a deployment can use: a frame's IPv4 + UDP + KV header and the chunk within
-# the largest MTU native XDP takes on a veth, rounded down to a multiple of 8 (3424)
-MAX_CHUNK = (VETH_MAX_MTU - CONSTANTS["KV_PAYLOAD_OFF"] + CONSTANTS["KV_ETH_LEN"]) // 8 * 8
 MAP_NAMES = ("kv_cache", "kv_blocks", "kv_admit", "kv_ports", "kv_stats", "kv_settings",
              "kv_pending", "kv_waiters", "kv_sketch", "kv_recent", "kv_ns_stats", "kv_port_ns",
              "kv_ns_low", "kv_src_macs", "kv_src_ips")
@@ -48,13 +46,15 @@ class Deployment:
     pin_dir: str | None = DEFAULT_PIN_DIR
 
     def __post_init__(self):
-        if not 8 <= self.chunk_size <= MAX_CHUNK or self.chunk_size % 8:
-            raise SwitchError(f"chunk size must be a multiple of 8 between 8 and {MAX_CHUNK}")
+        try:
+            check_chunk_size(self.chunk_size)
+        except ValueError as exc:
+            raise SwitchError(str(exc)) from None
         if not 1 <= self.cache_entries <= 1 << 24:
             raise SwitchError("cache entries must be between 1 and 16777216")
 
     def cflags(self) -> list[str]:
-        flags = xdp.cflags(f"-DKV_CHUNK_MAX={self.chunk_size}",
+        flags = xdp.cflags(f"-DKV_CHUNK={self.chunk_size}",
                            f"-DKV_CACHE_ENTRIES={self.cache_entries}")
         if self.pin_dir:
             flags.append(pin.cflag(self.pin_dir))

@@ -9,8 +9,8 @@ import json
 import click
 
 from kvproto.cli import FINITE, FloatRange, one_line_errors
-from switchd.dataplane import MAX_CHUNK
-from xdp.attach import VETH_MAX_MTU
+from kvproto import VETH_MAX_MTU
+from kvproto.cli import chunk_option
 from switchd.policy import POLICIES
 
 from .bench.compress import command as compress_command
@@ -100,7 +100,7 @@ def demo(chunks, store):
 @click.option("--sizes", default=None, callback=lambda c, p, v: v and int_list(c, p, v),
               help="Shared-prompt sizes in tokens (multiples of --block-tokens) [default: "
                    "1024,4096 for smollm2, 1024,4096,16384 for the others].")
-@click.option("--chunk-size", type=click.IntRange(64, MAX_CHUNK), default=3072, show_default=True)
+@chunk_option(default=3072)
 @click.option("--concurrency", type=click.IntRange(1, 64), default=4, show_default=True,
               help="Blocks fetched or put at once per node.")
 @click.option("--window", type=click.IntRange(1, 1024), default=64, show_default=True,
@@ -144,7 +144,7 @@ def demo_inference(sizes, chunk_size, concurrency, window, new_tokens, model, kv
 @click.option("--new-tokens", type=click.IntRange(1, 1024), default=16, show_default=True)
 @click.option("--ttft-reps", type=click.IntRange(1, 20), default=3, show_default=True,
               help="Timed requests per TTFT figure.")
-@click.option("--chunk-size", type=click.IntRange(64, MAX_CHUNK), default=3072, show_default=True)
+@chunk_option(default=3072)
 @click.option("--window", type=click.IntRange(1, 1024), default=64, show_default=True)
 @click.option("--concurrency", type=click.IntRange(1, 64), default=4, show_default=True)
 @click.option("--block-tokens", type=click.IntRange(16, 4096), default=128, show_default=True,
@@ -266,7 +266,7 @@ def throughput(chunk_sizes, seconds, windows, cores, rate, keys, hit_ratios, swe
               show_default=True)
 @click.option("--reps", type=click.IntRange(1, 50), default=3, show_default=True,
               help="Repetitions per reader count and mode.")
-@click.option("--chunk-size", type=click.IntRange(64, MAX_CHUNK), default=3072, show_default=True)
+@chunk_option(default=3072)
 @click.option("--store", type=click.Choice(["memory", "mooncake"]), default="memory",
               show_default=True, help="The pool node's store (mooncake: the benchmark runs a "
                                       "Mooncake master).")

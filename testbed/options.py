@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from kvproto import CHUNK_ALIGN, MAX_CHUNK
 from kvproto.cli import FINITE, FloatRange
 from switchd.policy import POLICIES
 
@@ -33,11 +34,11 @@ def int_list(ctx, param, value: str) -> list[int]:
 
 
 def chunk_list(ctx, param, value: str) -> list[int]:
-    """'1024,3072' -> chunk sizes the switch takes (multiples of 8, 8..MAX_CHUNK)."""
-    from switchd.dataplane import MAX_CHUNK
-    sizes = numbers(value, int, 8, MAX_CHUNK)
-    if any(s % 8 for s in sizes):
-        raise click.BadParameter(f"give multiples of 8 (the switch's chunk sizes), got {value}")
+    """'1024,3072' -> chunk sizes (kvproto's one rule: check_chunk_size)."""
+    sizes = numbers(value, int, CHUNK_ALIGN, MAX_CHUNK)
+    if any(s % CHUNK_ALIGN for s in sizes):
+        raise click.BadParameter(f"give multiples of {CHUNK_ALIGN} (the switch's chunk sizes), "
+                                 f"got {value}")
     return sizes
 
 

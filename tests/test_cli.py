@@ -16,8 +16,8 @@ def _one_line_error(prog: str, *args: str, code: int | None = None) -> str:
 
 
 @pytest.mark.parametrize("config, message", [
-    ('chunk_size = "big"', "chunk_size: 'big' is not a valid integer"),
-    ("chunk_size = 0", "chunk size must be a multiple of 8"),
+    ('chunk_size = "big"', "chunk_size: 'big' is not a number of bytes"),
+    ("chunk_size = 0", "chunk size 0 is not a multiple of 8 from 8 to 3424"),
     ("cache_entries = 0", "cache entries must be between"),
     ('coalesce = "maybe"', "coalesce: 'maybe' is not a valid boolean"),
     ("bogus = 1", "unknown key 'bogus'"),
@@ -32,7 +32,7 @@ def test_switchd_config_errors(tmp_path, config, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--chunk-size", "0"], "chunk size must be a multiple of 8"),
+    (["--chunk-size", "0"], "chunk size 0 is not a multiple of 8 from 8 to 3424"),
     (["--cache-entries", "0"], "cache entries must be between"),
     (["--port-ns", "h1=99999999999"], "give namespaces 0..4294967295"),
     (["--port-ns", "h9=1"], "is not PORT=NS[,NS...] for one of the ports"),
@@ -201,7 +201,7 @@ KEY0 = "00" * 16
 
 
 @pytest.mark.parametrize("args, message", [
-    (["get", "--pool", "127.0.0.1", "--key", KEY0, "--chunk-size", "3444"], "not a multiple of 8"),
+    (["get", "--pool", "127.0.0.1", "--key", KEY0, "--chunk-size", "3444"], "from 8 to 3424"),
     (["get", "--pool", "127.0.0.1", "--key", KEY0, "--chunk-size", "1001"], "not a multiple of 8"),
     (["put", "--pool", "127.0.0.1", "--key", KEY0, "--file", "/etc/hostname", "--chunk-size",
       "1001"], "not a multiple of 8"),

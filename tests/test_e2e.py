@@ -114,7 +114,7 @@ def test_restart_keeps_the_cache_and_sigterm_detaches(lab):
 @pytest.mark.parametrize("args, message", [
     (["run", "--port", "nosuchif"], "no interface named 'nosuchif'"),
     (["run"], "no ports"),
-    (["run", "--port", "h1", "--chunk-size", "1000000"], "chunk size must be"),
+    (["run", "--port", "h1", "--chunk-size", "1000000"], "is not a multiple of 8 from 8 to 3424"),
     (["cache", "get", "--ns", "1", "--key", "zz"], "is not hex"),
     (["cache", "get", "--ns", "1", "--key", "00" * 16], "is not cached"),
 ])

@@ -15,8 +15,9 @@ from . import NoXdp, libbpf
 from .netns import Netns
 
 MODES = ("native", "generic")             # XDP attach modes: driver (veth, NICs) or SKB
-# This kernel refuses native XDP on a veth whose MTU exceeds this (no multi-buffer programs here)
-VETH_MAX_MTU = 3506
+# This kernel refuses native XDP on a veth whose MTU exceeds this (no multi-buffer programs here):
+# kvproto.h's KV_VETH_MAX_MTU, the one definition
+VETH_MAX_MTU = __import__("xdp").constants("kvproto.h")["KV_VETH_MAX_MTU"]
 
 
 def _fd(prog) -> int:

@@ -144,7 +144,7 @@ static __always_inline int receive(struct xdp_md *ctx, struct kv_fetch_ctl *c)
         return bad(x, KV_FETCH_STAT_BAD_CHUNK);
     __u32 len = f.payload_len;
     int last = chunk + 1 == n;
-    if (last ? (len < 1 || len > KV_FETCH_CHUNK) : len != KV_FETCH_CHUNK)
+    if (last ? (len < 1 || len > KV_CHUNK) : len != KV_CHUNK)
         return bad(x, KV_FETCH_STAT_BAD_LEN);
     __u32 slot = x->base + chunk;
     __u64 *m = kvf_meta.lookup(&slot);
@@ -160,7 +160,7 @@ static __always_inline int receive(struct xdp_md *ctx, struct kv_fetch_ctl *c)
     __u64 crc = bpf_ntohl(kv->csum);
     __u64 tag = gen | ((__u64)(bpf_ntohs(kv->flags) & 0xff) << 24);
     __u64 n64 = kv_opaque_len(len);
-    if (n64 < 1 || n64 > KV_FETCH_CHUNK || bpf_xdp_load_bytes(ctx, KV_PAYLOAD_OFF, s->b, n64)) {
+    if (n64 < 1 || n64 > KV_CHUNK || bpf_xdp_load_bytes(ctx, KV_PAYLOAD_OFF, s->b, n64)) {
         count(KV_FETCH_STAT_LOAD_FAIL);
         return XDP_DROP;
     }

@@ -7,8 +7,8 @@
 
 #include "kvproto.h"
 
-#ifndef KV_FETCH_CHUNK
-#define KV_FETCH_CHUNK 1024       /* chunk payload bytes (a multiple of 8): set at compile time */
+#ifndef KV_CHUNK
+#define KV_CHUNK KV_DEFAULT_CHUNK /* chunk payload bytes (kvproto.h): set at compile time */
 #endif
 #define KV_FETCH_SLOTS 16         /* arena slots as compiled; the engine sizes the maps itself */
 #define KV_FETCH_XFERS 256        /* transfer table entries (the top 8 bits of a request id) */
@@ -46,7 +46,7 @@
 #define KV_FETCH_R_DPORT 36       /* the pool node's UDP port */
 
 struct kv_fetch_slot {
-    __u8 b[KV_FETCH_CHUNK];
+    __u8 b[KV_CHUNK];
 };
 
 struct kv_fetch_xfer {            /* one active transfer; 64 bytes */

@@ -63,6 +63,16 @@ struct kvhdr {
  * (Deployments on veth stop lower: this kernel refuses native XDP above a 3506-byte MTU.) */
 #define KV_MAX_PAYLOAD 3444
 
+/* ---- the chunk: the unit the switch caches and serves, one datagram's payload ---------- */
+/* A deployment's chunk size is a multiple of KV_CHUNK_ALIGN (the switch and the fetch engine
+ * move chunks in 8-byte words) from KV_CHUNK_ALIGN to KV_MAX_CHUNK: the largest one whose frame
+ * fits the MTU native XDP takes on a veth (KV_VETH_MAX_MTU; a larger one needs multi-buffer
+ * programs). Programs are compiled for it: -DKV_CHUNK=<bytes>. */
+#define KV_DEFAULT_CHUNK 1024
+#define KV_CHUNK_ALIGN 8
+#define KV_VETH_MAX_MTU 3506
+#define KV_MAX_CHUNK 3424          /* (KV_VETH_MAX_MTU + 14 - KV_PAYLOAD_OFF) rounded down to 8 */
+
 /* Frame geometry of a KV datagram: untagged Ethernet, IPv4 without options, UDP (parse.h checks
  * these against the kernel's structs at compile time). */
 #define KV_ETH_LEN 14

@@ -42,7 +42,7 @@
 #include "kvmaps.h"
 #include "kvslot.h"
 #include "parse.h"
-#define KV_REPLY_MAX KV_CHUNK_MAX
+#define KV_REPLY_MAX KV_CHUNK
 #include "reply.h"
 
 /* every switch port, with kv_egress as its egress program (filled by switchd) */

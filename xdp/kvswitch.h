@@ -7,9 +7,10 @@
 #include "kvproto.h"
 
 /* ---- cache entries -------------------------------------------------------------------- */
-/* Chunk payload a cache entry holds: the deployment's chunk size, set at compile time. */
-#ifndef KV_CHUNK_MAX
-#define KV_CHUNK_MAX 1024
+/* Chunk payload a cache entry holds: the deployment's chunk size (kvproto.h), set at compile
+ * time with -DKV_CHUNK. */
+#ifndef KV_CHUNK
+#define KV_CHUNK KV_DEFAULT_CHUNK
 #endif
 #ifndef KV_CACHE_ENTRIES
 #define KV_CACHE_ENTRIES 65536
@@ -45,7 +46,7 @@ struct kv_cache_val {
     __u64 seq;                     /* kvslot.h: odd while a writer holds the slot (64 bits: the
                                       compare-and-swap BCC's instruction set has) */
     __u32 gen;                     /* kv_block.gen of the allocation it was written for; 0: none */
-    __u16 len;                     /* payload bytes held, 1..KV_CHUNK_MAX (0: empty) */
+    __u16 len;                     /* payload bytes held, 1..KV_CHUNK (0: empty) */
     __u16 flags;                   /* KV_CF_* */
     __u32 csum;                    /* CRC-32 of data[0..len), as carried on the wire */
     __u32 nchunks;                 /* chunks in the block */
@@ -54,7 +55,7 @@ struct kv_cache_val {
     /* The chunk this slot was written for, checked by the hit path (with gen and seq) before it
      * copies the payload: an index entry only says where to look. */
     struct kv_cache_key owner;
-    __u8  data[KV_CHUNK_MAX];
+    __u8  data[KV_CHUNK];
 };
 #define KV_CACHE_VAL_HEADER 64     /* bytes of kv_cache_val before data[] */
 

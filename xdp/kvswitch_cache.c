@@ -20,9 +20,9 @@ struct kv_crc_table {
 BPF_ARRAY(kv_crc_table, struct kv_crc_table, 1);
 
 /* bytes the tail loop covers: what whole steps leave (fewer when a chunk is that small) */
-#define KV_CRC_TAIL (KV_CHUNK_MAX < KV_CRC_SLICES ? KV_CHUNK_MAX : KV_CRC_SLICES)
+#define KV_CRC_TAIL (KV_CHUNK < KV_CRC_SLICES ? KV_CHUNK : KV_CRC_SLICES)
 
-/* CRC of p[0..len), len <= KV_CHUNK_MAX, p 8-byte aligned. Run at a learned slot's first hit,
+/* CRC of p[0..len), len <= KV_CHUNK, p 8-byte aligned. Run at a learned slot's first hit,
  * so what the cache serves always matches its CRC. The loops always run their full counts and keep
  * the CRC of the first len bytes with arithmetic, not a branch on len: a branch would make the
  * verifier walk the rest of the loop once per possible length. The step loop takes the whole
@@ -34,7 +34,7 @@ static __always_inline __u32 crc32_ieee(const struct kv_crc_table *tab, const __
     const __u32 *t = tab->t;
     __u32 c = 0xffffffff;
 #pragma clang loop unroll(disable)
-    for (__u32 i = 0; i < KV_CHUNK_MAX / 16; i++) {
+    for (__u32 i = 0; i < KV_CHUNK / 16; i++) {
         __u64 w0 = *(const __u64 *)(p + 16 * i), w1 = *(const __u64 *)(p + 16 * i + 8);
         __u32 a = (__u32)w0 ^ c, b = (__u32)(w0 >> 32), e = (__u32)w1, f = (__u32)(w1 >> 32);
         __u32 d = t[15 * 256 + (a & 0xff)] ^ t[14 * 256 + ((a >> 8) & 0xff)] ^
@@ -52,8 +52,8 @@ static __always_inline __u32 crc32_ieee(const struct kv_crc_table *tab, const __
      * verifier cannot carry that bound back to the register that addresses p */
     __u32 whole = len & ~15u;
     __u64 base = whole;
-    if (base > KV_CHUNK_MAX - KV_CRC_TAIL)
-        base = KV_CHUNK_MAX - KV_CRC_TAIL;
+    if (base > KV_CHUNK - KV_CRC_TAIL)
+        base = KV_CHUNK - KV_CRC_TAIL;
 #pragma clang loop unroll(disable)
     for (__u32 j = 0; j < KV_CRC_TAIL; j++) {
         __u32 pos = base + j;
@@ -126,7 +126,7 @@ static __always_inline int checked_slot(struct kv_cache_val *v, __u64 q)
     __u32 zero = 0;
     struct kv_crc_table *tab = kv_crc_table.lookup(&zero);
     __u32 len = v->len;
-    int ok = tab && len >= 1 && len <= KV_CHUNK_MAX && crc32_ieee(tab, v->data, len) == v->csum;
+    int ok = tab && len >= 1 && len <= KV_CHUNK && crc32_ieee(tab, v->data, len) == v->csum;
     if (ok) {
         v->flags &= ~KV_CF_UNCHECKED;
     } else {
@@ -177,7 +177,7 @@ static __always_inline int answer_get(struct xdp_md *ctx, struct kv_cache_val *v
 {
     __u32 ns = k->ns;
     __u32 len = v->len;
-    if (len == 0 || len > KV_CHUNK_MAX)
+    if (len == 0 || len > KV_CHUNK)
         return XDP_PASS;           /* never happens for slots we wrote; be safe */
     if (len > room) {
         count(KV_STAT_NO_ROOM, 1);
@@ -263,7 +263,7 @@ static __always_inline void learn_reply(struct xdp_md *ctx, struct kv_frame *f,
     struct kv_block *b = kv_blocks.lookup(&bk);
     if (!b)
         b = carve(&bk, nchunks);
-    if (!b || len < 1 || len > KV_CHUNK_MAX || b->nchunks != nchunks || k->chunk >= b->slots) {
+    if (!b || len < 1 || len > KV_CHUNK || b->nchunks != nchunks || k->chunk >= b->slots) {
         count(KV_STAT_FILL_FAIL, 1);
         return;
     }

@@ -20,7 +20,7 @@ int kv_write(struct xdp_md *ctx)
     __u32 idx = c->slot;
     __u32 len = c->val.len;
     struct kv_cache_val *s = kv_cache.lookup(&idx);
-    if (!s || len > KV_CHUNK_MAX || data + KV_WRITE_HEADER + len > data_end)
+    if (!s || len > KV_CHUNK || data + KV_WRITE_HEADER + len > data_end)
         return KV_WRITE_BAD;
     if (!kv_slot_claim(s))
         return KV_WRITE_BUSY;

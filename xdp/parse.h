@@ -11,6 +11,8 @@
 
 _Static_assert(KV_ETH_LEN == sizeof(struct ethhdr) && KV_IPV4_LEN == sizeof(struct iphdr) &&
                KV_UDP_LEN == sizeof(struct udphdr), "kvproto.h frame geometry");
+_Static_assert(KV_MAX_CHUNK == (KV_VETH_MAX_MTU + KV_ETH_LEN - KV_PAYLOAD_OFF) / KV_CHUNK_ALIGN *
+               KV_CHUNK_ALIGN, "kvproto.h chunk bound");
 _Static_assert(KV_HDR_OFF == KV_ETH_LEN + KV_IPV4_LEN + KV_UDP_LEN &&
                KV_PAYLOAD_OFF == KV_HDR_OFF + KV_HDR_LEN &&
                KV_HDR_LEN == sizeof(struct kvhdr), "kvproto.h offsets");

@@ -24,7 +24,8 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 
-from kvproto import DEFAULT_CHUNK, MAX_PAYLOAD, Flag, Message, Op, ProtocolError, Status
+from kvproto import (DEFAULT_CHUNK, Flag, Message, Op, ProtocolError, Status,
+                     check_chunk_size)
 from hostagent.common import auth as auth_mod
 from hostagent.common.udp import grow_buffers
 from hostagent.common.transfer import (BlockNotFound, NoAnswer, Refused, TransferStats,
@@ -157,8 +158,7 @@ class KVClient:
     def __init__(self, pools: Sequence[str | tuple[str, int]], chunk_size: int = DEFAULT_CHUNK,
                  window: int = DEFAULT_WINDOW, deadline: float = 30.0, bind: str = "0.0.0.0",
                  auth=auth_mod.DEFAULT):
-        if not 1 <= chunk_size <= MAX_PAYLOAD:
-            raise ValueError(f"chunk size must be 1..{MAX_PAYLOAD} bytes")
+        check_chunk_size(chunk_size)
         if window < 1:
             raise ValueError("window must be at least 1")
         self.pools = [parse_addr(p) if isinstance(p, str) else parse_addr(f"{p[0]}:{p[1]}")

@@ -21,6 +21,7 @@ from typing import Any
 
 from hostagent.common import auth
 from hostagent.common.transfer import parse_addr
+from kvproto import check_chunk_size
 
 DEFAULT_NS = 1                  # the namespace of a connector not told one
 NS_MAX = 0xFFFFFFFF
@@ -86,11 +87,13 @@ def namespace(value: Any) -> None:
 
 
 def chunk_size(value: Any) -> None:
-    from switchd.dataplane import MAX_CHUNK
-    integer("chunk_size", value, 8, MAX_CHUNK)
-    if value is not None and value % 8:
-        raise BadOption("chunk_size", f"{value} is not a chunk size the switch takes (a multiple "
-                                      f"of 8, at most {MAX_CHUNK})")
+    """kvproto's one rule for a chunk size (check_chunk_size)."""
+    if value is None:
+        return
+    try:
+        check_chunk_size(value)
+    except ValueError as exc:
+        raise BadOption("chunk_size", str(exc)) from None
 
 
 def seconds(key: str, value: Any) -> None:

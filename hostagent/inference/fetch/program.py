@@ -23,6 +23,7 @@ import struct
 import numpy as np
 
 import xdp
+from kvproto import check_chunk_size
 from xdp import NoXdp, libbpf, loader
 from xdp.attach import Attachment
 from xdp.program import Program
@@ -36,7 +37,7 @@ STAND_INS = ("xdp_pass", "xdp_lossy")       # programs the engine may stand in f
 def bytecode(chunk_size: int) -> loader.Bytecode:
     """kv_fetch compiled for ``chunk_size``: from the cache, else compiled (once) and cached."""
     return loader.cached_bytecode(xdp.source(FetchProgram.SOURCE), PROG_NAME,
-                                  [f"-DKV_FETCH_CHUNK={chunk_size}"], MAP_NAMES)
+                                  [f"-DKV_CHUNK={chunk_size}"], MAP_NAMES)
 
 
 class FetchProgram(Program, source="kvfetch.c", stats="KV_FETCH_STAT_"):
@@ -52,8 +53,7 @@ class FetchProgram(Program, source="kvfetch.c", stats="KV_FETCH_STAT_"):
                           ("reserved", "<u4")])
 
     def __init__(self, chunk_size: int, slots: int):
-        if not 8 <= chunk_size <= C["KV_MAX_PAYLOAD"] or chunk_size % 8:
-            raise ValueError("chunk size must be a multiple of 8 up to the protocol's maximum")
+        check_chunk_size(chunk_size)
         self.chunk_size, self.slots = chunk_size, slots
         self.fds: dict[str, int] = {}
         self._mms: list[mmap.mmap] = []
