@@ -18,7 +18,7 @@ from .dataplane import (PINNED_MAPS, ROLE_HOST, ROLE_POOL, DataPlane, Deployment
 from .cache import Cache
 from .manager import CacheManager
 from .metrics import serve_metrics
-from .ports import own, resolve, sync
+from .ports import own, resolve, set_role, sync
 
 log = logging.getLogger("switchd")
 LOCK_DIR = "/run/kvswitch"
@@ -127,9 +127,9 @@ class Daemon:
                   for port, ips in s.uplink_pools.items()}         # leads to, by ARP there
         for port in s.ports:
             trunk = port in s.uplinks or port in s.downlinks
-            dp.set_port_role(port, ROLE_POOL if port in s.pool_ports + s.uplinks else ROLE_HOST,
-                             s.port_namespaces.get(port), s.port_security and not trunk,
-                             bindings.get(port), trunk, owns_sources=s.port_security and trunk)
+            set_role(dp, port, ROLE_POOL if port in s.pool_ports + s.uplinks else ROLE_HOST,
+                     s.port_namespaces.get(port), s.port_security and not trunk,
+                     bindings.get(port), trunk, owns_sources=s.port_security and trunk)
         for port, sources in behind.items():
             for mac, ip in sources:
                 own(dp, ifindex(port), mac, ip)

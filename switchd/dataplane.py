@@ -196,68 +196,6 @@ class DataPlane(Program, source="kvswitch.c", header="kvswitch.h", stats="KV_STA
         """The kernel's id of one of the switch's maps."""
         return libbpf.map_info(self.bpf.get_table(name.encode()).get_fd()).id
 
-    def set_port_role(self, ifname: str, role: int, namespaces: list[int] | None = None,
-                      secured: bool = False, source: tuple[str, str] | None = None,
-                      trunk: bool = False, owns_sources: bool = False) -> None:
-        """A port's role and checks. ``namespaces``: the only ones it may ask for (and only
-        frames the data plane can check pass). ``secured``: its frames must carry one source,
-        ``source`` (MAC, IPv4) if given (a port that had it loses it), else the first one it
-        sends that no other port owns (sticky; a binding learned before is kept). ``trunk``: a
-        link to another switch, many nodes' frames (never secured): with the pool role an
-        uplink, whose replies made by the switch above answer rounds too; else a downlink.
-        ``owns_sources`` (a trunk): every source it carries becomes its own when first seen,
-        and a frame claiming another port's is dropped (KV_PF_SOURCES)."""
-        if trunk and (secured or source):
-            raise SwitchError(f"{ifname} is a trunk: it carries many nodes' frames and cannot "
-                              "be bound to one source")
-        if owns_sources and not trunk:
-            raise SwitchError(f"{ifname} is not a trunk: a node's port is bound to one source")
-        from . import ports
-        index = ifindex(ifname)
-        for k in [k for k in self.port_ns.keys() if k.ifindex == index]:
-            del self.port_ns[k]
-        for ns in namespaces or []:
-            self.port_ns[self.port_ns.Key(index, ns)] = self.port_ns.Leaf(1)
-        key = self.ports.Key(index)
-        try:
-            cfg = self.ports[key]
-        except KeyError:
-            cfg = self.ports.Leaf()
-        bound = cfg.flags & PF["BOUND"] if secured and not source else 0
-        if source:
-            ctypes.memmove(cfg.mac, bytes.fromhex(source[0].replace(":", "")), 6)
-            cfg.ip = int.from_bytes(socket.inet_aton(source[1]), "little")
-            bound = PF["BOUND"]
-        elif not bound:
-            ctypes.memset(ctypes.addressof(cfg.mac), 0, 6)
-            cfg.ip = 0
-        cfg.role = role
-        inline = len(cfg.ns)
-        ns_list = sorted(set(namespaces or []))
-        cfg.nns = len(ns_list) if len(ns_list) <= inline else inline + 1   # more: kv_port_ns
-        for i in range(inline):
-            cfg.ns[i] = ns_list[i] if i < len(ns_list) else 0
-        cfg.flags = ((PF["NS_LIMITED"] if namespaces else 0) |
-                     (PF["SECURED"] if secured or source else 0) | bound |
-                     (PF["TRUNK"] if trunk else 0) | (PF["SOURCES"] if owns_sources else 0))
-        checked = PF["NS_LIMITED"] | PF["SECURED"] | PF["SOURCES"]
-        checks = bool(cfg.flags & checked)
-        if checks:
-            self.mark_clear(index, False)    # before the checks exist: never skipped
-        if source:
-            for other in ports.claim(self, index, *source):
-                log.warning("%s lost its binding: %s is bound to %s %s", _name(other), ifname,
-                            *source)
-        elif not bound and not owns_sources:
-            ports.release(self, index)
-        self.ports[key] = cfg
-        if not checks:
-            self.mark_clear(index, True)     # after they are gone
-        if bound and not source:
-            ports.sync(self)
-        # a trunk that does not own its sources has nothing to check
-        self.set("port_checks", int(any(v.flags & checked for v in self.ports.values())))
-
     def mark_clear(self, index: int, clear: bool) -> None:
         """Say whether port ``index`` has no checks (kv_port_clear; ports past its slots are
         always looked up)."""

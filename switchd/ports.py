@@ -1,16 +1,21 @@
-"""Port security as the control plane keeps it: which port owns which source (the data plane's
-kv_src_macs and kv_src_ips, written here for bindings switchd makes and by the data plane for
-the ones it learns), binding a port before any frame is seen (a MAC and IPv4 address given, or
-the address alone, its MAC asked for by ARP out of that port and nowhere else), the operator's
-relearn, and the port table `switchd port ls` prints. docs/security.md explains the model."""
+"""Ports as the control plane keeps them: a port's role and checks (``set_role``), which port
+owns which source (the data plane's kv_src_macs and kv_src_ips, written here for bindings switchd
+makes and by the data plane for the ones it learns), binding a port before any frame is seen (a
+MAC and IPv4 address given, or the address alone, its MAC asked for by ARP out of that port and
+nowhere else), the operator's relearn, and the port table `switchd port ls` prints.
+docs/security.md explains the model."""
 from __future__ import annotations
 
+import ctypes
+import logging
 import select
 import socket
 import struct
 import time
 
-from .dataplane import PF, ROLE_POOL, DataPlane, SwitchError, ifindex
+from .dataplane import PF, ROLE_POOL, DataPlane, SwitchError, _name, ifindex
+
+log = logging.getLogger("switchd.ports")
 
 ETH_P_ARP = 0x0806
 ETH_P_ALL = 0x0003
@@ -162,6 +167,68 @@ def relearn(dp: DataPlane, ifname: str) -> tuple[str, str] | None:
     before = _source(cfg)
     _unbind(dp, index)
     return before
+
+
+def set_role(dp: DataPlane, ifname: str, role: int, namespaces: list[int] | None = None,
+             secured: bool = False, source: tuple[str, str] | None = None,
+             trunk: bool = False, owns_sources: bool = False) -> None:
+    """A port's role and checks. ``namespaces``: the only ones it may ask for (and only
+    frames the data plane can check pass). ``secured``: its frames must carry one source,
+    ``source`` (MAC, IPv4) if given (a port that had it loses it), else the first one it
+    sends that no other port owns (sticky; a binding learned before is kept). ``trunk``: a
+    link to another switch, many nodes' frames (never secured): with the pool role an
+    uplink, whose replies made by the switch above answer rounds too; else a downlink.
+    ``owns_sources`` (a trunk): every source it carries becomes its own when first seen,
+    and a frame claiming another port's is dropped (KV_PF_SOURCES)."""
+    if trunk and (secured or source):
+        raise SwitchError(f"{ifname} is a trunk: it carries many nodes' frames and cannot "
+                          "be bound to one source")
+    if owns_sources and not trunk:
+        raise SwitchError(f"{ifname} is not a trunk: a node's port is bound to one source")
+    index = ifindex(ifname)
+    for k in [k for k in dp.port_ns.keys() if k.ifindex == index]:
+        del dp.port_ns[k]
+    for ns in namespaces or []:
+        dp.port_ns[dp.port_ns.Key(index, ns)] = dp.port_ns.Leaf(1)
+    key = dp.ports.Key(index)
+    try:
+        cfg = dp.ports[key]
+    except KeyError:
+        cfg = dp.ports.Leaf()
+    bound = cfg.flags & PF["BOUND"] if secured and not source else 0
+    if source:
+        ctypes.memmove(cfg.mac, bytes.fromhex(source[0].replace(":", "")), 6)
+        cfg.ip = int.from_bytes(socket.inet_aton(source[1]), "little")
+        bound = PF["BOUND"]
+    elif not bound:
+        ctypes.memset(ctypes.addressof(cfg.mac), 0, 6)
+        cfg.ip = 0
+    cfg.role = role
+    inline = len(cfg.ns)
+    ns_list = sorted(set(namespaces or []))
+    cfg.nns = len(ns_list) if len(ns_list) <= inline else inline + 1   # more: kv_port_ns
+    for i in range(inline):
+        cfg.ns[i] = ns_list[i] if i < len(ns_list) else 0
+    cfg.flags = ((PF["NS_LIMITED"] if namespaces else 0) |
+                 (PF["SECURED"] if secured or source else 0) | bound |
+                 (PF["TRUNK"] if trunk else 0) | (PF["SOURCES"] if owns_sources else 0))
+    checked = PF["NS_LIMITED"] | PF["SECURED"] | PF["SOURCES"]
+    checks = bool(cfg.flags & checked)
+    if checks:
+        dp.mark_clear(index, False)    # before the checks exist: never skipped
+    if source:
+        for other in claim(dp, index, *source):
+            log.warning("%s lost its binding: %s is bound to %s %s", _name(other), ifname,
+                        *source)
+    elif not bound and not owns_sources:
+        release(dp, index)
+    dp.ports[key] = cfg
+    if not checks:
+        dp.mark_clear(index, True)     # after they are gone
+    if bound and not source:
+        sync(dp)
+    # a trunk that does not own its sources has nothing to check
+    dp.set("port_checks", int(any(v.flags & checked for v in dp.ports.values())))
 
 
 def _source(cfg) -> tuple[str, str] | None:

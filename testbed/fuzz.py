@@ -32,6 +32,7 @@ from kvproto.frames import IPV4_LEN as IPH
 from kvproto.frames import UDP_LEN as UDPH
 from kvproto.frames import XDP, ip_checksum, ipv4_frame
 from switchd.cache import Cache
+from switchd.ports import set_role
 from switchd.dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment
 from xdp.libbpf import xdp_test_run
 
@@ -227,8 +228,8 @@ def run_fuzz(frames: int, seed: int = 1, json_path: str | None = None, log=print
     with scratch_ports(("host", "pool"), ("tenant", "spare"), prefix="kvfz") as ports:
         dp = DataPlane(Deployment(chunk_size=CHUNK, cache_entries=256, pin_dir=None))
         dp.ports[dp.ports.Key(ports["pool"])] = dp.ports.Leaf(role=ROLE_POOL)
-        dp.set_port_role("tenant", ROLE_HOST, namespaces=list(TENANT_NS),   # we are in its netns
-                         source=(MACS[0].hex(":"), socket.inet_ntoa(HOST_IP)))
+        set_role(dp, "tenant", ROLE_HOST, namespaces=list(TENANT_NS),   # we are in its netns
+                 source=(MACS[0].hex(":"), socket.inet_ntoa(HOST_IP)))
         dp.set("coalesce", 1)
         dp.set("pending_ns", 10 ** 8)
         cache = Cache(dp)

@@ -10,7 +10,7 @@ from scapy.layers.l2 import ARP, Ether
 from kvproto.frames import XDP
 from switchd.cache import Cache
 from switchd.dataplane import PF, ROLE_HOST, ROLE_POOL, DataPlane, Deployment
-from switchd.ports import own, owners, mac_raw, ip_raw
+from switchd.ports import ip_raw, mac_raw, own, owners, set_role
 from testbed.lab.topology import scratch_ports
 from xdp.libbpf import xdp_test_run
 from xdp_fixtures import KEY, PAYLOAD, get_frame
@@ -32,10 +32,10 @@ def dp():
         PORTS.update(ends)
         d = DataPlane(Deployment(chunk_size=1024, cache_entries=4096, pin_dir=None))
         for port in ("host", "host2"):
-            d.set_port_role(port, ROLE_HOST, secured=True)
-        d.set_port_role("uplk", ROLE_POOL, trunk=True, owns_sources=True)
+            set_role(d, port, ROLE_HOST, secured=True)
+        set_role(d, "uplk", ROLE_POOL, trunk=True, owns_sources=True)
         for port in ("dn1", "dn2"):
-            d.set_port_role(port, ROLE_HOST, trunk=True, owns_sources=True)
+            set_role(d, port, ROLE_HOST, trunk=True, owns_sources=True)
         own(d, PORTS["uplk"], POOL_MAC, POOL_IP)          # the pool node behind the uplink
         yield d
 
@@ -105,7 +105,7 @@ def test_a_get_to_a_group_mac_is_never_answered_from_the_cache():
     with scratch_ports(("ghost", "gpool"), prefix="kvgrp") as ends:
         d = DataPlane(Deployment(chunk_size=1024, cache_entries=256, pin_dir=None))
         try:
-            d.set_port_role("gpool", ROLE_POOL)
+            set_role(d, "gpool", ROLE_POOL)
             Cache(d).put(5, KEY, 3, PAYLOAD, nchunks=9)
             for dst in ("ff:ff:ff:ff:ff:ff", "01:00:5e:00:00:01"):
                 frame = bytes(get_frame(dst_mac=dst))

@@ -11,7 +11,7 @@ from kvproto.frames import XDP
 from kvproto.scapy_layer import KV
 from switchd.cache import Cache
 from switchd.dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment, SwitchError
-from switchd.ports import table
+from switchd.ports import set_role, table
 from testbed.lab.topology import scratch_ports
 from xdp.libbpf import xdp_test_run
 from xdp_fixtures import KEY, PAYLOAD, broadcast_of, get_frame, reply_frame, waiter_of
@@ -31,9 +31,9 @@ def dp():
                        prefix="kvtrunk") as ends:
         PORTS.update(ends)
         d = DataPlane(Deployment(chunk_size=1024, cache_entries=4096, pin_dir=None))
-        d.set_port_role("trunkup", ROLE_POOL, trunk=True)
-        d.set_port_role("trunkdn", ROLE_HOST, trunk=True)
-        d.set_port_role("pool", ROLE_POOL)
+        set_role(d, "trunkup", ROLE_POOL, trunk=True)
+        set_role(d, "trunkdn", ROLE_HOST, trunk=True)
+        set_role(d, "pool", ROLE_POOL)
         yield d
 
 
@@ -135,7 +135,7 @@ def test_gets_from_two_racks_reach_the_pool_once_and_both_get_the_reply(sw):
 
 def test_a_trunk_is_never_bound_and_checks_nothing(sw):
     with pytest.raises(SwitchError, match="trunk"):
-        sw.set_port_role("trunkup", ROLE_POOL, secured=True, trunk=True)
+        set_role(sw, "trunkup", ROLE_POOL, secured=True, trunk=True)
     roles = {row["port"]: (row["role"], row["secured"]) for row in table(sw)}
     assert roles["trunkup"] == ("uplink", False) and roles["trunkdn"] == ("downlink", False)
     assert sw.get("port_checks") == 0, "no port lookups on the hit path for trunks"

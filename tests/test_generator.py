@@ -14,6 +14,7 @@ from conftest import leaves_no_namespaces
 from kvproto import PORT, Flag, Message, Op, Status
 from kvproto.frames import XDP
 from switchd.cache import Cache
+from switchd.ports import set_role
 from switchd.dataplane import ROLE_POOL, DataPlane, Deployment
 from testbed.bench.throughput import fill_cache
 from testbed.bench.generator import (GEN_PORT, MC_PORT, Endpoint, Generator, Iperf3, Sweep,
@@ -186,7 +187,7 @@ def test_ceiling_and_switch_hits_are_counted_at_the_requester(gen, topo):
         dp = DataPlane(Deployment(1024, 4096, None))
         try:
             with netns.inside(topo.switch_ns):
-                dp.set_port_role("p1", ROLE_POOL)
+                set_role(dp, "p1", ROLE_POOL)
                 for port in ("h1", "p1"):
                     dp.attach(port)
             fill_cache(Cache(dp), NS, KEY, 0, 256, 256)

@@ -11,6 +11,7 @@ from kvproto import Flag, checksum
 from kvproto.scapy_layer import KV
 from kvproto.frames import XDP
 from switchd.cache import UNCHECKED
+from switchd.ports import set_role
 from switchd.dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment
 from xdp_fixtures import (CASES, HOST_IP, KEY, OTHER_IP, PAYLOAD, POOL_IP,  # noqa: F401
                           Case, broadcast_of, get_frame, put_frame, reply_frame, waiter_of)
@@ -29,9 +30,9 @@ def test_fixture(dp, cache, case: Case):
     checked = [socket.if_indextoname(PORTS[p]) for p in {*case.port_ns, *case.secure}]
     for name in checked:
         port = next(p for p in PORTS if socket.if_indextoname(PORTS[p]) == name)
-        dp.set_port_role(name, ROLE_POOL if port == "pool" else ROLE_HOST,
-                         namespaces=case.port_ns.get(port), secured=port in case.secure,
-                         source=case.secure.get(port))
+        set_role(dp, name, ROLE_POOL if port == "pool" else ROLE_HOST,
+                 namespaces=case.port_ns.get(port), secured=port in case.secure,
+                 source=case.secure.get(port))
     entries = cache.entries()
     for chunk in case.writing:
         hold_slot(dp, cache, *chunk)
@@ -41,7 +42,7 @@ def test_fixture(dp, cache, case: Case):
         after = dp.counters()
     finally:
         for name in checked:
-            dp.set_port_role(name, ROLE_POOL if name == "poolport" else ROLE_HOST)
+            set_role(dp, name, ROLE_POOL if name == "poolport" else ROLE_HOST)
         for chunk in case.writing:
             hold_slot(dp, cache, *chunk, held=False)
     assert verdict == case.verdict

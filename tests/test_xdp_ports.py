@@ -12,7 +12,7 @@ from scapy.layers.l2 import ARP, Ether
 from kvproto.frames import XDP
 from switchd import ports
 from switchd.dataplane import ROLE_HOST, ROLE_POOL, SwitchError
-from switchd.ports import resolve
+from switchd.ports import resolve, set_role
 from xdp_fixtures import (HOST_IP, HOST_MAC, OTHER_IP, OTHER_MAC, POOL_IP, POOL_MAC, get_frame,
                           reply_frame)
 from xdp_switch import HOST2_IP, PORTS, cache, dp, ports_namespace, run  # noqa: F401
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.bpf
 
 def test_a_secured_port_binds_to_its_first_source(dp, cache):
     host = socket.if_indextoname(PORTS["host"])
-    dp.set_port_role(host, ROLE_HOST, secured=True)
+    set_role(dp, host, ROLE_HOST, secured=True)
     try:
         assert host not in dp.port_sources()
         before = dp.counters()
@@ -31,11 +31,11 @@ def test_a_secured_port_binds_to_its_first_source(dp, cache):
         assert dp.port_sources()[host] == (HOST_MAC, HOST_IP)
         assert dp.counters()["src_learned"] - before["src_learned"] == 1
         assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.DROP
-        dp.set_port_role(host, ROLE_HOST, secured=True)     # a restarted daemon keeps it
+        set_role(dp, host, ROLE_HOST, secured=True)     # a restarted daemon keeps it
         assert dp.port_sources()[host] == (HOST_MAC, HOST_IP)
         assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.DROP
     finally:
-        dp.set_port_role(host, ROLE_HOST)
+        set_role(dp, host, ROLE_HOST)
     assert host not in dp.port_sources()
     assert run(dp, get_frame(src=OTHER_IP))[0] == XDP.PASS
 
@@ -62,14 +62,14 @@ def test_only_ports_without_checks_are_spared_the_port_lookup(dp, cache):
 
 
 def _secure(dp, port, source=None):
-    dp.set_port_role(socket.if_indextoname(PORTS[port]),
-                     ROLE_POOL if port == "pool" else ROLE_HOST, secured=True, source=source)
+    set_role(dp, socket.if_indextoname(PORTS[port]),
+             ROLE_POOL if port == "pool" else ROLE_HOST, secured=True, source=source)
 
 
 def _unsecure(dp, *ports):
     for port in ports:
-        dp.set_port_role(socket.if_indextoname(PORTS[port]),
-                         ROLE_POOL if port == "pool" else ROLE_HOST)
+        set_role(dp, socket.if_indextoname(PORTS[port]),
+                 ROLE_POOL if port == "pool" else ROLE_HOST)
 
 
 def _arp(mac, ip):

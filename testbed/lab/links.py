@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from xdp import netns
 from xdp.attach import attach_xdp
 
+from .shell import TestbedError, sh
+
 BRIDGE = "br0"
 TO_SWITCH, TO_NODE = "sw", "node"      # the link namespace's two ends
 
@@ -34,7 +36,6 @@ class LinkSpec:
     buffer_ms: float = 50.0
 
     def __post_init__(self):
-        from .topology import TestbedError
         for what, v in (("--link-gbit", self.host_gbit), ("--pool-link-gbit", self.pool_gbit)):
             if v is not None and not v > 0:
                 raise TestbedError(f"{what} must be > 0 Gbit/s, got {v:g}")
@@ -76,7 +77,6 @@ def tbf_args(gbit: float, mtu: int, buffer_ms: float) -> list[str]:
 def build_link(topo, node, gbit: float, spec: LinkSpec, pass_fn, ip, quiet) -> None:
     """Make ``node``'s link namespace: the switch's port ``node.name`` (in the switch's
     namespace) - [sw | br0 | node] - eth0 in the node's namespace, shaped both ways."""
-    from .topology import TestbedError, sh
     ln = link_netns(topo.prefix, node.name)
     ip("netns", "add", ln)
     quiet(ln)
@@ -105,7 +105,6 @@ def build_link(topo, node, gbit: float, spec: LinkSpec, pass_fn, ip, quiet) -> N
 def link_stats(topo, node: str) -> dict:
     """What the node's link queued and dropped, per direction (tc's counters)."""
     import json
-    from .topology import sh
     out = {}
     for end, direction in ((TO_SWITCH, "up"), (TO_NODE, "down")):
         r = sh("ip", "netns", "exec", link_netns(topo.prefix, node), "tc", "-j", "-s", "qdisc",

@@ -31,26 +31,12 @@ from xdp.attach import attach_mode, attach_xdp, attached_program, detach_port
 from xdp.loader import cached_bytecode, load_bytecode
 
 from .links import LinkSpec, build_link
+from .shell import TestbedError, ip, sh  # noqa: F401 (TestbedError: the lab's one error)
 
 SUBNET = "198.18.0"
 LOCK_DIR = "/run/kvswitch"                       # shared with switchd's locks
 BRIDGE = "br0"
 HERE = Path(__file__).resolve().parent            # pass.c and lossy.c
-
-
-class TestbedError(RuntimeError):
-    pass
-
-
-def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run(argv, capture_output=True, text=True)
-    if check and r.returncode:
-        raise TestbedError(f"{' '.join(argv)}: {r.stderr.strip() or r.stdout.strip()}")
-    return r
-
-
-def ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    return sh(*(["ip", "-n", ns] if ns else ["ip"]), *args, check=check)
 
 
 @dataclass(frozen=True)
