@@ -12,8 +12,14 @@ Enable it in any vLLM with its own mechanism::
 (``hostagent.inference.vllm_connector_blocks.Settings`` lists every extra key.) ``kv_role`` kv_both
 loads and saves, kv_consumer only loads, kv_producer only saves.
 
-Scheduler side. ``get_num_new_matched_tokens`` derives the prompt's block keys (chained prefix
-hashes with the model id and the layout in them, as ``hostagent.inference.hf_connector``) and probes
+Keys. A block's key is the chained prefix hash of its tokens with the model id, the layout and
+the codec in it, and, at the blocks where they apply, what vLLM's own prefix cache keeps apart:
+the request's ``cache_salt`` (first block), LoRA adapter (every block), multimodal inputs (the
+blocks their placeholders cover) and prompt embeddings (``hostagent.inference.block_keys``, the
+Hugging Face connector's key function too). Requests of another salt, adapter or image never
+load each other's blocks; those with the same salt (or none) share across servers.
+
+Scheduler side. ``get_num_new_matched_tokens`` derives the prompt's block keys and probes
 the loadable blocks (never the one holding the last prompt token) with a chunk-0 GET each, all in
 flight at once: the longest present prefix, minus what vLLM holds locally, is the external hit.
 The probe moves one chunk per block, never the blocks: the scheduler does not fetch twice.
@@ -56,6 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 
 from hostagent.common.transfer import TransferStats
+from .block_keys import vllm_request_extras
 from .paged_kv import PagedKV
 from .vllm_connector_blocks import LoadSpec, Planner, PoolLayout, SaveSpec, Settings
 from .vllm_connector_pool import backend_for, drain_load, log
@@ -113,13 +120,17 @@ class KVSwitchConnector(KVConnectorBase_V1):
                  self.layout.extra(self.model_id))
 
     # ---- scheduler side ------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        self.planner.register(request.request_id, vllm_request_extras(request))
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         tokens = list(request.prompt_token_ids or [])
+        self.planner.register(request.request_id, vllm_request_extras(request))
         loadable = self.planner.loadable(len(tokens))
         if not loadable:
             return 0, False
-        keys = self.planner.keys(tokens)
+        keys = self.planner.request_keys(request.request_id, tokens)
         found, stats = self.backend.probe(self.ns, keys[:loadable])
         external = self.planner.matched(request.request_id, keys, found, num_computed_tokens)
         self.backend.record(ev="probe", req=request.request_id, prompt=len(tokens),

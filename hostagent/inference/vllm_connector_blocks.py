@@ -6,9 +6,11 @@ is the vLLM glue.
 Blocks and keys are those of the Hugging Face connector (``hostagent.inference.hf_connector``): a
 pool block holds ``block_tokens`` consecutive prompt tokens for every layer, one C-contiguous array
 of the KV dtype shaped ``[layers, 2 (K, V), kv_heads, block_tokens, head_dim]`` (keys after RoPE),
-and its key is the chained prefix hash of the tokens (``hostagent.common.hashing.block_hashes``)
-with ``extra`` = model id + ``|`` + layout tag. ``block_tokens`` is a multiple of vLLM's block size
-(``ratio`` vLLM blocks per pool block).
+and its key is the chained prefix hash of the tokens with ``extra`` = model id + ``|`` + layout
+tag + codec tag, and, at the blocks where they apply, the request's ``cache_salt``, LoRA adapter,
+multimodal inputs and prompt embeddings (``hostagent.inference.block_keys``, the key function
+both connectors share). ``block_tokens`` is a multiple of vLLM's block size (``ratio`` vLLM
+blocks per pool block).
 """
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hostagent.common.hashing import block_hashes
 from kvproto import DEFAULT_CHUNK
 from . import options
+from .block_keys import KeyExtras, block_keys
 from .block_layout import BlockLayout
 
 
@@ -108,9 +110,11 @@ class PoolLayout(BlockLayout):
         """Bytes of a block in the pool (coded)."""
         return self.codec.nbytes
 
-    def keys(self, tokens: Sequence[int], model_id: str) -> list[bytes]:
-        """The chained keys of every full pool block of ``tokens``."""
-        return block_hashes(list(tokens), self.block_tokens, extra=self.extra(model_id))
+    def keys(self, tokens: Sequence[int], model_id: str,
+             extras: KeyExtras | None = None) -> list[bytes]:
+        """The chained keys of every full pool block of ``tokens`` (with a request's
+        ``extras``: ``hostagent.inference.block_keys``)."""
+        return block_keys(tokens, self.block_tokens, self.extra(model_id), extras)
 
     def nchunks(self, chunk_size: int) -> int:
         return -(-self.coded_bytes // chunk_size)
@@ -164,17 +168,29 @@ def load_targets(layout: PoolLayout, start: int, end: int,
 class Planner:
     """What each scheduled request loads and saves, from what the probe found and what vLLM
     allocated. Loads: only the first step of a (new or resumed) request. Saves: each full
-    prompt block once all its tokens are computed, unless the pool already had it."""
+    prompt block once all its tokens are computed, unless the pool already had it. A request's
+    keys carry its extras (``register``); one whose extras were never registered is not saved,
+    so a tenant's KV is never put under keys without its salt."""
 
     def __init__(self, layout: PoolLayout, model_id: str, load: bool = True,
                  save: bool = True):
         self.layout, self.model_id, self.load, self.save = layout, model_id, load, save
+        self._extras: dict[str, KeyExtras] = {}                    # req -> its key extras
         self._matched: dict[str, tuple[list[bytes], int]] = {}   # req -> (keys, found)
         self._loads: dict[str, tuple[int, int]] = {}               # req -> token range
         self._tracked: dict[str, _Tracked] = {}
 
-    def keys(self, tokens: Sequence[int]) -> list[bytes]:
-        return self.layout.keys(tokens, self.model_id)
+    def register(self, req_id: str, extras: KeyExtras) -> None:
+        """What besides its tokens a request's KV depends on (its keys carry it)."""
+        self._extras[req_id] = extras
+
+    def keys(self, tokens: Sequence[int], extras: KeyExtras | None = None) -> list[bytes]:
+        return self.layout.keys(tokens, self.model_id, extras)
+
+    def request_keys(self, req_id: str, tokens: Sequence[int]) -> list[bytes] | None:
+        """A registered request's keys (None: not registered)."""
+        extras = self._extras.get(req_id)
+        return None if extras is None else self.keys(tokens, extras)
 
     def loadable(self, prompt_len: int) -> int:
         """Pool blocks a prompt can load: never its last token, whose logits are computed."""
@@ -203,7 +219,7 @@ class Planner:
         for rid, prompt, block_ids, computed, scheduled in new:
             keys, found = self._matched.pop(rid, (None, 0))
             if keys is None:
-                keys = self.keys(prompt) if self.save else []
+                keys = (self.request_keys(rid, prompt) or []) if self.save else []
             self._start(plan, rid, keys, found, list(block_ids))
             self._plan_save(plan, rid, computed + scheduled)
         for rid, resumed, block_ids, computed, scheduled in cached:
@@ -222,7 +238,7 @@ class Planner:
         return plan
 
     def forget(self, req_id: str) -> None:
-        for d in (self._matched, self._loads, self._tracked):
+        for d in (self._extras, self._matched, self._loads, self._tracked):
             d.pop(req_id, None)
 
     def _start(self, plan: Plan, rid: str, keys: list[bytes], found: int,
