@@ -126,6 +126,7 @@ def test_an_unregistered_request_is_never_saved():
     p.register("y", vllm_request_extras(_request("y", salt="t")))
     [sv] = p.build([("y", PROMPT, list(range(7)), 0, len(PROMPT))], []).saves
     assert sv.keys == _keys(_request("y", salt="t"))
+    assert p.forget("y") and not p.forget("x")         # "y" had a save planned
 
 
 def test_the_hugging_face_connector_takes_the_same_extras():
