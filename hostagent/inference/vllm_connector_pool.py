@@ -3,8 +3,9 @@
 instance of the process shares (in vLLM's single-process mode the scheduler's and the worker's).
 
 It owns the probe, block fetches and the copy of fetched blocks into the paged cache as they
-arrive (``drain_load``), background saves, their transfer totals and a bounded log of events
-the connector records (per request: what the probe found, what a load moved and from where).
+arrive (``drain``: what landed, what failed and why), background saves, their transfer totals
+and a bounded log of events the connector records (per request: what the probe found, what a
+load moved and from where).
 The engine's threads call in synchronously (``probe``), get results through a queue
 (``fetch``) or do not wait at all (``save``: the bytes were already copied out of the cache).
 
