@@ -8,7 +8,11 @@ and loads the longest prefix of a prompt whose blocks the switch or the pool nod
 Blocks and keys. A block holds the KV of ``block_tokens`` consecutive prompt tokens for every
 layer. Its key is the chained prefix hash of the tokens (``hostagent.common.hashing.block_hashes``)
 with ``extra`` = model id + the layout tag (``BlockLayout.tag``), so blocks of another model,
-another set of weights or another layout never share a key. Only full blocks get keys.
+another set of weights or another layout never share a key. Only full blocks get keys. What else
+makes a prompt's KV differ is the caller's ``extras`` (``hostagent.inference.block_keys.KeyExtras``,
+the vLLM connector's key function too): a cache salt keeps tenants apart, a LoRA adapter
+(``adapter=(name, path)``, e.g. a PEFT adapter's) changes every block, a multimodal input's
+content hash the blocks its placeholder tokens cover; ``keys``, ``save`` and ``load`` take it.
 
 The block layout (its bytes and tag) is ``hostagent.inference.block_layout``'s, which
 both connectors use.
@@ -46,7 +50,7 @@ from transformers import DynamicCache              # noqa: E402
 from hostagent.common.transfer import BlockNotFound, TransferStats  # noqa: E402
 from .client import KVClient  # noqa: E402
 from .codec import Codec, make as make_codec, warm_up  # noqa: E402
-from hostagent.common.hashing import block_hashes  # noqa: E402
+from .block_keys import KeyExtras, block_keys  # noqa: E402
 from hostagent.inference.block_layout import BlockLayout  # noqa: E402
 
 DEFAULT_CONCURRENCY = 4
@@ -182,13 +186,13 @@ class KVConnector:
         self.extra = mid + b"|" + layout.tag() + self.codec.tag()
         self.nchunks = math.ceil(self.codec.nbytes / client.chunk_size)
 
-    def keys(self, tokens: Sequence[int]) -> list[bytes]:
-        return block_hashes(tokens, self.layout.block_tokens, extra=self.extra)
+    def keys(self, tokens: Sequence[int], extras: KeyExtras | None = None) -> list[bytes]:
+        return block_keys(tokens, self.layout.block_tokens, self.extra, extras)
 
-    async def save(self, tokens: Sequence[int], cache: DynamicCache,
-                   first_block: int = 0) -> TransferStats:
+    async def save(self, tokens: Sequence[int], cache: DynamicCache, first_block: int = 0,
+                   extras: KeyExtras | None = None) -> TransferStats:
         """Put the full blocks of ``tokens`` from ``first_block`` on (the cache must hold them)."""
-        keys = self.keys(tokens)
+        keys = self.keys(tokens, extras)
         if cache.get_seq_length() < len(keys) * self.layout.block_tokens:
             raise ValueError("the cache holds fewer tokens than the prompt's full blocks")
         blocks = cache_to_blocks(cache, self.layout, first_block, len(keys), self.codec)
@@ -247,10 +251,10 @@ class KVConnector:
         total.seconds = time.monotonic() - start
         return list(got[:missing]), (missing if missing < len(keys) else None), total
 
-    async def load(self, tokens: Sequence[int]) -> Loaded:
+    async def load(self, tokens: Sequence[int], extras: KeyExtras | None = None) -> Loaded:
         """The cache of the longest prefix of ``tokens`` whose blocks are available. It never
         covers the last token, whose logits the caller must compute (``prefill``)."""
-        keys = self.keys(list(tokens)[:-1])
+        keys = self.keys(list(tokens)[:-1], extras)
         if self.codec.name != "none":
             return await self._load_decoding(keys)
         blocks, missing_at, stats = await self.fetch_prefix(keys, views=True)

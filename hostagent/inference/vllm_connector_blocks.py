@@ -6,9 +6,11 @@ is the vLLM glue.
 Blocks and keys are those of the Hugging Face connector (``hostagent.inference.hf_connector``): a
 pool block holds ``block_tokens`` consecutive prompt tokens for every layer, one C-contiguous array
 of the KV dtype shaped ``[layers, 2 (K, V), kv_heads, block_tokens, head_dim]`` (keys after RoPE),
-and its key is the chained prefix hash of the tokens (``hostagent.common.hashing.block_hashes``)
-with ``extra`` = model id + ``|`` + layout tag. ``block_tokens`` is a multiple of vLLM's block size
-(``ratio`` vLLM blocks per pool block).
+and its key is the chained prefix hash of the tokens with ``extra`` = model id + ``|`` + layout
+tag + codec tag, and, at the blocks where they apply, the request's ``cache_salt``, LoRA adapter,
+multimodal inputs and prompt embeddings (``hostagent.inference.block_keys``, the key function
+both connectors share). ``block_tokens`` is a multiple of vLLM's block size (``ratio`` vLLM
+blocks per pool block).
 """
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hostagent.common.hashing import block_hashes
 from kvproto import DEFAULT_CHUNK
 from . import options
+from .block_keys import KeyExtras, block_keys
 from .block_layout import BlockLayout
 
 
@@ -49,6 +51,7 @@ class Settings:
     fetch_engine: str = "auto"         # auto: the XDP fetch engine where it can run; off
     kv_codec: str = "none"             # none, int8, fp8, int4, int4h or NAME/gTOKENS (codec)
     load_failure: str = "recompute"    # a block that cannot be loaded: recompute, or fail
+    load_mode: str = "async"           # async: loads beside the engine's steps; sync: in them
     auth_key_file: str | None = None   # keyed authentication; default $KVSWITCH_AUTH_KEY_FILE
 
     @classmethod
@@ -66,7 +69,8 @@ class Settings:
                         "probe_window": (1, 1 << 16), "block_tokens": (1, 1 << 20),
                         "max_pending_save_mib": (1, 1 << 20)},
                 '["IP[:PORT]", ...]', {"fetch_engine": ("auto", "off"),
-                                       "load_failure": ("recompute", "fail")})
+                                       "load_failure": ("recompute", "fail"),
+                                       "load_mode": ("async", "sync")})
             options.kv_codec(extra.get("kv_codec", "none"))
         except options.BadOption as exc:
             raise SettingsError(exc.key, exc.why) from None
@@ -108,9 +112,11 @@ class PoolLayout(BlockLayout):
         """Bytes of a block in the pool (coded)."""
         return self.codec.nbytes
 
-    def keys(self, tokens: Sequence[int], model_id: str) -> list[bytes]:
-        """The chained keys of every full pool block of ``tokens``."""
-        return block_hashes(list(tokens), self.block_tokens, extra=self.extra(model_id))
+    def keys(self, tokens: Sequence[int], model_id: str,
+             extras: KeyExtras | None = None) -> list[bytes]:
+        """The chained keys of every full pool block of ``tokens`` (with a request's
+        ``extras``: ``hostagent.inference.block_keys``)."""
+        return block_keys(tokens, self.block_tokens, self.extra(model_id), extras)
 
     def nchunks(self, chunk_size: int) -> int:
         return -(-self.coded_bytes // chunk_size)
@@ -163,18 +169,33 @@ def load_targets(layout: PoolLayout, start: int, end: int,
 
 class Planner:
     """What each scheduled request loads and saves, from what the probe found and what vLLM
-    allocated. Loads: only the first step of a (new or resumed) request. Saves: each full
-    prompt block once all its tokens are computed, unless the pool already had it."""
+    allocated. Loads: only the first step of a (new or resumed) request, or, asynchronously,
+    right after vLLM allocated its blocks (``take_load``), the request waiting meanwhile. Saves:
+    each full prompt block once all its tokens are computed, unless the pool already had it.
+    A request's keys carry its extras (``register``); one whose extras were never registered is
+    not saved, so a tenant's KV is never put under keys without its salt."""
 
     def __init__(self, layout: PoolLayout, model_id: str, load: bool = True,
                  save: bool = True):
         self.layout, self.model_id, self.load, self.save = layout, model_id, load, save
+        self._extras: dict[str, KeyExtras] = {}                    # req -> its key extras
         self._matched: dict[str, tuple[list[bytes], int]] = {}   # req -> (keys, found)
         self._loads: dict[str, tuple[int, int]] = {}               # req -> token range
         self._tracked: dict[str, _Tracked] = {}
+        self._async_loaded: set[str] = set()   # loaded ahead: vLLM's count says what landed
+        self._saving: set[str] = set()         # requests with a save planned
 
-    def keys(self, tokens: Sequence[int]) -> list[bytes]:
-        return self.layout.keys(tokens, self.model_id)
+    def register(self, req_id: str, extras: KeyExtras) -> None:
+        """What besides its tokens a request's KV depends on (its keys carry it)."""
+        self._extras[req_id] = extras
+
+    def keys(self, tokens: Sequence[int], extras: KeyExtras | None = None) -> list[bytes]:
+        return self.layout.keys(tokens, self.model_id, extras)
+
+    def request_keys(self, req_id: str, tokens: Sequence[int]) -> list[bytes] | None:
+        """A registered request's keys (None: not registered)."""
+        extras = self._extras.get(req_id)
+        return None if extras is None else self.keys(tokens, extras)
 
     def loadable(self, prompt_len: int) -> int:
         """Pool blocks a prompt can load: never its last token, whose logits are computed."""
@@ -193,6 +214,16 @@ class Planner:
             end = found * self.layout.block_tokens
             self._loads[req_id] = (end - num_external, end)
 
+    def take_load(self, req_id: str, block_ids: Sequence[int]) -> LoadSpec | None:
+        """The load of a request whose blocks vLLM just allocated (``block_ids``, group 0, from
+        the first), to run while it waits; None if it loads nothing."""
+        if req_id not in self._loads:
+            return None
+        keys, _ = self._matched[req_id]
+        self._async_loaded.add(req_id)
+        self._saving.discard(req_id)    # preempted before: its copies were finished then
+        return self._load_spec(req_id, keys, list(block_ids))
+
     def build(self, new: Sequence[tuple[str, Sequence[int], Sequence[int], int, int]],
               cached: Sequence[tuple[str, bool, Sequence[int] | None, int, int]],
               finished: Sequence[str] = ()) -> Plan:
@@ -203,15 +234,15 @@ class Planner:
         for rid, prompt, block_ids, computed, scheduled in new:
             keys, found = self._matched.pop(rid, (None, 0))
             if keys is None:
-                keys = self.keys(prompt) if self.save else []
-            self._start(plan, rid, keys, found, list(block_ids))
+                keys = (self.request_keys(rid, prompt) or []) if self.save else []
+            self._start(plan, rid, keys, found, list(block_ids), computed)
             self._plan_save(plan, rid, computed + scheduled)
         for rid, resumed, block_ids, computed, scheduled in cached:
             tr = self._tracked.get(rid)
             if resumed:
                 keys, found = self._matched.pop(rid, (tr.keys if tr else [], 0))
                 ids = list(block_ids) if block_ids is not None else (tr.block_ids if tr else [])
-                self._start(plan, rid, keys, max(found, tr.saved if tr else 0), ids)
+                self._start(plan, rid, keys, max(found, tr.saved if tr else 0), ids, computed)
             elif tr is None:
                 continue
             elif block_ids:
@@ -221,18 +252,29 @@ class Planner:
             self.forget(rid)
         return plan
 
-    def forget(self, req_id: str) -> None:
-        for d in (self._matched, self._loads, self._tracked):
+    def forget(self, req_id: str) -> bool:
+        """Drop a request; True if a save was planned for it since it last waited for a
+        load."""
+        for d in (self._extras, self._matched, self._loads, self._tracked):
             d.pop(req_id, None)
+        self._async_loaded.discard(req_id)
+        saving = req_id in self._saving
+        self._saving.discard(req_id)
+        return saving
+
+    def _load_spec(self, rid: str, keys: list[bytes], block_ids: list[int]) -> LoadSpec:
+        start, end = self._loads.pop(rid)
+        bt = self.layout.block_tokens
+        return LoadSpec(rid, keys[start // bt:end // bt], start // bt,
+                        load_targets(self.layout, start, end, block_ids), end - start)
 
     def _start(self, plan: Plan, rid: str, keys: list[bytes], found: int,
-               block_ids: list[int]) -> None:
+               block_ids: list[int], computed: int) -> None:
         if rid in self._loads:
-            start, end = self._loads.pop(rid)
-            bt = self.layout.block_tokens
-            plan.loads.append(LoadSpec(rid, keys[start // bt:end // bt], start // bt,
-                                       load_targets(self.layout, start, end, block_ids),
-                                       end - start))
+            plan.loads.append(self._load_spec(rid, keys, block_ids))
+        if rid in self._async_loaded:   # a failed block cut vLLM's count: save it again
+            self._async_loaded.discard(rid)
+            found = min(found, computed // self.layout.block_tokens)
         self._tracked[rid] = _Tracked(keys, block_ids, found)
 
     def _plan_save(self, plan: Plan, rid: str, computed_after: int) -> None:
@@ -248,3 +290,4 @@ class Planner:
                                    [tr.block_ids[j * r:(j + 1) * r]
                                     for j in range(tr.saved, upto)]))
         tr.saved = upto
+        self._saving.add(rid)

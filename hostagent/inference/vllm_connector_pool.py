@@ -3,8 +3,9 @@
 instance of the process shares (in vLLM's single-process mode the scheduler's and the worker's).
 
 It owns the probe, block fetches and the copy of fetched blocks into the paged cache as they
-arrive (``drain_load``), background saves, their transfer totals and a bounded log of events
-the connector records (per request: what the probe found, what a load moved and from where).
+arrive (``drain``: what landed, what failed and why), background saves, their transfer totals
+and a bounded log of events the connector records (per request: what the probe found, what a
+load moved and from where).
 The engine's threads call in synchronously (``probe``), get results through a queue
 (``fetch``) or do not wait at all (``save``: the bytes were already copied out of the cache).
 
@@ -34,6 +35,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 
 from hostagent.common.transfer import BlockNotFound, NoAnswer, Refused, TransferStats
 from .client import KVClient
@@ -104,7 +106,8 @@ class PoolBackend:
         self.reach = Reachability(s.retry_s)
         self.totals = {op: TransferStats() for op in ("probe", "load", "save")}
         self.events: collections.deque[dict] = collections.deque(maxlen=4096)
-        self.save_refused = self.save_failed = self.save_dropped = 0
+        self.save_refused = self.save_failed = self.save_dropped = self.save_shed = 0
+        self.saved_blocks = 0
         self._saves: set[concurrent.futures.Future] = set()
         self._pending = 0
         self._cond = threading.Condition()
@@ -224,12 +227,16 @@ class PoolBackend:
         return self.getter
 
     # ---- saves ---------------------------------------------------------------------------
-    def save(self, ns: int, keys: list[bytes], blocks: list[bytes]) -> None:
+    def save(self, ns: int, keys: list[bytes], blocks: list[bytes], wait: bool = True) -> bool:
         """Put blocks in the background (already copied: the paged cache may be reused). Waits
-        only while more than ``max_pending_save_mib`` is unacknowledged."""
+        only while more than ``max_pending_save_mib`` is unacknowledged; without ``wait`` the
+        blocks are shed instead (``save_shed``: a future miss). False when shed."""
         nbytes = sum(len(b) for b in blocks)
         limit = self.settings.max_pending_save_mib << 20
         with self._cond:
+            if not wait and self._pending and self._pending + nbytes > limit:
+                self.save_shed += len(keys)
+                return False
             self._cond.wait_for(lambda: not self._pending or self._pending + nbytes <= limit)
             self._pending += nbytes
         fut = asyncio.run_coroutine_threadsafe(self._save(ns, keys, blocks), self.loop)
@@ -242,6 +249,7 @@ class PoolBackend:
                 self._pending -= nbytes
                 self._cond.notify_all()
         fut.add_done_callback(done)
+        return True
 
     async def _save(self, ns: int, keys: list[bytes], blocks: list[bytes]) -> None:
         sem = asyncio.Semaphore(self.settings.concurrency)
@@ -255,6 +263,7 @@ class PoolBackend:
                 try:
                     part = await self.client.put_block(ns, key, data)
                     self.totals["save"].add(part, seconds=True)
+                    self.saved_blocks += 1
                     self.reach.answered(addr)
                 except Refused as exc:     # stored already, with other bits: keep the pool's
                     self.save_refused += 1
@@ -278,35 +287,91 @@ class PoolBackend:
     def snapshot(self) -> dict:
         return {op: s.as_dict() for op, s in self.totals.items()} | {
             "save_refused": self.save_refused, "save_failed": self.save_failed,
-            "save_dropped": self.save_dropped, "probes_skipped": self.reach.skipped}
+            "save_dropped": self.save_dropped, "save_shed": self.save_shed,
+            "saved_blocks": self.saved_blocks, "probes_skipped": self.reach.skipped}
+
+
+@dataclass
+class LoadOutcome:
+    """What one load did (``drain``): how many leading blocks were written, the summed transfer
+    stats, the first error, blocks that failed by why (``not_cached``: the pool node or the
+    switch no longer had it; ``read_failed``: anything else, a timeout, a refusal, a block of
+    the wrong size), and the leading blocks by where their chunks came from (``switch``: every
+    chunk from the switch, its cache or a replica of another reader's fetch; ``pool``: every
+    chunk from the pool node; ``both``)."""
+    loaded: int
+    stats: TransferStats = field(default_factory=TransferStats)
+    error: str | None = None
+    failures: dict[str, int] = field(default_factory=dict)
+    sources: dict[str, int] = field(default_factory=dict)
+    left: int = 0                      # blocks given up on before they came (still to come)
+
+
+def drain(ld: LoadSpec, q: queue.SimpleQueue, paged: PagedKV, timeout: float,
+          overall: float | None = None) -> LoadOutcome:
+    """Copy one load's blocks (from ``PoolBackend.fetch``'s queue) into the paged cache in the
+    order they arrive. Blocks from the first that failed, was refused by its size or did not
+    come (within ``timeout`` of the one before, or ``overall`` seconds of the start) on are not
+    loaded; a block that comes after that is not written (``discard``)."""
+    n, out, got, sources = len(ld.keys), LoadOutcome(len(ld.keys)), set(), {}
+    end = time.monotonic() + overall if overall is not None else None
+
+    def fail(i: int, why: str, error: str | None) -> None:
+        out.loaded, out.error = min(out.loaded, i), out.error or error
+        out.failures[why] = out.failures.get(why, 0) + 1
+
+    while len(got) < n:
+        wait = timeout if end is None else min(timeout, end - time.monotonic())
+        try:
+            i, data, part = q.get(timeout=max(0.0, wait))
+        except queue.Empty:              # stuck, or too slow: give the rest up
+            why = (f"no block within {timeout:g} s" if end is None or wait == timeout else
+                   f"the load took over {overall:g} s")
+            for i in sorted(set(range(n)) - got):
+                fail(i, "read_failed", why)
+            break
+        got.add(i)
+        if part is None:                 # failed, or not asked for after a failure
+            if data is None:
+                out.loaded = min(out.loaded, i)
+            else:
+                fail(i, "not_cached" if isinstance(data, BlockNotFound) else "read_failed",
+                     repr(data))
+            continue
+        try:
+            if i < out.loaded:
+                paged.write(_buffer(data), ld.targets[i])
+        except ValueError as exc:
+            fail(i, "read_failed", str(exc))
+        finally:
+            if not _is_buffer(data) and hasattr(data, "release"):
+                data.release()           # a zero-copy block: its slots may be reused now
+        out.stats.add(part, seconds=True)
+        sources[i] = ("pool" if not part.from_switch + part.replicas else
+                      "switch" if not part.from_pool else "both")
+    for i in range(out.loaded):
+        out.sources[sources[i]] = out.sources.get(sources[i], 0) + 1
+    out.left = n - len(got)
+    return out
+
+
+def discard(q: queue.SimpleQueue, left: int, timeout: float) -> None:
+    """Release the zero-copy blocks of a load given up on as they still come (``left`` of them,
+    until nothing came for ``timeout`` seconds): the fetch engine's slots are not leaked."""
+    for _ in range(left):
+        try:
+            _, data, part = q.get(timeout=timeout)
+        except queue.Empty:
+            return
+        if part is not None and not _is_buffer(data) and hasattr(data, "release"):
+            data.release()
 
 
 def drain_load(ld: LoadSpec, q: queue.SimpleQueue, paged: PagedKV,
                timeout: float) -> tuple[int, TransferStats, str | None]:
-    """Copy one load's blocks (from ``PoolBackend.fetch``'s queue) into the paged cache in the
-    order they arrive. Returns how many leading blocks loaded (blocks from the first that
-    failed, was refused by its size or never came within ``timeout`` on are not), the summed
-    transfer stats and the first error."""
-    stats, loaded, error, got = TransferStats(), len(ld.keys), None, set()
-    for _ in ld.keys:
-        try:
-            i, data, part = q.get(timeout=timeout)
-        except queue.Empty:              # the I/O thread is stuck: give the rest up
-            return (min(loaded, min(set(range(len(ld.keys))) - got)), stats,
-                    error or f"no block within {timeout:g} s")
-        got.add(i)
-        if part is None:                 # failed, or not asked for after a failure
-            loaded, error = min(loaded, i), error or (repr(data) if data else None)
-            continue
-        try:
-            paged.write(_buffer(data), ld.targets[i])
-        except ValueError as exc:
-            loaded, error = min(loaded, i), error or str(exc)
-        finally:
-            if not _is_buffer(data) and hasattr(data, "release"):
-                data.release()           # a zero-copy block: its slots may be reused now
-        stats.add(part, seconds=True)
-    return loaded, stats, error
+    """``drain`` as (leading blocks loaded, summed transfer stats, first error)."""
+    out = drain(ld, q, paged, timeout)
+    return out.loaded, out.stats, out.error
 
 
 def _is_buffer(data) -> bool:
