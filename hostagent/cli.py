@@ -42,6 +42,15 @@ def _pools(ctx, param, values) -> list[tuple[str, int]]:
         raise click.BadParameter(str(exc)) from None
 
 
+def _placement(pools, replicas: int):
+    """The pools with ``replicas`` nodes holding each block; one line if there are fewer."""
+    from .common.pools import Placement
+    if replicas > len(pools):
+        raise click.BadParameter(f"{replicas} replicas, but {len(pools)} --pool node(s)",
+                                 param_hint="--replicas")
+    return Placement(pools, replicas)
+
+
 pool_opt = click.option("--pool", "pools", multiple=True, required=True, metavar="IP[:PORT]",
                         callback=_pools,
                         help="Pool node address (repeatable; blocks are spread by key).")
@@ -53,6 +62,11 @@ key_opt = click.option("--key", required=True, help="Block key, 32 hex digits.")
 chunk_opt = chunk_option()
 window_opt = click.option("--window", type=click.IntRange(1, 4096), default=64,
                           show_default=True, help="Chunk requests in flight per block.")
+replicas_opt = click.option("--replicas", type=click.IntRange(1, 64), default=1,
+                            show_default=True,
+                            help="Pool nodes that hold each block (the first N of its "
+                                 "rendezvous order): a PUT goes to each, a GET asks the next "
+                                 "when one stays silent.")
 deadline_opt = click.option("--deadline", type=FloatRange(0, 86400, min_open=True),
                             default=30.0, show_default=True, help="Seconds before giving up.")
 
@@ -299,17 +313,19 @@ def serve(config, **_):
               help="The block's bytes ('-' for stdin).")
 @chunk_opt
 @window_opt
+@replicas_opt
 @deadline_opt
 @auth_opt
-def put(pools, ns, key, path, chunk_size, window, deadline, auth_key_file):
-    """Store a whole block on its pool node."""
+def put(pools, ns, key, path, chunk_size, window, replicas, deadline, auth_key_file):
+    """Store a whole block on its pool node (on each of its --replicas nodes)."""
     data = path.read()
     if not data:
         raise click.BadParameter("the block is empty", param_hint="--file")
     ring = _keyring(auth_key_file, ns)
+    place = _placement(pools, replicas)
 
     async def go():
-        async with kvclient.KVClient(pools, chunk_size, window, deadline, auth=ring) as c:
+        async with kvclient.KVClient(place, chunk_size, window, deadline, auth=ring) as c:
             return await c.put_block(ns, _key(key), data)
 
     stats = _run(go(), pools)
@@ -326,9 +342,11 @@ def put(pools, ns, key, path, chunk_size, window, deadline, auth_key_file):
               help="Wait until this wall-clock time before asking (to start many readers at once).")
 @chunk_opt
 @window_opt
+@replicas_opt
 @deadline_opt
 @auth_opt
-def get(pools, ns, key, out, no_cache, start_at, chunk_size, window, deadline, auth_key_file):
+def get(pools, ns, key, out, no_cache, start_at, chunk_size, window, replicas, deadline,
+        auth_key_file):
     """Fetch a whole block, byte-exact; prints where its chunks came from. Uses the XDP fetch
     engine where it can run (root, the node's interface free), else the asyncio client; a log
     line says which."""
@@ -336,10 +354,11 @@ def get(pools, ns, key, out, no_cache, start_at, chunk_size, window, deadline, a
     from .inference.fetch import open_client
     key_bytes = _key(key)
     ring = _keyring(auth_key_file, ns)
+    place = _placement(pools, replicas)
 
     async def go():
         # the engine's arena starts small and grows to the block once its size is known
-        async with open_client(pools, chunk_size, window, deadline, arena_bytes=4 << 20,
+        async with open_client(place, chunk_size, window, deadline, arena_bytes=4 << 20,
                                auth=ring) as c:
             if start_at:
                 await asyncio.sleep(max(0.0, start_at - time.time()))

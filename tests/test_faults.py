@@ -112,21 +112,6 @@ def test_a_pool_node_killed_with_a_second_mooncake_replica_loses_no_block(tmp_pa
     assert r["store"] == "mooncake" and r["blocks_lost"] == 0
 
 
-def test_failover_blames_only_the_node_that_failed_the_blocks():
-    from hostagent.common.transfer import BlockNotFound, NoAnswer, Refused, pool_for
-    from kvproto import Status
-    from testbed.bench.serve_node import FailoverEngine, routed_around
-    eng = FailoverEngine.__new__(FailoverEngine)          # routing only: no XDP program
-    eng.pools, eng._silent = ["p1", "p2"], {}
-    dead = [k for k in (bytes([i]) * 16 for i in range(64)) if pool_for(eng.pools, 7, k) == "p1"]
-    eng.mark_silent(7, dead[:3])        # three blocks of p1 failed in one request
-    assert eng._up() == ["p2"]          # p2, which served, is not blamed for the second one
-    assert routed_around(NoAnswer("silence"))
-    assert routed_around(Refused(Status.UNAVAILABLE, "GET"))
-    assert not routed_around(Refused(Status.CHECKSUM, "GET"))
-    assert not routed_around(BlockNotFound("gone"))
-
-
 @pytest.mark.e2e
 def test_a_node_sees_its_own_cable_pulled():
     from hostagent.common.netif import has_carrier

@@ -44,7 +44,7 @@ def test_burst_runs_its_warmup_to_the_end_before_any_burst_request():
 
 
 def test_zipf_puts_the_hottest_objects_on_the_first_pool_node():
-    from hostagent.common.transfer import pool_for
+    from hostagent.common.pools import pool_for
     pools = [("198.18.0.101", 1), ("198.18.0.102", 1)]
     wl = zipf_workload(2, pools, 5, objects=16, hot=4, seconds=2.0)
     first_blocks = wl.preload[:4 * 4]

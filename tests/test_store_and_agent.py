@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from hostagent.common.transfer import BlockNotFound, pool_for, parse_addr
+from hostagent.common.pools import pool_for
+from hostagent.common.transfer import BlockNotFound, parse_addr
 from hostagent.inference.client import KVClient
 from kvproto import Status, checksum
 from conftest import local_pool

@@ -10,10 +10,15 @@ SIOCGIFFLAGS = 0x8913
 IFF_UP, IFF_RUNNING = 0x1, 0x40
 
 
-def has_carrier(ifname: str) -> bool:
+def has_carrier(ifname: str, sock: socket.socket | None = None) -> bool:
     """Whether ``ifname`` is up and operational: its cable is in (a veth whose peer is down,
-    or a NIC without link, is not). OSError if there is no such interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        req = struct.pack("16sH14x", ifname.encode()[:15], 0)
-        flags = struct.unpack_from("16sH", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, req))[1]
+    or a NIC without link, is not). Asked through ``sock`` if given (it answers for the
+    namespace it was made in), else a socket of the process's namespace. OSError if there is
+    no such interface."""
+    req = struct.pack("16sH14x", ifname.encode()[:15], 0)
+    if sock is not None:
+        flags = struct.unpack_from("16sH", fcntl.ioctl(sock.fileno(), SIOCGIFFLAGS, req))[1]
+    else:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            flags = struct.unpack_from("16sH", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, req))[1]
     return flags & (IFF_UP | IFF_RUNNING) == IFF_UP | IFF_RUNNING

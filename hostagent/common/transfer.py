@@ -1,15 +1,13 @@
 """What both of the inference node's clients (the asyncio fallback client,
 ``hostagent.inference.client``, and the fetch engine, ``hostagent.inference.fetch``) share
 with their callers: the transfer errors, ``TransferStats`` (counted per reply, summed with
-``add``), pool addresses (``parse_addr``) and which pool node owns a block (``pool_for``,
-rendezvous hashing).
+``add``) and pool addresses (``parse_addr``). Which pool nodes hold a block, and which answer
+now, is ``hostagent.common.pools``.
 """
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import socket
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
 from kvproto import PORT, Flag, Message, Status
@@ -30,6 +28,22 @@ class TransferTimeout(TimeoutError):
 class NoAnswer(TransferTimeout):
     """The deadline passed without a single answer from the peer (not a slow transfer: the
     peer, or the path to it, is gone)."""
+
+
+class Silent(NoAnswer):
+    """A pool node left a transfer unanswered for its silence limit (``pools.Placement``): the
+    transfer moves on to the block's next holder, or fails with this when there is none."""
+
+
+def unreachable(exc: BaseException) -> bool:
+    """An error that says a pool node did not answer at all (not that it lacks a block,
+    refused one, or was slow: a transfer that timed out with answers is congestion, and a
+    node left out for it would turn a busy link into recomputation): no answer within the
+    deadline or the silence limit (``NoAnswer``: the fetch engine's ``NoReply`` is one), or the
+    network refusing the address."""
+    if isinstance(exc, NoAnswer):
+        return True
+    return isinstance(exc, OSError) and not isinstance(exc, TimeoutError)  # a slow transfer
 
 
 class Refused(RuntimeError):
@@ -114,11 +128,3 @@ def not_a_node(addr: str) -> str | None:
     if ip.is_multicast:
         return "a multicast address"
     return None
-
-
-def pool_for(pools: Sequence[tuple[str, int]], ns: int, key: bytes) -> tuple[str, int]:
-    """The pool node that owns a block: highest rendezvous hash of (pool, ns, key)."""
-    if not pools:
-        raise ValueError("no pool nodes configured")
-    tag = ns.to_bytes(4, "big") + key
-    return max(pools, key=lambda p: hashlib.sha256(f"{p[0]}:{p[1]}".encode() + tag).digest())

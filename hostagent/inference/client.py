@@ -6,8 +6,13 @@ window's worth of answers, as TCP does), lost ones are sent again after an adapt
 timeout (RFC 6298 estimator, Karn's rule, exponential backoff), and the whole operation fails with
 TransferTimeout after ``deadline`` seconds. Every reply is checked against what was asked (sender,
 namespace, key, chunk) and its payload against its CRC-32; a chunk whose bytes are wrong is counted
-and fetched again with KV_F_NO_CACHE so the switch's copy is bypassed. Which pool node owns a block
-is decided by rendezvous hashing over the configured pools.
+and fetched again with KV_F_NO_CACHE so the switch's copy is bypassed.
+
+Which pool nodes hold a block is the client's ``Placement`` (``hostagent.common.pools``: the
+first ``replicas`` of its rendezvous order). A PUT goes to each holder answering now; a GET asks
+them in turn: a transfer left unanswered for the placement's silence limit (no accepted reply
+for that long) leaves its node out for a while and asks the next holder for the chunks still
+missing (``Silent`` when none is left: the last holder is waited for until the deadline).
 
 Request ids are random (``secrets``) and never reused while a reply to them can arrive: one
 in use or retired less than ``RID_HOLD`` seconds ago is not drawn again, so an off-path host
@@ -28,8 +33,9 @@ from kvproto import (DEFAULT_CHUNK, Flag, Message, Op, ProtocolError, Status,
                      check_chunk_size)
 from hostagent.common import auth as auth_mod
 from hostagent.common.udp import grow_buffers
-from hostagent.common.transfer import (BlockNotFound, NoAnswer, Refused, TransferStats,
-                                       TransferTimeout, parse_addr, pool_for)
+from hostagent.common.pools import Placement
+from hostagent.common.transfer import (BlockNotFound, NoAnswer, Refused, Silent, TransferStats,
+                                       TransferTimeout, unreachable)
 
 DEFAULT_WINDOW = 64
 RID_HOLD = 300.0          # seconds a retired request id is not drawn again
@@ -61,9 +67,11 @@ class _Transfer:
 
     def __init__(self, client: KVClient, addr, items: Sequence[int],
                  build: Callable[[int, int, int], bytes],
-                 accept: Callable[[int, Message], str], stats: TransferStats, deadline: float):
+                 accept: Callable[[int, Message], str], stats: TransferStats, deadline: float,
+                 silence: float | None = None):
         self.client, self.addr, self.build, self.accept, self.stats = (
             client, addr, build, accept, stats)
+        self.silence, self.heard = silence, time.monotonic()     # the last accepted reply
         self.todo = list(reversed(items))
         self.left = self.total = len(items)
         # item -> rid, sent, due, tries
@@ -97,6 +105,10 @@ class _Transfer:
         self.outstanding[item] = (rid, now, now + rto, tries)
         self.client._send_datagram(self.build(item, rid, flags), self.addr)
 
+    def remaining(self) -> list[int]:
+        """The items not done yet, in order (to ask another node for)."""
+        return sorted([*self.todo, *self.outstanding])
+
     def _fill(self) -> None:
         while self.todo and len(self.outstanding) < int(self.cwnd):
             self._send(self.todo.pop())
@@ -108,6 +120,11 @@ class _Transfer:
         if self.future.done():
             return
         now = time.monotonic()
+        if self.silence is not None and now - self.heard > self.silence:
+            self.future.set_exception(Silent(
+                f"{self.addr[0]}:{self.addr[1]} left {self.left} chunk(s) unanswered for "
+                f"{self.silence:g} s"))
+            return
         if now > self.deadline:
             silent = self.left == self.total          # not one chunk answered
             self.future.set_exception((NoAnswer if silent else TransferTimeout)(
@@ -138,6 +155,7 @@ class _Transfer:
             return
         if verdict == IGNORE:
             return
+        self.heard = time.monotonic()
         if verdict == RETRY_BYPASS:
             self._send(item, tries, Flag.NO_CACHE)
             return
@@ -155,16 +173,14 @@ class _Transfer:
 class KVClient:
     """Put and get whole blocks. Use as ``async with KVClient(pools) as c: ...``."""
 
-    def __init__(self, pools: Sequence[str | tuple[str, int]], chunk_size: int = DEFAULT_CHUNK,
-                 window: int = DEFAULT_WINDOW, deadline: float = 30.0, bind: str = "0.0.0.0",
-                 auth=auth_mod.DEFAULT):
+    def __init__(self, pools: Sequence[str | tuple[str, int]] | Placement,
+                 chunk_size: int = DEFAULT_CHUNK, window: int = DEFAULT_WINDOW,
+                 deadline: float = 30.0, bind: str = "0.0.0.0", auth=auth_mod.DEFAULT):
         check_chunk_size(chunk_size)
         if window < 1:
             raise ValueError("window must be at least 1")
-        self.pools = [parse_addr(p) if isinstance(p, str) else parse_addr(f"{p[0]}:{p[1]}")
-                      for p in pools]
-        if not self.pools:
-            raise ValueError("no pool nodes configured")
+        self.placement = Placement.of(pools)         # which nodes hold a block, which answer
+        self.pools = self.placement.pools
         self.chunk_size, self.window, self.deadline, self.bind = chunk_size, window, deadline, bind
         self.rtt = _RttEstimator()
         self.malformed = 0
@@ -239,16 +255,45 @@ class KVClient:
             self._retired.move_to_end(rid)
 
     def pool_for(self, ns: int, key: bytes) -> tuple[str, int]:
-        return pool_for(self.pools, ns, key)
+        """The pool node asked first for a block now."""
+        return self.placement.owner(ns, key)
 
     async def put_block(self, ns: int, key: bytes, data: bytes) -> TransferStats:
-        """Store a whole block on its pool node; returns when every chunk is acknowledged."""
+        """Store a whole block on each of its holders that answers now (the placement's); returns
+        when every chunk is acknowledged by one of them at least (the stats sum every holder's),
+        else raises the first holder's error (``Silent`` at once when none answers now)."""
         if not data:
             raise ValueError("a block must not be empty")
-        cs = self.chunk_size
         k = self.keyring.key_for(ns) if self.keyring is not None else None
         if k is not None:
-            data = auth_mod.seal(k, ns, key, data, cs)
+            data = auth_mod.seal(k, ns, key, data, self.chunk_size)
+        place = self.placement
+        holders = place.holders(ns, key)
+        up = [a for a in holders if place.usable(a)]
+        if not up:
+            place.skipped += 1
+            raise Silent(f"no node holding block {key.hex()} answers now: "
+                         + ", ".join(f"{h}:{p}" for h, p in holders))
+        # with more than one holder a silent one is not waited for: the others hold the block
+        silence = place.silence_s if len(holders) > 1 else None
+        got = await asyncio.gather(*(self._put_to(a, ns, key, data, silence) for a in up),
+                                   return_exceptions=True)
+        stats, first_error = TransferStats(), None
+        for addr, r in zip(up, got):
+            if isinstance(r, TransferStats):
+                stats.add(r, seconds=not stats.chunks)
+                place.answered(addr)
+                continue
+            if unreachable(r):
+                place.failed(addr, "save", r)
+            first_error = first_error or r
+        if not stats.chunks:
+            raise first_error
+        return stats
+
+    async def _put_to(self, addr, ns: int, key: bytes, data: bytes,
+                      silence: float | None) -> TransferStats:
+        cs = self.chunk_size
         chunks = [data[i:i + cs] for i in range(0, len(data), cs)]
         stats = TransferStats(chunks=len(chunks), bytes=len(data))
 
@@ -261,7 +306,10 @@ class KVClient:
                 raise Refused(msg.status, f"PUT of chunk {i}")
             return DONE if msg.op == Op.PUT_ACK and msg.chunk == i else IGNORE
 
-        await self._transfer(ns, key, range(len(chunks)), build, accept, stats)
+        start = time.monotonic()
+        await _Transfer(self, addr, list(range(len(chunks))), build, accept, stats,
+                        self.deadline, silence).run()
+        stats.seconds = time.monotonic() - start
         return stats
 
     async def get_block(self, ns: int, key: bytes, nchunks: int | None = None,
@@ -294,8 +342,8 @@ class KVClient:
         stats = TransferStats() if stats is None else stats
         known: dict = {"n": None}
         build, accept = self._get_chunk(ns, key, {}, known, stats, 0)
-        await _Transfer(self, self.pool_for(ns, key), [0], build, accept, stats,
-                        self.deadline if deadline is None else deadline).run()
+        await self._read(ns, key, [0], build, accept, stats,
+                         self.deadline if deadline is None else deadline)
         return known["n"]
 
     async def _get_raw(self, ns: int, key: bytes, nchunks: int | None,
@@ -307,9 +355,9 @@ class KVClient:
                                         Flag.NO_CACHE if no_cache else 0)
         start = time.monotonic()
         if known["n"] is None:
-            await self._transfer(ns, key, [0], build, accept, stats, timed=False)
-        await self._transfer(ns, key, [i for i in range(known["n"]) if i not in parts],
-                             build, accept, stats, timed=False)
+            await self._read(ns, key, [0], build, accept, stats, self.deadline)
+        await self._read(ns, key, [i for i in range(known["n"]) if i not in parts],
+                         build, accept, stats, self.deadline - (time.monotonic() - start))
         stats.seconds = time.monotonic() - start
         data = b"".join(parts[i] for i in range(known["n"]))
         stats.chunks, stats.bytes = known["n"], len(data)
@@ -346,9 +394,34 @@ class KVClient:
 
         return build, accept
 
-    async def _transfer(self, ns, key, items, build, accept, stats, timed=True) -> None:
-        start = time.monotonic()
-        await _Transfer(self, self.pool_for(ns, key), list(items), build, accept, stats,
-                        self.deadline).run()
-        if timed:
-            stats.seconds = time.monotonic() - start
+    async def _read(self, ns, key, items, build, accept, stats, deadline: float) -> None:
+        """Ask the block's holders for ``items`` in turn (module docstring): the next one when
+        a node stays silent, lacks the block (restarted empty) or refuses it as UNAVAILABLE
+        (its store cannot reach it now), within ``deadline`` seconds in all."""
+        place = self.placement
+        order, end = place.read_order(ns, key), time.monotonic() + deadline
+        for n, addr in enumerate(order, 1):
+            last = n == len(order)
+            t = _Transfer(self, addr, list(items), build, accept, stats,
+                          max(0.0, end - time.monotonic()), None if last else place.silence_s)
+            try:
+                await t.run()
+            except BlockNotFound:          # a holder that lost it (restarted empty): the next
+                place.answered(addr)
+                if last:
+                    raise
+                items = t.remaining()
+                continue
+            except Refused as exc:
+                if last or exc.status != Status.UNAVAILABLE:
+                    raise
+                items = t.remaining()
+                continue
+            except NoAnswer as exc:
+                place.failed(addr, "read", exc)
+                if last:
+                    raise
+                items = t.remaining()
+                continue
+            place.answered(addr)
+            return

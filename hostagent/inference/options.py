@@ -9,6 +9,8 @@ authentication fails the engine's start instead of failing, or switching somethi
                (``hostagent.common.transfer.parse_addr``: unspecified, 0.0.0.0/8, broadcast,
                multicast)
   namespace    0..2^32-1 (``namespace``: why 0 is one)
+  replicas     1..the number of pools: the nodes that hold each block (``hostagent.common.pools``)
+  shared_store true or false (pool nodes on one Mooncake Store: any node reads any block)
   deadlines    MIN_DEADLINE..3600 seconds
   kv_codec     a codec name, its group 2..MAX_GROUP tokens (``hostagent.inference.codec.parse``)
   key file     the connector's ``auth_key_file``, else $KVSWITCH_AUTH_KEY_FILE: it must load and
@@ -78,6 +80,19 @@ def integer(key: str, value: Any, lo: int, hi: int) -> None:
         raise BadOption(key, f"{value!r} is not an integer in {lo}..{hi}")
 
 
+def boolean(key: str, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise BadOption(key, f"{value!r} is not true or false")
+
+
+def replicas(value: Any, npools: int) -> None:
+    """The nodes that hold each block: 1..the pools configured (a PUT goes to each)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 1 <= value <= npools):
+        raise BadOption("replicas", f"{value!r} is not an integer in 1..{npools} (the pool "
+                                    f"nodes configured: each block is held by that many)")
+
+
 def namespace(value: Any) -> None:
     """The one namespace rule: 0..2^32-1, the wire's u32. 0 is a namespace like any other: the
     switch counts namespaces below KV_NS_LOW in an array indexed by the namespace itself and
@@ -141,15 +156,17 @@ def key_file(ns: int, path: Any) -> None:
 
 def common(options: Mapping, ints: Mapping[str, tuple[int, int]], example: str,
            choices: Mapping[str, Iterable[str]]) -> tuple[str, ...]:
-    """Check what both connectors' options share, in this order: pools (returned), namespace,
-    chunk size, the other integers (``ints``: name -> range), seconds, ``choices``, model id,
-    and the key file for the namespace."""
+    """Check what both connectors' options share, in this order: pools (returned), replicas
+    and shared_store, namespace, chunk size, the other integers (``ints``: name -> range),
+    seconds, ``choices``, model id, and the key file for the namespace."""
     found = pools(options.get("pools"), example)
+    replicas(options.get("replicas"), len(found))
+    boolean("shared_store", options.get("shared_store"))
     namespace(options.get("namespace"))
     chunk_size(options.get("chunk_size"))
     for key, (lo, hi) in ints.items():
         integer(key, options.get(key), lo, hi)
-    for key in (*DEADLINES, "retry_s"):
+    for key in (*DEADLINES, "retry_s", "silence_s"):
         seconds(key, options.get(key))
     for key, allowed in choices.items():
         choice(key, options.get(key), allowed)
@@ -158,6 +175,6 @@ def common(options: Mapping, ints: Mapping[str, tuple[int, int]], example: str,
     return found
 
 
-__all__ = ["BadOption", "DEFAULT_NS", "MIN_DEADLINE", "NS_MAX", "chunk_size", "common",
-           "choice", "integer", "key_file", "known", "kv_codec", "mapping", "namespace", "pools",
-           "seconds", "string"]
+__all__ = ["BadOption", "DEFAULT_NS", "MIN_DEADLINE", "NS_MAX", "boolean", "chunk_size",
+           "common", "choice", "integer", "key_file", "known", "kv_codec", "mapping",
+           "namespace", "pools", "replicas", "seconds", "string"]

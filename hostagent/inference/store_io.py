@@ -17,10 +17,12 @@ function of its arguments: the same in every process (no ``hash()``).
 I/O. Existence is a GET of chunk 0 alone (``KVClient.first_chunk``: the chunk is not moved
 beyond the first one), whole blocks come through the XDP fetch engine where the node can run it
 (``fetch_engine: auto``, else the asyncio client) and go to the pool with the asyncio client,
-awaited. A pool node that does not answer at all is taken out of use for a back-off
-(``Reachability`` of the vLLM connector: one log line when it goes, one when it is back); while
-it is out its blocks are misses and writes to it are dropped, never an exception into the
-engine. Every call is bounded: ``probe_deadline`` for existence, ``deadline`` for a block.
+awaited. Which nodes hold a block and which answer is the clients' one ``Placement``
+(``hostagent.common.pools``: ``replicas``, ``shared_store``, ``silence_s``, ``retry_s``): a
+transfer left unanswered moves on to the block's next holder, a silent node is left out for a
+back-off (one log line when it goes, one when it is back); while no node holding a block
+answers, it is a miss and writes of it are dropped, never an exception into the engine.
+Every call is bounded: ``probe_deadline`` for existence, ``deadline`` for a block.
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ from hostagent.common.transfer import BlockNotFound, Refused
 from kvproto import DEFAULT_CHUNK
 from . import options as options_mod
 from .client import KVClient
-from .vllm_connector_pool import Reachability, unreachable
+from hostagent.common.pools import Placement
+from hostagent.common.transfer import unreachable
 
 log = logging.getLogger("kvswitch.store")
 
@@ -75,6 +78,9 @@ class StoreSettings:
     deadline: float = 10.0             # seconds for one block (at least options.MIN_DEADLINE)
     probe_deadline: float = 2.0        # seconds for one existence probe (the same)
     retry_s: float = 5.0               # a silent pool node is asked again after this (doubling)
+    silence_s: float = 1.0             # a transfer unanswered this long asks the next holder
+    replicas: int = 1                  # pool nodes holding each block (1..len(pools))
+    shared_store: bool = False         # pool nodes on one Mooncake Store: any node reads any
     model_id: str | None = None        # names the weights in every key; default: the engine's
     fetch_engine: str = "auto"         # auto: the XDP fetch engine where it can run; off
     auth_key_file: str | None = None   # keyed authentication (hostagent/common/auth.py)
@@ -144,12 +150,13 @@ class StoreIO:
                                         daemon=True)
         self._thread.start()
         self.keyring = auth_mod.resolve(s.keyring())
-        self.client = KVClient(list(s.pools), s.chunk_size, s.window, s.deadline,
+        self.placement = Placement(s.pools, s.replicas, s.shared_store, s.retry_s, s.silence_s,
+                                   log)
+        self.client = KVClient(self.placement, s.chunk_size, s.window, s.deadline,
                                auth=self.keyring)
         self._call(self.client.__aenter__(), 10)
         self.getter = self.client if s.fetch_engine == "off" else None
         self._opening: asyncio.Future | None = None
-        self.reach = Reachability(s.retry_s)
         self.counts = {"hits": 0, "misses": 0, "puts": 0, "put_failed": 0, "skipped": 0}
 
     def _call(self, coro, timeout: float | None):
@@ -173,22 +180,17 @@ class StoreIO:
 
     # ---- existence (chunk 0 alone) ---------------------------------------------------------
     async def _exists(self, ns: int, key: bytes) -> bool:
-        addr = self.client.pool_for(ns, key)
-        if not self.reach.usable(addr):
+        if not self.placement.readable(ns, key):
             self.counts["skipped"] += 1
             return False
         try:
             await self.client.first_chunk(ns, key, deadline=self.settings.probe_deadline)
         except BlockNotFound:
-            self.reach.answered(addr)
             return False
         except Exception as exc:
-            if unreachable(exc):
-                self.reach.failed(addr, "probe", exc)
-            else:
+            if not unreachable(exc):
                 log.warning("kvswitch: probe of %s failed: %s", key.hex(), exc)
             return False
-        self.reach.answered(addr)
         return True
 
     async def _prefix(self, ns: int, keys: Sequence[bytes]) -> int:
@@ -217,8 +219,7 @@ class StoreIO:
     # ---- whole blocks ----------------------------------------------------------------------
     async def _get(self, ns: int, key: bytes, sink: Callable[[memoryview], Any] = bytes):
         """``sink(view of the block)`` (on the I/O thread), or None for a miss or a failure."""
-        addr = self.client.pool_for(ns, key)
-        if not self.reach.usable(addr):
+        if not self.placement.readable(ns, key):
             self.counts["skipped"] += 1
             return None
         try:
@@ -233,17 +234,13 @@ class StoreIO:
                 data, _ = await getter.get_block(ns, key)
                 out = sink(memoryview(data))
         except BlockNotFound:
-            self.reach.answered(addr)
             self.counts["misses"] += 1
             return None
         except Exception as exc:
-            if unreachable(exc):
-                self.reach.failed(addr, "get", exc)
-            else:
+            if not unreachable(exc):
                 log.warning("kvswitch: GET of %s failed: %s", key.hex(), exc)
             self.counts["misses"] += 1
             return None
-        self.reach.answered(addr)
         self.counts["hits"] += 1
         return out
 
@@ -265,24 +262,19 @@ class StoreIO:
                              self.settings.deadline * (1 + waves) + 5, [None] * len(keys))
 
     async def _put(self, ns: int, key: bytes, data) -> bool:
-        addr = self.client.pool_for(ns, key)
-        if not self.reach.usable(addr):
+        if not self.placement.writable(ns, key):
             self.counts["skipped"] += 1
             return False        # a lost write is a future miss, never an error
         try:
             await self.client.put_block(ns, key, data)
         except Refused as exc:  # stored already, with other bits: the pool's copy stays
             log.info("kvswitch: PUT of %s refused: %s", key.hex(), exc)
-            self.reach.answered(addr)
             return False
         except Exception as exc:
             self.counts["put_failed"] += 1
-            if unreachable(exc):
-                self.reach.failed(addr, "put", exc)
-            else:
+            if not unreachable(exc):
                 log.warning("kvswitch: PUT of %s failed: %s", key.hex(), exc)
             return False
-        self.reach.answered(addr)
         self.counts["puts"] += 1
         return True
 
@@ -315,7 +307,7 @@ class StoreIO:
         from hostagent.inference.fetch import AsyncFetchClient, FetchEngine, NoXdp
         s = self.settings
         try:
-            engine = FetchEngine(list(s.pools), s.chunk_size, deadline=s.deadline,
+            engine = FetchEngine(self.placement, s.chunk_size, deadline=s.deadline,
                                  arena_bytes=64 << 20, auth=self.keyring)
             c = AsyncFetchClient(engine, s.window, s.deadline, owns=True)
             self.getter = await c.__aenter__()

@@ -41,7 +41,7 @@ I/O thread) and returns; the first ``wait_for_layer_load`` copies each block int
 paged blocks as it arrives (a pool block holds every layer, so layer 0 needs whole blocks);
 ``wait_for_save`` copies each newly computed full prompt block out of the paged cache and hands
 it to the I/O thread, which PUTs it in the background. Either way a pool node that stops
-answering is skipped for a while (``vllm_connector_pool.Reachability``), so requests recompute
+answering is skipped for a while (``hostagent.common.pools.Placement``), so requests recompute
 without waiting for it.
 
 Metrics: probes, loads (by source), failures (not cached, read failed), bytes, saves and a load

@@ -45,6 +45,9 @@ class Settings:
     deadline: float = 10.0             # seconds for one block before its load fails (>= 1 ms)
     probe_deadline: float = 2.0        # seconds the scheduler waits for a probe at most (ditto)
     retry_s: float = 5.0               # a silent pool node is asked again after this (doubling)
+    silence_s: float = 1.0             # a transfer unanswered this long asks the next holder
+    replicas: int = 1                  # pool nodes holding each block (1..len(pools))
+    shared_store: bool = False         # pool nodes on one Mooncake Store: any node reads any
     model_id: str | None = None        # names the weights; default: vLLM's model and revision
     block_tokens: int | None = None    # pool block tokens; default: vLLM's block size
     max_pending_save_mib: int = 256    # saves copied out but not yet acknowledged

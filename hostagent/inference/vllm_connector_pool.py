@@ -19,11 +19,13 @@ opened when the worker registers its KV cache (``open_getter``: the program comp
 background, not in a request's load), or the asyncio client where the engine cannot run (or with
 ``fetch_engine: "off"``).
 
-A pool node that does not answer must not stall serving: ``Reachability`` takes a node whose
-probe, load or save timed out (or whose address refused) out of use for a back-off that doubles
-while it keeps failing (``retry_s`` .. 60 s). Meanwhile probes say miss for its blocks (the
-scheduler does not wait: requests recompute) and saves to it are dropped and counted; one log
-line when a node goes, one when it answers again.
+A pool node that does not answer must not stall serving: the clients' one ``Placement``
+(``hostagent.common.pools``: ``replicas`` holders per block, ``shared_store`` for pool nodes on
+one Mooncake Store) moves a transfer left unanswered for ``silence_s`` on to the block's next
+holder and leaves the silent node out for a back-off that doubles while it keeps failing
+(``retry_s`` .. 60 s). Meanwhile probes say miss for blocks no answering node holds (the
+scheduler does not wait: requests recompute) and saves no answering node would hold are dropped
+and counted; one log line when a node goes, one when it answers again.
 """
 from __future__ import annotations
 
@@ -37,53 +39,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from hostagent.common.transfer import BlockNotFound, NoAnswer, Refused, TransferStats
+from hostagent.common.pools import Placement
+from hostagent.common.transfer import BlockNotFound, Refused, TransferStats, unreachable
 from .client import KVClient
 from .paged_kv import PagedKV
 from .vllm_connector_blocks import LoadSpec, Settings
 
 log = logging.getLogger("vllm.kvswitch")       # under "vllm": vLLM's handler prints it
-
-RETRY_CAP = 60.0                                # seconds: the longest back-off of a silent pool
-
-
-def unreachable(exc: BaseException) -> bool:
-    """An error that says the pool node did not answer at all (not that it lacks a block,
-    refused one, or was slow: a transfer that timed out with answers is congestion, and a
-    node marked silent for it would turn a busy link into recomputation): no answer within the
-    deadline (the asyncio client's NoAnswer, the fetch engine's NoReply), or the network
-    refusing the address."""
-    from hostagent.inference.fetch.engine import NoReply
-    if isinstance(exc, (NoAnswer, NoReply)):
-        return True
-    return isinstance(exc, OSError) and not isinstance(exc, TimeoutError)  # a slow transfer
-
-
-class Reachability:
-    """Pool nodes taken out of use after they failed to answer (module docstring). Used from
-    the I/O thread only."""
-
-    def __init__(self, retry_s: float):
-        self.retry_s = retry_s
-        self._down: dict[tuple[str, int], tuple[float, float]] = {}   # addr -> (until, back-off)
-        self.skipped = 0
-
-    def usable(self, addr: tuple[str, int]) -> bool:
-        state = self._down.get(addr)
-        return state is None or time.monotonic() >= state[0]
-
-    def failed(self, addr: tuple[str, int], what: str, exc: BaseException) -> None:
-        until, backoff = self._down.get(addr, (0.0, 0.0))
-        backoff = min(RETRY_CAP, 2 * backoff) if backoff else self.retry_s
-        if not until:
-            log.warning("kvswitch: pool node %s:%d does not answer (%s: %s): its blocks are "
-                        "recomputed and not saved; asking again in %g s", *addr, what,
-                        exc or type(exc).__name__, backoff)
-        self._down[addr] = (time.monotonic() + backoff, backoff)
-
-    def answered(self, addr: tuple[str, int]) -> None:
-        if self._down.pop(addr, None) is not None:
-            log.warning("kvswitch: pool node %s:%d answers again", *addr)
 
 
 class PoolBackend:
@@ -96,14 +58,15 @@ class PoolBackend:
                                         daemon=True)
         self._thread.start()
         self.keyring = s.keyring()          # the key file's, else the process's (None: off)
-        self.client = KVClient(list(s.pools), s.chunk_size, s.window, s.deadline,
+        self.placement = Placement(s.pools, s.replicas, s.shared_store, s.retry_s, s.silence_s,
+                                   log)
+        self.client = KVClient(self.placement, s.chunk_size, s.window, s.deadline,
                                auth=self.keyring)
         self._call(self.client.__aenter__(), 10)
         # Whole-block GETs: the XDP fetch engine where it can run, opened by the worker
         # (open_getter; in vLLM's two-process layout the scheduler only probes)
         self.getter = self.client if s.fetch_engine == "off" else None
         self._opening: asyncio.Future | None = None           # the I/O thread's only
-        self.reach = Reachability(s.retry_s)
         self.totals = {op: TransferStats() for op in ("probe", "load", "save")}
         self.events: collections.deque[dict] = collections.deque(maxlen=4096)
         self.save_refused = self.save_failed = self.save_dropped = self.save_shed = 0
@@ -133,23 +96,17 @@ class PoolBackend:
         async def one(i: int) -> None:
             nonlocal found
             async with sem:
-                addr = self.client.pool_for(ns, keys[i])
                 if i > found:
                     return
-                if not self.reach.usable(addr):
-                    self.reach.skipped += 1
+                if not self.placement.readable(ns, keys[i]):
+                    self.placement.skipped += 1
                     found = min(found, i)
                     return
                 try:
                     await self.client.first_chunk(ns, keys[i], stats,
                                                   self.settings.probe_deadline)
-                    self.reach.answered(addr)
                 except Exception as exc:       # unconfirmed: the prefix ends here
-                    if isinstance(exc, BlockNotFound):
-                        self.reach.answered(addr)
-                    elif unreachable(exc):
-                        self.reach.failed(addr, "probe", exc)
-                    else:
+                    if not isinstance(exc, BlockNotFound) and not unreachable(exc):
                         log.warning("kvswitch: probe of block %d failed: %s", i, exc)
                     found = min(found, i)
                     for t in tasks[i + 1:]:
@@ -185,8 +142,6 @@ class PoolBackend:
                     get = getattr(getter, "get_block_view", getter.get_block)
                     data, stats = await get(ns, keys[i], nchunks=nchunks)
                 except Exception as exc:          # reported to vLLM as a load error
-                    if unreachable(exc):
-                        self.reach.failed(self.client.pool_for(ns, keys[i]), "load", exc)
                     failed = min(failed, i)
                     q.put((i, exc, None))
                     return
@@ -215,7 +170,7 @@ class PoolBackend:
         if self.getter is None:
             from hostagent.inference.fetch import AsyncFetchClient, FetchEngine, NoXdp
             s = self.settings
-            c = AsyncFetchClient(FetchEngine(list(s.pools), s.chunk_size, deadline=s.deadline,
+            c = AsyncFetchClient(FetchEngine(self.placement, s.chunk_size, deadline=s.deadline,
                                              auth=self.keyring), s.window, s.deadline, owns=True)
             try:
                 self.getter = await c.__aenter__()
@@ -256,23 +211,19 @@ class PoolBackend:
 
         async def one(key: bytes, data: bytes) -> None:
             async with sem:
-                addr = self.client.pool_for(ns, key)
-                if not self.reach.usable(addr):
+                if not self.placement.writable(ns, key):
                     self.save_dropped += 1     # a lost save is a future miss, never an error
                     return
                 try:
                     part = await self.client.put_block(ns, key, data)
                     self.totals["save"].add(part, seconds=True)
                     self.saved_blocks += 1
-                    self.reach.answered(addr)
                 except Refused as exc:     # stored already, with other bits: keep the pool's
                     self.save_refused += 1
                     log.info("kvswitch: PUT of %s refused: %s", key.hex(), exc)
                 except Exception as exc:   # a lost save is a future miss, never an error
                     self.save_failed += 1
-                    if unreachable(exc):
-                        self.reach.failed(addr, "save", exc)
-                    else:
+                    if not unreachable(exc):
                         log.warning("kvswitch: PUT of %s failed: %s", key.hex(), exc)
 
         await asyncio.gather(*(one(k, b) for k, b in zip(keys, blocks)))
@@ -288,7 +239,7 @@ class PoolBackend:
         return {op: s.as_dict() for op, s in self.totals.items()} | {
             "save_refused": self.save_refused, "save_failed": self.save_failed,
             "save_dropped": self.save_dropped, "save_shed": self.save_shed,
-            "saved_blocks": self.saved_blocks, "probes_skipped": self.reach.skipped}
+            "saved_blocks": self.saved_blocks, "probes_skipped": self.placement.skipped}
 
 
 @dataclass
@@ -396,6 +347,7 @@ def backend_for(settings: Settings) -> PoolBackend:
     """The process's backend for these pools and transfer settings (made on first use)."""
     key = (settings.pools, settings.chunk_size, settings.window, settings.concurrency,
            settings.probe_window, settings.deadline, settings.probe_deadline, settings.retry_s,
+           settings.silence_s, settings.replicas, settings.shared_store,
            settings.max_pending_save_mib, settings.fetch_engine, settings.auth_key_file)
     with _LOCK:
         if key not in _BACKENDS:

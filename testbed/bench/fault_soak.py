@@ -21,7 +21,8 @@ import numpy as np
 from ..lab import write_json
 from ..lab.tasks import gather
 from .fault_kinds import FAULTS, SECONDS, Target, heal, inject, leftover_processes
-from .faults import CHUNK, DEADLINE_S, REQUEST_TIMEOUT_S, FaultBench, left_after_teardown
+from .faults import (CHUNK, DEADLINE_S, REQUEST_TIMEOUT_S, FaultBench, holding_for,
+                     left_after_teardown)
 from .serve import _preload
 from .soak import _rss_kib as rss_kib
 from .serve_workloads import mixed_workload
@@ -41,7 +42,7 @@ def soak_node(stop: str, index: int, nodes: int, pools: list[str], ns: int, bloc
     while not os.path.exists(stop):
         k = int(np.ceil((time.time() - t0) / SEGMENT_S))
         out = serve(pools, CHUNK, ns, block_bytes, wl.requests[index], t0 + k * SEGMENT_S,
-                    prefill_tok_s, False, True, True, DEADLINE_S)
+                    prefill_tok_s, holding_for("memory", len(pools)), True, DEADLINE_S)
         tot["requests"] += len(wl.requests[index])
         tot["failed"] += len(wl.requests[index]) - sum(t <= REQUEST_TIMEOUT_S
                                                        for t in out["ttft"])
@@ -100,7 +101,7 @@ def run_fault_soak(minutes: float = 60.0, every_s: float = 180.0, sample_s: floa
     with bench.lab("memory") as lab:
         ns = bench.ns
         pre = mixed_workload(nodes, lab.pool_addrs, ns, seconds=SEGMENT_S)
-        _preload(lab, ns, pre.preload, False, bench.block_bytes)
+        _preload(lab, ns, pre.preload, bench.holding, bench.block_bytes)
         t0 = time.time() + 5.0
         tasks = [lab.start_task(n.name, f"{__name__}:soak_node", stop, i, nodes, lab.pool_addrs,
                                 ns, bench.block_bytes, bench.preset.prefill_tokens_per_s, t0)

@@ -7,8 +7,10 @@ P pool nodes, links at one rate, switchd's default policy. The traffic (serve_wo
 ``mixed``) is the zipf workload throughout with a burst every few seconds (a new prefix asked
 by every node at once); the fault strikes at a random moment within the second burst's first
 ``0.3`` s, while GETs for it are held in the switch, and ends ``seconds`` later. The nodes'
-loops fail over from a pool node that stops answering (serve_node ``failover``) and check every
-byte they fetch.
+loops fail over as the product does (``hostagent.common.pools``: a transfer silent for 1 s asks
+the block's next holder, and the silent node is left out for a while): with the memory and disk
+stores every block is written to ``FAILOVER_REPLICAS`` pool nodes, with Mooncake every node
+reads every block from the shared store (``holding_for``). Every fetched byte is checked.
 
 Per run: requests completed and failed (no first token within REQUEST_TIMEOUT_S, or a node's
 loop that died: a block that cannot be fetched is recomputed, so a request fails only when even
@@ -48,6 +50,15 @@ DEADLINE_S = 5.0
 AFTER_S = 2.0                 # "during" reaches this far past the fault's end
 WINDOW_S = 1.0                # the sliding window of recovery_s (its error: half of it)
 DISK_POOL_DRAM = "2MiB"       # with the disk tier: most blocks live on disk
+FAILOVER_REPLICAS = 2         # pool nodes holding each block where a store keeps one copy
+
+
+def holding_for(store: str, pools: int) -> dict:
+    """The placement of a run's blocks (serve_node.placement): Mooncake's nodes share one
+    store (any node reads any block); the memory and disk stores keep one copy per node, so
+    each block goes to ``FAILOVER_REPLICAS`` of them."""
+    return {"shared": True} if store == "mooncake" else {
+        "replicas": min(FAILOVER_REPLICAS, pools)}
 
 
 def check(faults, stores, nodes: int, pools: int, link_gbit: float, seconds: float | None,
@@ -180,6 +191,7 @@ class FaultBench:
         self.ns = NS_BASE
 
     def lab(self, store: str) -> Lab:
+        self.holding = holding_for(store, self.pools)          # the runs on this testbed's
         return Lab(self.prefix, hosts=self.nodes, pools=self.pools, chunk_size=CHUNK,
                    store="mooncake" if store == "mooncake" else "memory",
                    replicas=2 if store == "mooncake" else 1,
@@ -192,7 +204,7 @@ class FaultBench:
         _fresh(lab, mode == "switch")
         self.ns += 1
         wl = mixed_workload(self.nodes, lab.pool_addrs, self.ns, seconds=self.run_s)
-        _preload(lab, self.ns, wl.preload, False, self.block_bytes)
+        _preload(lab, self.ns, wl.preload, self.holding, self.block_bytes)
         when: dict = {}
 
         def strike(start: float) -> None:
@@ -209,7 +221,7 @@ class FaultBench:
         died: list = []
         t0 = time.monotonic()
         res = serve_phases(lab, wl, self.ns, self.preset.prefill_tokens_per_s, self.block_bytes,
-                           at_start=strike if fault else None, failover=True,
+                           self.holding, at_start=strike if fault else None,
                            deadline=DEADLINE_S, failed=died)
         expected = {p.pid for p in lab.pools if p} | ({lab.switch.pid} if lab.switch else set())
         if lab.master is not None and lab.master.proc is not None:

@@ -9,7 +9,8 @@ its own):
   bridge    a plain Linux bridge, no switch program: each block from its owner pool node;
   switch    kvswitch with switchd's default policy (nothing admitted by hand);
   replicas  no switch, every block on every pool node (written to all), reads spread at
-            random: what a pool without the switch does for a hot object.
+            random: what a pool without the switch does for a hot object (the product's
+            ``Placement`` with replicas = P and spread reads).
 
 Pool egress per pool node is read from its interface counters; the switch's hit ratio is the
 share of fetched chunks it answered from its cache (its replicas of a held miss are counted
@@ -78,25 +79,31 @@ def _pct(x, q) -> float:
     return round(float(np.percentile(np.asarray(x), q)), 4) if len(x) else 0.0
 
 
-def _preload(lab: Lab, ns: int, keys: list[str], replicas: bool, block_bytes: int) -> None:
+def holding_of(mode: str, pools: int) -> dict:
+    """The placement (serve_node.placement) of a mode: every pool node holds every block and
+    reads spread in the replicas mode, one holder each otherwise."""
+    return {"replicas": pools, "spread": True} if mode == "replicas" else {}
+
+
+def _preload(lab: Lab, ns: int, keys: list[str], holding: dict | None,
+             block_bytes: int) -> None:
     lab.task("h1", f"{__name__}:put_all", lab.pool_addrs, CHUNK, ns, block_bytes, keys,
-             replicas)
+             holding)
 
 
-async def put_all(pools, chunk_size, ns, block_bytes, keys, replicas) -> int:
-    """In a node: put ``keys``' blocks on their owner (every pool node with ``replicas``)."""
+async def put_all(pools, chunk_size, ns, block_bytes, keys, holding) -> int:
+    """In a node: put ``keys``' blocks on their holders (serve_node.placement)."""
     import asyncio
     from hostagent.inference.client import KVClient
-    groups = [[p] for p in pools] if replicas else [pools]
+    from .serve_node import placement
     sem = asyncio.Semaphore(8)
 
     async def one(c, k):
         async with sem:
             await c.put_block(ns, bytes.fromhex(k), payload(bytes.fromhex(k), block_bytes))
 
-    for g in groups:
-        async with KVClient(g, chunk_size, 64, 60.0) as c:
-            await asyncio.gather(*(one(c, k) for k in keys))
+    async with KVClient(placement(pools, holding), chunk_size, 64, 60.0) as c:
+        await asyncio.gather(*(one(c, k) for k in keys))
     return len(keys)
 
 
@@ -129,12 +136,12 @@ def _merge(into: dict, out: dict) -> None:
 
 
 def serve_phases(lab: Lab, wl: Workload, ns: int, prefill_tok_s: float, block_bytes: int,
-                 spread: bool = False, at_start=None, failover: bool = False,
-                 deadline: float = 30.0, failed: list | None = None) -> list[dict]:
+                 holding: dict | None = None, at_start=None, deadline: float = 30.0,
+                 failed: list | None = None) -> list[dict]:
     """Every node's serving loop (testbed.bench.serve_node) over its share of ``wl``, phase by
     phase; each node's results. ``at_start(epoch)`` is called once the last phase's nodes have
     their common start (the run's time 0), while they serve (a fault's schedule, say);
-    ``failover`` and ``deadline`` are the nodes' (testbed.bench.serve_node.serve). A node whose
+    ``holding`` and ``deadline`` are the nodes' (testbed.bench.serve_node.serve). A node whose
     loop fails raises, or with ``failed`` (a list) is noted there as (node, why) and gives {}."""
     nodes = lab.topo.host_nodes
     res: list[dict] = [{} for _ in nodes]
@@ -144,7 +151,7 @@ def serve_phases(lab: Lab, wl: Workload, ns: int, prefill_tok_s: float, block_by
         start = StartLine(lab.tmp.name, len(on))      # once every node's engine is open
         tasks = [(i, lab.start_task(nodes[i].name, "testbed.bench.serve_node:serve",
                                     lab.pool_addrs, CHUNK, ns, block_bytes, phase[i], start.path,
-                                    prefill_tok_s, spread, True, failover, deadline))
+                                    prefill_tok_s, holding, True, deadline))
                  for i in on]
         at = start.go([t for _, t in tasks])
         if at_start is not None and phase is steps[-1]:
@@ -164,13 +171,13 @@ def serve_phases(lab: Lab, wl: Workload, ns: int, prefill_tok_s: float, block_by
 def _run_workload(lab: Lab, wl: Workload, mode: str, ns: int, preset, block_bytes: int,
                   log) -> dict:
     if wl.preload:
-        _preload(lab, ns, wl.preload, mode == "replicas", block_bytes)
+        _preload(lab, ns, wl.preload, holding_of(mode, len(lab.pool_addrs)), block_bytes)
     pools = lab.topo.pool_nodes
     before = [lab.link_bytes(p.name, "tx") for p in pools]
     sw0 = lab.counters() if mode == "switch" else {}   # the switch's rounds: its time
     t0 = time.monotonic()
     res = serve_phases(lab, wl, ns, preset.prefill_tokens_per_s, block_bytes,
-                       mode == "replicas")
+                       holding_of(mode, len(lab.pool_addrs)))
     egress = [lab.link_bytes(p.name, "tx") - b for p, b in zip(pools, before)]
     # warm-up requests (the burst's first computation of its prefix) are reported apart
     pick = [(r, [i for i, w in enumerate(r["warmup"]) if not w]) for r in res]

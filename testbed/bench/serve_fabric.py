@@ -92,7 +92,7 @@ def hit_ratio(level: dict | None) -> float | None:
 def _run(lab: FabricLab, wl, mode: str, preset, block_bytes: int, log) -> dict:
     ns = wl.params["ns"]
     if wl.preload:
-        _preload(lab, ns, wl.preload, False, block_bytes)
+        _preload(lab, ns, wl.preload, None, block_bytes)
     pools, racks = lab.topo.pool_nodes, [b.name for b in lab.topo.rack_boxes]
     running = {level: [b for b in names if b in lab.boxes]
                for level, names in (("rack", racks), ("pool-side", [AGG]))}

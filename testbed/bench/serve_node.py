@@ -12,25 +12,23 @@ as a testbed.lab task): requests in arrival order, one at a time (one GPU), each
   4. write the blocks it computed through to the pool (a background writer, as a serving
      engine's offload does; it shares the node's link).
 
-TTFT = queueing + fetch + modelled prefill. With ``spread`` (the replicas mode) every pool node
-holds every block and each block is read from a pool node chosen at random. With ``failover``
-(`testbed bench faults`) a block whose fetch timed out is asked once more of the next pool node
-in its rendezvous order, and its owner is left out for a while, as a connector that knows its
-store replicates would do; every fetched byte that is not the block's counts as wrong.
+TTFT = queueing + fetch + modelled prefill. Which pool nodes hold a block, and which are asked,
+is the product's ``Placement`` (``holding``: its replicas, shared store and spread reads), so
+the fetch engine's own failover (a silent node left out, its blocks asked of their next holder;
+a node whose cable is out computes at once) is what `bench faults` measures. The replicas mode
+of `bench serve` is every pool node holding every block, read from a random one. Every
+fetched byte that is not the block's counts as wrong.
 """
 from __future__ import annotations
 
 import asyncio
 import queue
-import random
 import threading
 import time
 
 import numpy as np
 
-from kvproto import Status
-from hostagent.common.netif import has_carrier
-from hostagent.common.transfer import Refused, TransferTimeout, pool_for
+from hostagent.common.pools import Placement
 from hostagent.inference.client import KVClient
 from hostagent.inference.fetch.engine import FetchEngine
 
@@ -39,109 +37,31 @@ from .serve_workloads import payload
 BLOCK_TOKENS = 512
 
 
-class SpreadEngine(FetchEngine):
-    """Reads spread over the pool nodes (each holds every block) instead of the owner."""
-
-    def _route(self, ns: int, key: bytes):
-        return self._routes[random.choice(self.pools)]
-
-
-class FailoverEngine(FetchEngine):
-    """Routes around a pool node that stopped answering or cannot serve: a transfer with no
-    chunk back after ``first_reply_timeout`` fails at once (the engine's own rule judges only
-    its first transfers: here every transfer is judged alone), as does one the node refuses
-    as UNAVAILABLE (a Mooncake node whose read hit a dead replica); while that node is marked
-    silent (for ``retry_s``) its blocks go to the next node of their rendezvous order (with a
-    replicated store, such as Mooncake's, any pool node serves any block)."""
-    retry_s = 5.0
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, first_reply_timeout=1.0, **kw)
-        self._silent: dict = {}                     # pool address -> until (monotonic)
-
-    @property
-    def answered(self) -> bool:
-        return False
-
-    @answered.setter
-    def answered(self, _value) -> None:
-        pass
-
-    def _up(self) -> list:
-        now = time.monotonic()
-        return [p for p in self.pools if self._silent.get(p, 0.0) <= now] or self.pools
-
-    def _route(self, ns: int, key: bytes):
-        return self._routes[pool_for(self._up(), ns, key)]
-
-    def mark_silent(self, ns: int, keys: list[bytes]) -> None:
-        """The pool nodes ``keys`` are routed to now failed them: leave those nodes out. Every
-        owner is found before any is left out (else the second key of a dead node would be
-        routed to, and blamed on, the node that is still up)."""
-        up, until = self._up(), time.monotonic() + self.retry_s
-        for pool in {pool_for(up, ns, k) for k in keys}:
-            self._silent[pool] = until
-
-
-class LinkDown(ConnectionError):
-    """This node's own interface has no carrier: no pool node can be reached."""
-
-
-def routed_around(b) -> bool:
-    """Whether a block's failure sends it to another pool node: no answer in time, or the
-    node refused it as UNAVAILABLE (its store cannot reach the block's replica now)."""
-    return isinstance(b, TransferTimeout) or (isinstance(b, Refused)
-                                              and b.status == Status.UNAVAILABLE)
-
-
-def fetch_blocks(eng: FetchEngine, ns: int, keys: list[bytes], failover: bool) -> list:
-    """The blocks of ``keys`` (an exception in a block's place where it failed); with
-    ``failover``, the ones routed around (``routed_around``) asked once more after their
-    owners are marked silent, and none asked for while this node's own link is down (the
-    node computes them rather than wait out the silence)."""
-    if failover and not has_carrier(eng.ifname):    # cable out: compute, do not wait
-        return [LinkDown(f"{eng.ifname} has no carrier")] * len(keys)
-    got = eng.get_blocks([(ns, k, None) for k in keys], return_exceptions=True)
-    again = [i for i, b in enumerate(got) if routed_around(b)] if failover else []
-    if again and not has_carrier(eng.ifname):
-        return got                     # silent because our own cable is out, not the nodes
-    if again:
-        eng.mark_silent(ns, [keys[i] for i in again])
-        retry = eng.get_blocks([(ns, keys[i], None) for i in again], return_exceptions=True)
-        for i, b in zip(again, retry):
-            got[i] = b
-    return got
+def placement(pools: list[str], holding: dict | None = None) -> Placement:
+    """The product's placement of a run's blocks: ``holding`` is {"replicas": R, "shared":
+    bool, "spread": bool} (JSON, for a task's arguments); none: one holder each."""
+    return Placement(pools, **(holding or {}))
 
 
 class Writer:
-    """Puts computed blocks to the pool (every pool node with ``replicas``) in a thread."""
+    """Puts computed blocks to the pool (each holder, as the placement says) in a thread."""
 
-    def __init__(self, pools: list[str], chunk_size: int, ns: int, block_bytes: int,
-                 replicas: bool):
+    def __init__(self, place: Placement, chunk_size: int, ns: int, block_bytes: int):
         self.q: queue.Queue = queue.Queue()
-        self.pools, self.cs, self.ns, self.size = pools, chunk_size, ns, block_bytes
-        self.replicas, self.errors, self.written = replicas, 0, 0
+        self.place, self.cs, self.ns, self.size = place, chunk_size, ns, block_bytes
+        self.errors = self.written = 0
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
         self.thread.start()
 
     async def _run(self) -> None:
-        groups = [[p] for p in self.pools] if self.replicas else [self.pools]
-        clients = [KVClient(g, self.cs, 64, 30.0) for g in groups]
-        for c in clients:
-            await c.__aenter__()
-        try:
+        async with KVClient(self.place, self.cs, 64, 30.0) as c:
             while (keys := await asyncio.to_thread(self.q.get)) is not None:
                 for key in keys:
-                    data = payload(key, self.size)
-                    for c in clients:
-                        try:
-                            await c.put_block(self.ns, key, data)
-                            self.written += 1
-                        except Exception:   # noqa: BLE001 - counted, the run goes on
-                            self.errors += 1
-        finally:
-            for c in clients:
-                await c.__aexit__(None, None, None)
+                    try:
+                        await c.put_block(self.ns, key, payload(key, self.size))
+                        self.written += 1
+                    except Exception:   # noqa: BLE001 - counted, the run goes on
+                        self.errors += 1
 
     def close(self) -> None:
         self.q.put(None)
@@ -165,15 +85,15 @@ def wrong_bytes(got: bytes, want: bytes) -> int:
 
 
 def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests: list[dict],
-          start_at: float | str, prefill_tok_s: float, spread: bool, write: bool = True,
-          failover: bool = False, deadline: float = 30.0) -> dict:
-    cls = SpreadEngine if spread else FailoverEngine if failover else FetchEngine
+          start_at: float | str, prefill_tok_s: float, holding: dict | None = None,
+          write: bool = True, deadline: float = 30.0) -> dict:
+    place = placement(pools, holding)
     out = {"ttft": [], "warmup": [], "queue": [], "fetch": [], "prefill": [], "cached_blocks": 0,
            "blocks": 0, "chunks": 0, "from_switch": 0, "replicas": 0, "from_pool": 0,
            "retransmits": 0, "byte_exact": True, "wrong_bytes": 0, "fetch_errors": 0,
            "recomputed_blocks": 0}
-    writer = Writer(pools, chunk_size, ns, block_bytes, spread) if write else None
-    with cls(pools, chunk_size, deadline=deadline) as eng:
+    writer = Writer(place, chunk_size, ns, block_bytes) if write else None
+    with FetchEngine(place, chunk_size, deadline=deadline) as eng:
         # arrivals count from the common start, whenever this node's engine was open
         ahead = common_start(start_at) - time.time()
         out["late_s"] = round(max(0.0, -ahead), 4)
@@ -185,7 +105,7 @@ def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests
             start = time.monotonic()
             keys = [bytes.fromhex(k) for k in req["keys"]]
             # a lookup first (chunk 0 of each block: NOT_FOUND costs one GET), then the rest
-            got = fetch_blocks(eng, ns, keys, failover)
+            got = eng.get_blocks([(ns, k, None) for k in keys], return_exceptions=True)
             cached = 0
             for k, b in zip(keys, got):
                 if isinstance(b, BaseException):

@@ -111,7 +111,7 @@ def simulate(wl: Workload, cap: dict, nodes: int, pool_addrs, cfg: PolicyConfig,
              block_bytes: int, unbounded: bool, fetch_s: float,
              prefill_tok_s: float | None = None, ns: int = NS) -> dict:
     """`testbed sim`'s exact tier replay of the same requests at the same capacities."""
-    from hostagent.common.transfer import pool_for
+    from hostagent.common.pools import pool_for
     from kvproto.wire import PORT
     from ..sim.tiers import TierSim
     pools = [(a, PORT) for a in pool_addrs]

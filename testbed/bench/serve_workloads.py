@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hostagent.common.transfer import pool_for
+from hostagent.common.pools import pool_for
 
 from ..sim.trace import BLOCK_TOKENS, load_trace
 

@@ -309,12 +309,15 @@ class Lab:
                           timeout=timeout)
         return json.loads(r.stdout.strip().splitlines()[-1])
 
-    def put(self, node: str, ns: int, key: bytes, data: bytes, pool: str | None = None) -> dict:
+    def put(self, node: str, ns: int, key: bytes, data: bytes, pool: str | None = None,
+            replicas: int = 1) -> dict:
+        """`hostagent put` of a block from ``node``: to its owner (``pool``: that node only),
+        or to ``replicas`` nodes of its rendezvous order."""
         path = os.path.join(self.tmp.name, f"put-{key.hex()}")
         with open(path, "wb") as f:
             f.write(data)
         return self._agent(node, "put", "--ns", str(ns), "--key", key.hex(), "--file", path,
-                           pool=pool)
+                           "--replicas", str(replicas), pool=pool)
 
     def get(self, node: str, ns: int, key: bytes, *flags: str,
             pool: str | None = None) -> tuple[dict, bytes]:

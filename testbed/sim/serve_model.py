@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from hostagent.common.transfer import pool_for
+from hostagent.common.pools import pool_for
 from hostagent.inference.fetch.transfers import INITIAL_WINDOW
 from kvproto.wire import PORT
 

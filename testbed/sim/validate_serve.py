@@ -85,7 +85,7 @@ def calibrate(lab: Lab, block_bytes: int, chunk: int, link_gbit: float) -> Calib
     the link's rate is the round trip; a 10 ms sleep's overshoot is the wake-up latency), and
     the links' rate: the configured one, which the links hold (tests/test_links.py); the rate
     the probe's t(n blocks) - t(1 block) implies is kept beside it."""
-    bench_serve._preload(lab, PROBE_NS, probe_keys(PROBE_REPS, PROBE_SET), False, block_bytes)
+    bench_serve._preload(lab, PROBE_NS, probe_keys(PROBE_REPS, PROBE_SET), None, block_bytes)
     start_at = time.time() + 2.0 + 0.3 * len(lab.topo.host_nodes)
     tasks = [lab.start_task(h.name, f"{__name__}:probe", lab.pool_addrs, chunk, PROBE_NS,
                             block_bytes, PROBE_REPS, PROBE_SET, i == 0, h.name, start_at)

@@ -25,9 +25,9 @@ tells the whole story; each module owns one concern:
 """
 from .block import Block
 from .client import AsyncFetchClient, open_client
-from .engine import EngineStats, FetchEngine, NoReply
+from .engine import EngineStats, FetchEngine, LinkDown, NoReply
 from xdp import NoXdp
 
 
-__all__ = ["AsyncFetchClient", "Block", "EngineStats", "FetchEngine", "NoReply", "NoXdp",
-           "open_client"]
+__all__ = ["AsyncFetchClient", "Block", "EngineStats", "FetchEngine", "LinkDown", "NoReply",
+           "NoXdp", "open_client"]

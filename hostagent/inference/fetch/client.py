@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Sequence
 import numpy as np
 
 from hostagent.common import auth as auth_mod
+from hostagent.common.pools import Placement
 from hostagent.inference.client import KVClient
 from hostagent.common.transfer import TransferStats
 from kvproto import DEFAULT_CHUNK
@@ -122,7 +123,7 @@ class AsyncFetchClient:
     async def _socket_client(self) -> KVClient:
         """The asyncio client beside the engine (its socket in the engine's namespace)."""
         if self._socket is None:
-            c = KVClient(self.pools, self.chunk_size, self._window, self._deadline,
+            c = KVClient(self.engine.placement, self.chunk_size, self._window, self._deadline,
                          auth=self.engine.keyring)
             with _inside(self.engine.netns_name):
                 await c.__aenter__()
@@ -148,12 +149,14 @@ def _inside(netns: str | None):
 
 
 @contextlib.asynccontextmanager
-async def open_client(pools: Sequence[str | tuple[str, int]], chunk_size: int = DEFAULT_CHUNK,
-                      window: int = 64, deadline: float = 30.0, *, netns: str | None = None,
-                      ifname: str = "eth0", arena_bytes: int = 64 << 20, auth=auth_mod.DEFAULT,
+async def open_client(pools: Sequence[str | tuple[str, int]] | Placement,
+                      chunk_size: int = DEFAULT_CHUNK, window: int = 64, deadline: float = 30.0,
+                      *, netns: str | None = None, ifname: str = "eth0",
+                      arena_bytes: int = 64 << 20, auth=auth_mod.DEFAULT,
                       **engine_kw) -> AsyncIterator[AsyncFetchClient | KVClient]:
     """The fetch engine's client if the engine can run here, else the asyncio KVClient (both
-    offer get_block and put_block); logs which one is in use. ``auth``: the keyring (default:
+    offer get_block and put_block, over one ``Placement``: ``pools`` itself, or one holder of
+    each block); logs which one is in use. ``auth``: the keyring (default:
     the process's, hostagent/common/auth.py), None to turn authentication off."""
     engine = FetchEngine(pools, chunk_size, ifname=ifname, netns=netns, deadline=deadline,
                          arena_bytes=arena_bytes, auth=auth, **engine_kw)
@@ -161,7 +164,7 @@ async def open_client(pools: Sequence[str | tuple[str, int]], chunk_size: int = 
         engine.open()
     except NoXdp as exc:
         log.warning("asyncio socket client in use (%s)", exc)
-        c = KVClient(pools, chunk_size, window, deadline, auth=engine.keyring)
+        c = KVClient(engine.placement, chunk_size, window, deadline, auth=engine.keyring)
         with _inside(netns):
             await c.__aenter__()                     # its socket lives in the node's netns
         try:

@@ -13,6 +13,15 @@ is busy one thread can win (every wake-up waits for a time slice). A few GETs (a
 ``batch_size``: a round of retransmissions) the stepping thread sends itself while the sender
 thread is idle, sparing a hand-off that cost more than the call.
 
+Which pool node a transfer asks is the engine's ``Placement`` (``hostagent.common.pools``). A
+transfer that heard nothing for its silence limit (and whose node answered no other transfer
+meanwhile: a busy link still delivers) moves on to the block's next holder, as does one that
+node answers NOT_FOUND (restarted empty) or UNAVAILABLE (its store cannot reach the block); the
+silent node is left out for a while, once this engine has been answered at all (else its own
+path may be what is silent: ``NoReply``). While the engine's own interface has no carrier (its
+cable is out) a transfer fails at once with ``LinkDown`` and no node is blamed: the caller
+computes rather than waits.
+
 A block of unknown size is fetched in two steps: a one-slot probe transfer asks for chunk 0
 (the program then accepts only chunk 0 and records the reply's chunk count), then a contiguous
 range is reserved, chunk 0 copied there and the rest fetched. When the range does not fit and
@@ -28,9 +37,11 @@ import time
 from collections.abc import Sequence
 
 from hostagent.common import auth as auth_mod
+from hostagent.common.netif import has_carrier
 from hostagent.common.packet_ring import PacketRing
-from hostagent.common.transfer import TransferTimeout, parse_addr, pool_for
-from kvproto import DEFAULT_CHUNK, PORT, Flag
+from hostagent.common.pools import Placement
+from hostagent.common.transfer import BlockNotFound, NoAnswer, Refused, Silent, TransferTimeout
+from kvproto import DEFAULT_CHUNK, PORT, Flag, Status
 from kvproto.frames import PAYLOAD_OFF
 from xdp import Netns, NoXdp
 
@@ -48,10 +59,14 @@ log = logging.getLogger("hostagent.fetch")
 _NO_CACHE = int(Flag.NO_CACHE)
 
 
-class NoReply(TransferTimeout):
+class NoReply(NoAnswer):
     """Nothing ever came back to this engine's GETs: its frames do not leave the interface (a
     veth whose peer carries no XDP program drops what XDP transmits) or the pool is gone. The
     asyncio client tells the two apart (``client.AsyncFetchClient`` retries with it)."""
+
+
+class LinkDown(NoAnswer):
+    """The engine's own interface has no carrier: no pool node can be reached."""
 
 
 class FetchEngine:
@@ -60,7 +75,8 @@ class FetchEngine:
     transfers from an event loop (``client.AsyncFetchClient``). ``open`` raises NoXdp (with the
     reason) where the engine cannot run; ``client.open_client`` then uses the asyncio client."""
 
-    def __init__(self, pools: Sequence[str | tuple[str, int]], chunk_size: int = DEFAULT_CHUNK, *,
+    def __init__(self, pools: Sequence[str | tuple[str, int]] | Placement,
+                 chunk_size: int = DEFAULT_CHUNK, *,
                  ifname: str = "eth0", netns: str | None = None,
                  arena_bytes: int = 256 << 20, max_arena_bytes: int = 2 << 30,
                  deadline: float = 30.0, burst: int = 1024, batch_size: int = 64,
@@ -69,9 +85,8 @@ class FetchEngine:
                  call_frames: int = 1024, poll_interval: float = 50e-6,
                  threaded: bool | None = None, first_reply_timeout: float = 2.0,
                  auth=auth_mod.DEFAULT):
-        self.pools = [parse_addr(p) if isinstance(p, str) else tuple(p) for p in pools]
-        if not self.pools:
-            raise ValueError("no pool nodes configured")
+        self.placement = Placement.of(pools)      # which nodes hold a block, which answer
+        self.pools = self.placement.pools
         self.chunk_size, self.ifname, self.netns_name = chunk_size, ifname, netns
         self.slots = max(16, arena_bytes // chunk_size)
         self.max_slots = max(self.slots, max_arena_bytes // chunk_size)
@@ -207,8 +222,25 @@ class FetchEngine:
         self._att.resume()
 
     # ---- slots and the transfer table --------------------------------------------------------
-    def _route(self, ns: int, key: bytes) -> Route:
-        return self._routes[pool_for(self.pools, ns, key)]
+    def _link_down(self) -> LinkDown | None:
+        if has_carrier(self.ifname, self._sock):
+            return None
+        return LinkDown(f"{self.ifname} has no carrier: no pool node can be reached")
+
+    def _move_on(self, t: Transfer, why: BaseException) -> None:
+        """Ask the block's next holder (module docstring); a silent node is left out."""
+        if isinstance(why, NoAnswer) and (down := self._link_down()) is not None:
+            return self._fail(t, down)                # our cable, not the node
+        if not t.others:
+            return self._fail(t, why)
+        if isinstance(why, NoAnswer) and self.answered:
+            self.placement.failed(t.route.addr, "read", why)
+        t.route.iface.settled += t.inflight          # never to come: not waited for
+        t.move(self._routes[t.others.pop(0)])
+        t.auth = authcheck.check_for(self.keyring, t.ns, t.key, self.chunk_size)
+        t.auth_retried = False
+        self.stats.moved += 1
+        self._activate(t, t.nchunks, t.known)
 
     def _activate(self, t: Transfer, nslots: int, known: bool) -> None:
         self._ids.retire(t.idx, t.gen)
@@ -256,7 +288,13 @@ class FetchEngine:
         if self._att.suspended:
             raise RuntimeError("engine suspended: resume() first")
         nchunks = authcheck.stored_hint(self.keyring, ns, nchunks, self.chunk_size)
-        t = Transfer(self._route(ns, key), ns, key, nchunks, no_cache, deadline or self.deadline)
+        order = self.placement.read_order(ns, key)
+        t = Transfer(self._routes[order[0]], ns, key, nchunks, no_cache,
+                     deadline or self.deadline)
+        t.others = order[1:]
+        if (down := self._link_down()) is not None:   # over at once: nothing is held
+            t.error = down
+            return t
         t.auth = authcheck.check_for(self.keyring, ns, key, self.chunk_size)
         t.auth_retried = False
         if not self._ids:
@@ -336,17 +374,20 @@ class FetchEngine:
     def _collect(self) -> int:
         """Verify every chunk that arrived since the last look; finish transfers."""
         t0, got, prog = time.monotonic(), 0, self.prog
+        silence = self.placement.silence_s
         for t in list(self._active):
             x = prog.xfers[t.idx]
             status = int(x["status"])
             if status:
                 self.answered = True
+                t.route.heard = t0
                 self._on_status(t, status, int(x["err"]), int(x["seen_nchunks"]))
                 continue
             received = int(x["received"])
             if received:
                 self.answered = True
             if received != t.seen_received:
+                t.heard = t.route.heard = t0
                 t.seen_received = received
                 got += verify(t, x, prog.meta, prog.arena_mv, self.chunk_size, self.folder,
                               self._ring, self.rto_floor, self.reo_floor, self.max_window)
@@ -362,6 +403,11 @@ class FetchEngine:
                     self._finish(t, x)
                 else:
                     self._grow(t, x)
+            elif (time.monotonic() - max(t.heard, t.route.heard) > silence
+                  and (t.others or self._link_down() is not None)):
+                self._move_on(t, Silent(
+                    f"{t.route.addr[0]}:{t.route.addr[1]} left a transfer unanswered for "
+                    f"{silence:g} s"))
             elif (not self.answered and not received
                   and time.monotonic() - t.start > self.first_reply_timeout):
                 self._fail(t, NoReply(
@@ -435,6 +481,9 @@ class FetchEngine:
         exc = status_error(t, status, err, seen)
         if isinstance(exc, auth_mod.AuthError):      # another size than a sealed block's
             return self._auth_failed(t, exc)
+        if t.others and (isinstance(exc, BlockNotFound) or (
+                isinstance(exc, Refused) and exc.status == Status.UNAVAILABLE)):
+            return self._move_on(t, exc)
         self._fail(t, exc)
 
     def _fail(self, t: Transfer, exc: BaseException) -> None:

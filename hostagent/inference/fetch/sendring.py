@@ -43,6 +43,7 @@ class EngineStats:
     step_cpu: float = 0.0          # CPU time of the stepping thread in step()
     sender_cpu: float = 0.0        # CPU time in the send calls (the kernel's work included)
     rebuilds: int = 0              # larger arenas loaded
+    moved: int = 0                 # transfers that moved on to a block's next holder
 
 
 class SendRing:

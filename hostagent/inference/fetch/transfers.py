@@ -175,6 +175,7 @@ class Route:
         self.bw = 0.0                      # delivery rate, chunks/s (max filter, decaying)
         self.inflight = 0                  # chunks asked for and not verified, all transfers
         self._acc, self._t0 = 0, time.monotonic()
+        self.heard = 0.0                   # when a transfer on it last got a reply (monotonic)
 
     def rtt_sample(self, rtt: float, least: float, own: bool = True) -> None:
         """``rtt``: a batch's mean round trip; ``least``: its last-asked chunk's. The base round
@@ -301,12 +302,26 @@ class Transfer:
         self.result = None                   # a Block when done
         self.error: BaseException | None = None
         self.idx = self.gen = self.base = -1
-        # a transfer starts from the last one's round trips (the switch's, unless bypassed)
-        last = route.rtts.get(not no_cache) or route.rtts.get(False)
+        self.others: list = []               # the block's next holders, to ask if this is silent
+        self._on(route)
+
+    def _on(self, route: Route) -> None:
+        """Ask ``route``, from the last transfer's round trips there (the switch's, unless
+        bypassed); nothing asked yet."""
+        self.route = route
+        last = route.rtts.get(not self.no_cache) or route.rtts.get(False)
         self.rtt = copy.copy(last) if last is not None else Rtt()
         self.seen_received = 0
         self.reset(self.nchunks)
-        self.switched = not no_cache and route.last_switched
+        self.switched = not self.no_cache and route.last_switched
+        self.heard = time.monotonic()        # the last reply to it (or when it was routed)
+
+    def move(self, route: Route) -> None:
+        """Ask another pool node for the block: the same slots, every chunk asked afresh (a
+        replica holds the same bytes, but a restart keeps the verification simple)."""
+        stats = self.stats
+        self._on(route)
+        self.stats = stats
 
     def reset(self, n: int) -> None:
         """Per-chunk state for ``n`` chunks, nothing asked yet."""

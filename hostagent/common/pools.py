@@ -1,0 +1,136 @@
+"""Which pool nodes hold a block and which of them answer now: placement and failover, one code
+for every client (the asyncio ``KVClient``, the XDP fetch engine) and so for every connector.
+
+Placement. A block's nodes are the pools in its rendezvous order (highest SHA-256 of (pool, ns,
+key) first: adding or losing a node moves only its own blocks). The first ``replicas`` of them
+hold it: a PUT goes to each, and a read asks them in that order. With ``shared`` (pool nodes on
+one Mooncake Store: every node reads every block from the shared store, which replicates on
+its own) a PUT goes to the first node alone and a read may be asked of any node. With
+``spread`` a read asks its holders in a random order (the answering ones first): the readers of
+one hot block share its holders' links instead of queueing at its owner's.
+
+Failover. A node that left a transfer unanswered for ``silence_s`` (the clients judge it per
+transfer: no reply to it, and none to any transfer on that node, for that long) is left out for
+a back-off that doubles while it keeps failing (``retry_s`` .. ``RETRY_CAP``); meanwhile reads
+ask the block's next holder at once and PUTs skip it (a lost PUT is a future miss). A read
+whose every holder is left out still asks them (one may be back). One log line when a node
+goes, one when it answers again.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import threading
+import time
+from collections.abc import Sequence
+
+from .transfer import parse_addr
+
+RETRY_CAP = 60.0                # seconds: the longest back-off of a silent pool node
+SILENCE_S = 1.0                 # seconds without a reply before a transfer asks the next node
+
+Addr = tuple[str, int]
+
+
+def rendezvous(pools: Sequence[Addr], ns: int, key: bytes) -> list[Addr]:
+    """``pools`` in a block's rendezvous order (its owner first)."""
+    if not pools:
+        raise ValueError("no pool nodes configured")
+    tag = ns.to_bytes(4, "big") + key
+    return sorted(pools, reverse=True,
+                  key=lambda p: hashlib.sha256(f"{p[0]}:{p[1]}".encode() + tag).digest())
+
+
+def pool_for(pools: Sequence[Addr], ns: int, key: bytes) -> Addr:
+    """The pool node that owns a block (first in its rendezvous order)."""
+    return rendezvous(pools, ns, key)[0]
+
+
+def addresses(pools: Sequence[str | Addr]) -> list[Addr]:
+    """Pool addresses as (IPv4, port), names resolved (``parse_addr``)."""
+    return [parse_addr(p) if isinstance(p, str) else parse_addr(f"{p[0]}:{p[1]}")
+            for p in pools]
+
+
+class Placement:
+    """The pool nodes of a client (module docstring). Thread-safe: the fetch engine's stepping
+    and a connector's I/O thread share one."""
+
+    def __init__(self, pools: Sequence[str | Addr], replicas: int = 1, shared: bool = False,
+                 retry_s: float = 5.0, silence_s: float = SILENCE_S,
+                 log: logging.Logger | None = None, spread: bool = False):
+        self.pools = addresses(pools)
+        if not self.pools:
+            raise ValueError("no pool nodes configured")
+        if not 1 <= replicas <= len(self.pools):
+            raise ValueError(f"replicas {replicas} is not in 1..{len(self.pools)} (the pool "
+                             "nodes configured)")
+        self.replicas, self.shared, self.spread = replicas, shared, spread
+        self.retry_s, self.silence_s = retry_s, silence_s
+        self.log = log or logging.getLogger("kvswitch.pools")
+        self._down: dict[Addr, tuple[float, float]] = {}        # addr -> (until, back-off)
+        self._lock = threading.Lock()
+        self.skipped = 0                # reads or PUTs a silent node was spared
+
+    @classmethod
+    def of(cls, pools) -> Placement:
+        """``pools`` itself if a Placement, else one over those addresses (one holder each)."""
+        return pools if isinstance(pools, Placement) else cls(pools)
+
+    def holders(self, ns: int, key: bytes) -> list[Addr]:
+        """The nodes a PUT of the block goes to (its first ``replicas``, or its owner alone
+        with a shared store), silent ones included: ``usable`` says which to skip."""
+        order = rendezvous(self.pools, ns, key)
+        return order[:1] if self.shared else order[:self.replicas]
+
+    def read_order(self, ns: int, key: bytes) -> list[Addr]:
+        """The nodes to ask for the block, in turn: its holders (any node, with a shared
+        store) in rendezvous order (a random one with ``spread``), those answering now first."""
+        order = rendezvous(self.pools, ns, key)
+        if not self.shared:
+            order = order[:self.replicas]
+        if self.spread:
+            random.shuffle(order)
+        up = [p for p in order if self.usable(p)]
+        return up + [p for p in order if p not in up]
+
+    def owner(self, ns: int, key: bytes) -> Addr:
+        """The node asked first for the block now."""
+        return self.read_order(ns, key)[0]
+
+    # ---- reachability ------------------------------------------------------------------------
+    def usable(self, addr: Addr) -> bool:
+        state = self._down.get(addr)
+        return state is None or time.monotonic() >= state[0]
+
+    def failed(self, addr: Addr, what: str, exc: BaseException | str) -> None:
+        """``addr`` left a ``what`` (probe, load, save, read) unanswered: leave it out."""
+        with self._lock:
+            until, backoff = self._down.get(addr, (0.0, 0.0))
+            backoff = min(RETRY_CAP, 2 * backoff) if backoff else self.retry_s
+            self._down[addr] = (time.monotonic() + backoff, backoff)
+        if not until:
+            self.log.warning("kvswitch: pool node %s:%d does not answer (%s: %s): %s; asking "
+                             "again in %g s", *addr, what, exc or type(exc).__name__,
+                             self._meanwhile(), backoff)
+
+    def _meanwhile(self) -> str:
+        if self.shared or self.replicas > 1:
+            return "its blocks are asked of the next node holding them"
+        return "its blocks are misses and not saved"
+
+    def answered(self, addr: Addr) -> None:
+        with self._lock:
+            back = self._down.pop(addr, None) is not None
+        if back:
+            self.log.warning("kvswitch: pool node %s:%d answers again", *addr)
+
+    def readable(self, ns: int, key: bytes) -> bool:
+        """Whether a node that would be asked for the block answers now (a caller that must
+        not wait, such as a scheduler's probe, takes the block for a miss otherwise)."""
+        return self.usable(self.owner(ns, key))
+
+    def writable(self, ns: int, key: bytes) -> bool:
+        """Whether a node that would hold the block answers now."""
+        return any(self.usable(a) for a in self.holders(ns, key))

@@ -1,0 +1,205 @@
+"""Placement and failover in the product's clients (hostagent.common.pools): which nodes hold a
+block, a silent node left out with a back-off, and the asyncio client against real pool nodes
+over loopback UDP: a PUT to every holder, a GET that moves on from a silent holder within its
+silence limit (the old client waited out the deadline), from a holder that lost the block, and
+the options that set it checked in one line."""
+import asyncio
+import os
+import socket
+import time
+
+import pytest
+
+from conftest import local_pool
+from hostagent.common.pools import Placement, pool_for, rendezvous
+from hostagent.common.transfer import BlockNotFound, NoAnswer, Silent
+from hostagent.inference.client import KVClient
+
+POOLS = [("198.18.0.101", 19286), ("198.18.0.102", 19286), ("198.18.0.103", 19286)]
+KEY = bytes(range(16))
+
+
+def test_holders_are_the_first_replicas_of_the_rendezvous_order():
+    key = os.urandom(16)
+    order = rendezvous(POOLS, 5, key)
+    assert sorted(order) == sorted(POOLS) and order[0] == pool_for(POOLS, 5, key)
+    assert rendezvous(list(reversed(POOLS)), 5, key) == order      # not the list's order
+    p = Placement(POOLS, replicas=2)
+    assert p.holders(5, key) == order[:2] and p.read_order(5, key) == order[:2]
+    shared = Placement(POOLS, shared=True)       # one store behind every node: any reads
+    assert shared.holders(5, key) == order[:1] and shared.read_order(5, key) == order
+    spread = Placement(POOLS, replicas=3, spread=True)
+    firsts = {spread.read_order(5, key)[0] for _ in range(60)}
+    assert firsts == set(POOLS)                  # every holder serves the hot block's readers
+
+
+@pytest.mark.parametrize("replicas", [0, 4])
+def test_replicas_beyond_the_pool_are_refused(replicas):
+    with pytest.raises(ValueError, match=r"replicas .* not in 1\.\.3"):
+        Placement(POOLS, replicas=replicas)
+
+
+def test_a_silent_node_goes_to_the_end_and_its_back_off_doubles(caplog):
+    p = Placement(POOLS, replicas=3, retry_s=0.05)
+    key = os.urandom(16)
+    first, *rest = p.read_order(1, key)
+    caplog.set_level("WARNING", logger="kvswitch.pools")
+    p.failed(first, "read", NoAnswer("nothing"))
+    assert p.read_order(1, key) == rest + [first] and not p.usable(first)
+    p.failed(first, "read", NoAnswer("nothing"))          # failing again: twice as long
+    assert p._down[first][1] == pytest.approx(0.1)
+    time.sleep(0.12)
+    assert p.usable(first) and p.read_order(1, key)[0] == first       # asked again
+    p.answered(first)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said                  # one line when it goes, one when it is back
+    assert "does not answer" in said[0] and "asked of the next node holding them" in said[0]
+    assert said[1].endswith("answers again")
+    assert not p.readable(1, key) or p.usable(first)
+
+
+def _silent_socket() -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+def _key_first_on(place: Placement, addr) -> bytes:
+    while True:
+        key = os.urandom(16)
+        if place.read_order(1, key)[0] == addr:
+            return key
+
+
+def test_a_put_reaches_every_holder_and_a_get_moves_on_from_a_silent_one():
+    """Two live nodes take a PUT each; with one of three holders silent, a GET that asks it
+    first moves on after the silence limit (0.3 s here, the deadline 20 s) and gets the
+    block byte-exact; the silent node is then left out, so the next GET does not wait."""
+    quiet = _silent_socket()
+    data = os.urandom(50_000)
+
+    async def body():
+        async with local_pool() as a, local_pool() as b:
+            addrs = [a.sock.getsockname(), b.sock.getsockname(), quiet.getsockname()]
+            writer = Placement([f"{h}:{p}" for h, p in addrs[:2]], replicas=2)
+            async with KVClient(writer, chunk_size=1024, deadline=20) as c:
+                put = await c.put_block(1, KEY, data)
+            assert put.chunks == 2 * 49                  # both holders acknowledged every chunk
+            assert all(len(x.store) == 1 for x in (a, b))
+            place = Placement([f"{h}:{p}" for h, p in addrs], replicas=3, silence_s=0.3)
+            silent = (addrs[2][0], addrs[2][1])
+            async with KVClient(place, chunk_size=1024, deadline=20) as c:
+                t0 = time.monotonic()
+                got, _ = await _get_asking_first(c, place, silent)
+                first = time.monotonic() - t0
+                t0 = time.monotonic()
+                again, _ = await c.get_block(1, KEY)
+                second = time.monotonic() - t0
+            return got, again, first, second, place.usable(silent)
+
+    got, again, first, second, usable = asyncio.run(body())
+    quiet.close()
+    assert got == data and again == data
+    assert 0.3 <= first < 3.0, first             # one silence, not the 20 s deadline
+    assert second < 0.3 and not usable, second   # the silent node is left out
+
+
+async def _get_asking_first(c: KVClient, place: Placement, addr):
+    """``c.get_block(1, KEY)`` with ``addr`` asked first (read_order pinned for the call)."""
+    real = place.read_order
+
+    def pinned(ns, key):
+        order = real(ns, key)
+        return [addr] + [a for a in order if a != addr]
+    place.read_order = pinned
+    try:
+        return await c.get_block(1, KEY)
+    finally:
+        place.read_order = real
+
+
+def test_a_holder_that_lost_the_block_sends_the_get_to_the_next():
+    """A holder restarted empty answers NOT_FOUND: the block comes from its other holder; with
+    one holder NOT_FOUND is the answer (BlockNotFound), and a silent lone holder fails with
+    NoAnswer at the deadline rather than moving on to nobody."""
+    data = os.urandom(10_000)
+    quiet = _silent_socket()
+
+    async def body():
+        async with local_pool() as a, local_pool() as b:
+            addrs = [f"{h}:{p}" for h, p in (a.sock.getsockname(), b.sock.getsockname())]
+            place = Placement(addrs, replicas=2)
+            holders = place.holders(1, KEY)
+            async with KVClient([f"{holders[1][0]}:{holders[1][1]}"], 1024) as c:
+                await c.put_block(1, KEY, data)          # on the second holder alone
+            async with KVClient(place, 1024, deadline=5) as c:
+                got, stats = await c.get_block(1, KEY)
+            async with KVClient([f"{holders[0][0]}:{holders[0][1]}"], 1024) as c:
+                with pytest.raises(BlockNotFound):
+                    await c.get_block(1, KEY)
+            lone = "%s:%d" % quiet.getsockname()
+            async with KVClient([lone], 1024, deadline=0.5) as c:
+                with pytest.raises(NoAnswer) as e:
+                    await c.get_block(1, KEY)
+            assert not isinstance(e.value, Silent)
+            return got, stats
+
+    got, stats = asyncio.run(body())
+    quiet.close()
+    assert got == data and stats.from_pool == 10
+
+
+def test_a_put_skips_a_silent_holder_and_fails_fast_when_none_answers():
+    quiet = _silent_socket()
+    data = os.urandom(5_000)
+
+    async def body():
+        async with local_pool() as a:
+            live = "%s:%d" % a.sock.getsockname()
+            place = Placement([live, "%s:%d" % quiet.getsockname()], replicas=2,
+                              silence_s=0.3)
+            async with KVClient(place, 1024, deadline=20) as c:
+                t0 = time.monotonic()
+                put = await c.put_block(1, KEY, data)     # the silent one is not waited for
+                took = time.monotonic() - t0
+                place.failed(place.pools[0], "save", NoAnswer("test"))
+                t1 = time.monotonic()
+                with pytest.raises(Silent, match="no node holding block"):
+                    await c.put_block(1, bytes(16), data)
+                none = time.monotonic() - t1
+            return put, took, none, len(a.store)
+
+    put, took, none, stored = asyncio.run(body())
+    quiet.close()
+    assert put.chunks == 5 and stored == 1
+    assert took < 3.0 and none < 0.05, (took, none)
+
+
+@pytest.mark.parametrize("extra,said", [
+    ({"replicas": 3}, "'replicas': 3 is not an integer in 1..2"),
+    ({"replicas": 0}, "'replicas': 0 is not an integer in 1..2"),
+    ({"replicas": "2"}, "'replicas': '2' is not an integer in 1..2"),
+    ({"shared_store": "yes"}, "'shared_store': 'yes' is not true or false"),
+    ({"silence_s": 0}, "'silence_s': 0 is not a number of seconds"),
+])
+def test_the_connectors_refuse_a_bad_placement_in_one_line(extra, said):
+    from hostagent.inference.store_io import StoreConfigError, StoreSettings
+    from hostagent.inference.vllm_connector_blocks import Settings, SettingsError
+    opts = {"pools": ["198.18.0.101", "198.18.0.102"], **extra}
+    with pytest.raises(SettingsError) as e:
+        Settings.from_extra(opts)
+    assert said in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(StoreConfigError) as e:
+        StoreSettings.from_options(opts, "lmcache")
+    assert said in str(e.value)
+    good = Settings.from_extra({"pools": opts["pools"], "replicas": 2, "shared_store": False,
+                                "silence_s": 0.5})
+    assert good.replicas == 2 and good.silence_s == 0.5
+
+
+def test_hostagent_refuses_more_replicas_than_pools():
+    from click.testing import CliRunner
+    from hostagent.cli import main
+    r = CliRunner().invoke(main, ["get", "--pool", "198.18.0.101", "--key", "00" * 16,
+                                  "--replicas", "2"])
+    assert r.exit_code == 2 and "2 replicas, but 1 --pool node(s)" in r.output
