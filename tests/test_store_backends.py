@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hostagent.inference.store_io import (StoreConfigError, StoreIO, StoreSettings,
-                                          store_key)
+from hostagent.inference.connectors.pool_io import (StoreConfigError, StoreIO, StoreSettings,
+                                                    store_key)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -72,7 +72,7 @@ def _reference_key(model: str, layout: str, name: str) -> str:
 
 def test_store_keys_are_the_same_in_another_process():
     args = [("smollm2", "sglang|v1|tp0/1", f"page-{i}") for i in range(20)]
-    code = ("import json, sys; from hostagent.inference.store_io import store_key; "
+    code = ("import json, sys; from hostagent.inference.connectors.pool_io import store_key; "
             "print(json.dumps([store_key(*a).hex() for a in json.loads(sys.argv[1])]))")
     outs = [subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True,
                            text=True, check=True, cwd=ROOT,
@@ -88,7 +88,7 @@ def test_lmcache_keys_carry_model_layout_and_chunk():
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.metadata import LMCacheMetadata
-    from hostagent.inference.lmcache_connector import KVSwitchConnector
+    from hostagent.inference.connectors.lmcache import KVSwitchConnector
 
     def connector(dtype=torch.float32, heads=3, model_id=None):
         extra = {"remote_storage_plugin.kvswitch.pools": "127.0.0.1:9",
@@ -218,7 +218,7 @@ def test_lmcache_plugin_refuses_an_unusable_environment_key_file(tmp_path, no_pr
     does not turn into a warning and misses), one error line naming it."""
     require_lmcache()
     from hostagent.common import auth
-    from hostagent.inference.lmcache_connector import PluginConfigError, settings_for
+    from hostagent.inference.connectors.lmcache import PluginConfigError, settings_for
     path = tmp_path / "env.key"
     path.write_text("ab" * 32 + "\n")
     path.chmod(0o644)
@@ -261,7 +261,7 @@ def test_lmcache_refuses_a_bad_option_at_load_loudly(tmp_path):
     assert "KVSWITCH_AUTH_KEY_FILE" in errors[2]
 
 
-SGLANG_LINES = {"backend_name": "kvswitch", "module_path": "hostagent.inference.sglang_backend",
+SGLANG_LINES = {"backend_name": "kvswitch", "module_path": "hostagent.inference.connectors.sglang",
                 "class_name": "KVSwitchStore"}
 
 
@@ -358,7 +358,7 @@ def test_lmcache_chunks_land_in_memory_objs_bit_exact(pool_node):
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.memory_management import MemoryFormat
     from lmcache.v1.metadata import LMCacheMetadata
-    from hostagent.inference.lmcache_connector import KVSwitchConnector, _release_landed
+    from hostagent.inference.connectors.lmcache import KVSwitchConnector, _release_landed
 
     class Obj:                       # a MemoryObj as the connector uses one
         def __init__(self, shapes, dtypes, fmt):
@@ -424,7 +424,7 @@ def test_a_result_the_caller_gave_up_on_is_handed_back():
     reaches ``f``. A real cancellation across two loops, not a hand-made future."""
     import asyncio
     import threading
-    from hostagent.inference.store_io import await_on
+    from hostagent.inference.connectors.pool_io import await_on
 
     io = asyncio.new_event_loop()
     thread = threading.Thread(target=io.run_forever, daemon=True)

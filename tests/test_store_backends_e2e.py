@@ -55,7 +55,7 @@ def finish(proc, timeout: float = 120):
 
 
 def sglang_extra(pools: str, **more) -> dict:
-    return {"backend_name": "kvswitch", "module_path": "hostagent.inference.sglang_backend",
+    return {"backend_name": "kvswitch", "module_path": "hostagent.inference.connectors.sglang",
             "class_name": "KVSwitchStore", "interface_v1": 1, "pools": pools,
             "chunk_size": 3072, **more}
 
@@ -69,7 +69,7 @@ remote_url: "kvswitch://{lab.pool_addrs[0]}:19286"
 remote_serde: naive
 remote_storage_plugins: ["kvswitch"]
 extra_config:
-  remote_storage_plugin.kvswitch.module_path: hostagent.inference.lmcache_connector
+  remote_storage_plugin.kvswitch.module_path: hostagent.inference.connectors.lmcache
   remote_storage_plugin.kvswitch.class_name: KVSwitchAdapter
   remote_storage_plugin.kvswitch.chunk_size: 3072
 """)

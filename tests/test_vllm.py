@@ -19,10 +19,10 @@ except ImportError as exc:
 from hostagent.common.transfer import BlockNotFound, TransferStats
 from hostagent.common.hashing import block_hashes
 from hostagent.pool.server import serve
-from hostagent.inference.paged_kv import PagedKV
-from hostagent.inference.vllm_connector_blocks import (LoadSpec, Planner, PoolLayout, Settings,
-                                                       load_targets)
-from hostagent.inference.vllm_connector_pool import PoolBackend, drain_load
+from hostagent.inference.connectors.paged_kv import PagedKV
+from hostagent.inference.connectors.vllm_blocks import (LoadSpec, Planner, PoolLayout,
+                                                        Settings, load_targets)
+from hostagent.inference.connectors.vllm_pool import PoolBackend, drain_load
 
 L, H, D = 2, 2, 8
 
@@ -64,7 +64,7 @@ def test_settings_need_pools_and_refuse_unknown_keys():
     ({"pools": ["10.0.0.1"], "auth_key_file": "/nonexistent/key"}, "auth_key_file"),
 ])
 def test_a_bad_extra_config_is_one_line_naming_the_key(extra, key):
-    from hostagent.inference.vllm_connector_blocks import SettingsError
+    from hostagent.inference.connectors.vllm_blocks import SettingsError
     with pytest.raises(SettingsError) as e:
         Settings.from_extra(extra)
     msg = str(e.value)
@@ -88,7 +88,7 @@ def test_the_refusals_say_why_in_one_line(extra, line):
 
 
 def test_a_list_as_the_extra_config_is_one_line_naming_it():
-    from hostagent.inference.vllm_connector_blocks import SettingsError
+    from hostagent.inference.connectors.vllm_blocks import SettingsError
     with pytest.raises(SettingsError) as e:
         Settings.from_extra(["pools", "10.0.0.1"])
     assert str(e.value) == ("kvswitch connector: kv_connector_extra_config must be a mapping of "
@@ -98,7 +98,7 @@ def test_a_list_as_the_extra_config_is_one_line_naming_it():
 def test_good_values_pass_as_in_the_stores():
     """Namespace 0 and the last one, loopback and private pools, the deadline floor, the
     largest codec group: taken here as by the LMCache/SGLang options (one rule each)."""
-    from hostagent.inference.store_io import StoreSettings
+    from hostagent.inference.connectors.pool_io import StoreSettings
     for extra in ({"pools": ["127.0.0.1", "10.0.0.1:7", "192.168.1.2"], "namespace": 0},
                   {"pools": ["10.0.0.1"], "namespace": 0xFFFFFFFF},
                   {"pools": ["10.0.0.1"], "deadline": 0.001, "probe_deadline": 0.001}):
@@ -140,7 +140,7 @@ def test_the_key_file_must_have_the_namespace(tmp_path, monkeypatch):
 
 
 def test_layout_tag_and_keys_are_the_hugging_face_connectors():
-    from hostagent.inference.hf_connector import BlockLayout
+    from hostagent.inference.connectors.hf import BlockLayout
     for dtype in (torch.float32, torch.bfloat16):
         ours = PoolLayout(4, 2, 64, dtype, 128, 128)
         theirs = BlockLayout(4, 2, 64, dtype, 128)
@@ -409,7 +409,7 @@ def test_only_silence_takes_a_pool_node_out_of_use():
     node: it must not stop the connector from using the node."""
     from hostagent.common.transfer import NoAnswer, TransferTimeout
     from hostagent.inference.fetch.engine import NoReply
-    from hostagent.inference.vllm_connector_pool import unreachable
+    from hostagent.inference.connectors.vllm_pool import unreachable
     assert unreachable(NoAnswer("none answered")) and unreachable(NoReply("no reply"))
     assert unreachable(ConnectionRefusedError()) and unreachable(OSError(101, "unreachable"))
     assert not unreachable(TransferTimeout("53 chunk(s) still missing"))

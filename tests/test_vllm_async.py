@@ -22,10 +22,10 @@ except ImportError as exc:
     pytest.fail(f"{exc}: install the vllm extra (run 'make setup')", pytrace=False)
 
 from hostagent.common.transfer import BlockNotFound
-from hostagent.inference import vllm_connector_async
-from hostagent.inference.paged_kv import PagedKV
-from hostagent.inference.vllm_connector import KVSwitchConnector
-from hostagent.inference.vllm_connector_async import AsyncLoads, AsyncSaves
+from hostagent.inference.connectors import vllm_async as vllm_connector_async
+from hostagent.inference.connectors.paged_kv import PagedKV
+from hostagent.inference.connectors.vllm import KVSwitchConnector
+from hostagent.inference.connectors.vllm_async import AsyncLoads, AsyncSaves
 from test_vllm import pool  # noqa: F401  (a pool node on 127.0.0.1, a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def _connectors(model_dir, pool, **extra):
     """A scheduler-role and a worker-role connector of one engine, the worker's paged cache
     registered as ``register_kv_caches`` would (CPU layout)."""
     tc = KVTransferConfig(kv_connector="KVSwitchConnector", kv_role="kv_both",
-                          kv_connector_module_path="hostagent.inference.vllm_connector",
+                          kv_connector_module_path="hostagent.inference.connectors.vllm",
                           kv_connector_extra_config={"pools": [pool], "chunk_size": 1024,
                                                      "fetch_engine": "off", **extra})
     cfg = VllmConfig(model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True,
@@ -93,7 +93,7 @@ def _blocks_of(w, salt):
 
 
 def _extras(salt):
-    from hostagent.inference.block_keys import KeyExtras
+    from hostagent.inference.connectors.block_keys import KeyExtras
     return KeyExtras(cache_salt=salt)
 
 
@@ -234,8 +234,8 @@ def test_async_saves_keep_a_finished_requests_blocks_until_copied(model_dir, poo
     work = w.get_kv_connector_stats().data
     assert work["blocks_saved"] == 5 and work["save_bytes"] == 5 * w.layout.block_bytes
     # a preemption: its blocks may be reused in this very step, so pending copies end first
-    from hostagent.inference.vllm_connector import KVSwitchMetadata
-    from hostagent.inference.vllm_connector_blocks import SaveSpec
+    from hostagent.inference.connectors.vllm import KVSwitchMetadata
+    from hostagent.inference.connectors.vllm_blocks import SaveSpec
     read = w._paged.read
     w._paged.read = lambda ids: (time.sleep(0.3), read(ids))[1]
     w._async_saves.submit(SaveSpec("h", keys[:1], 0, [[40]]))
@@ -258,7 +258,7 @@ def test_async_saves_keep_a_finished_requests_blocks_until_copied(model_dir, poo
 
 def test_the_numbers_reach_prometheus():
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-    from hostagent.inference.vllm_connector_stats import KVSwitchPromMetrics, KVSwitchStats
+    from hostagent.inference.connectors.vllm_stats import KVSwitchPromMetrics, KVSwitchStats
     registry = CollectorRegistry()
 
     def own(cls):                    # the classes vLLM passes, registered in a registry of ours

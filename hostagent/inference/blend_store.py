@@ -32,7 +32,7 @@ import torch
 from .blend import KV, move, passage_kv
 from hostagent.common.transfer import BlockNotFound, TransferStats
 from hostagent.common.hashing import passage_keys
-from .hf_connector import KVConnector
+from .connectors.hf import KVConnector
 
 
 class LocalClient:

@@ -1,6 +1,6 @@
 """The KV block layout both connectors put in the pool, defined once: ``BlockLayout`` (the
-Hugging Face connector's, ``hostagent.inference.hf_connector``) and the vLLM connector's
-``PoolLayout`` (``hostagent.inference.vllm_connector_blocks``: the same layout plus vLLM's
+Hugging Face connector's, ``hostagent.inference.connectors.hf``) and the vLLM connector's
+``PoolLayout`` (``hostagent.inference.connectors.vllm_blocks``: the same layout plus vLLM's
 paged block size and the pool's codec), so their blocks and keys agree by construction.
 
 Block layout (version ``LAYOUT_VERSION``), no header: one C-contiguous array of the model's

@@ -4,7 +4,7 @@ to a block's layout tag (so the chained block keys of two codecs never meet: a r
 another codec misses, it never decodes another codec's bytes), and fast encode/decode.
 
 A block is ``[layers, 2 (K, V), kv_heads, block_tokens, head_dim]``
-(``hostagent.inference.hf_connector``); call ``rows = layers * 2 * kv_heads`` its rows, each
+(``hostagent.inference.connectors.hf``); call ``rows = layers * 2 * kv_heads`` its rows, each
 ``block_tokens * head_dim`` values. Codecs:
 
 - ``none``: the model dtype's bytes as they are (the block layout's own format; no tag).

@@ -93,7 +93,7 @@ async def _run(model, tok, mid, client, args: dict, log=print) -> dict:
     from hostagent.inference import blend
     from hostagent.inference.blend_store import PassageStore
     from hostagent.common.transfer import TransferStats
-    from hostagent.inference.hf_connector import (BlockLayout, KVConnector, cache_to_blocks, greedy,
+    from hostagent.inference.connectors.hf import (BlockLayout, KVConnector, cache_to_blocks, greedy,
                                                   prefill)
     from testbed.demos.realmodel import texts
     torch.set_num_threads(args["threads"])

@@ -64,8 +64,8 @@ def quality(model, layout, codecs, prompts, prefix_tokens, cont_tokens, suffix_t
     forward for all of them."""
     import torch
     from transformers import DynamicCache
-    from hostagent.inference.hf_connector import (blocks_to_cache, cache_to_blocks, codec_for,
-                                                  prefill)
+    from hostagent.inference.connectors.hf import (blocks_to_cache, cache_to_blocks,
+                                                   codec_for, prefill)
     order = ["none"] + [c for c in codecs if c != "none"]
     B = len(order)
     acc = {c: {"nll": 0.0, "n": 0, "agree": [], "tf": [], "err": 0.0} for c in order}
@@ -135,7 +135,7 @@ def speed(layout, codecs, block_kv, reps: int = 5) -> dict:
     per wall second (best of ``reps``) and per second of the thread's CPU time (what the loop
     costs when other processes share the core)."""
     import torch
-    from hostagent.inference.hf_connector import codec_for
+    from hostagent.inference.connectors.hf import codec_for
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -172,7 +172,7 @@ def entropy(layout, block_kv) -> dict:
     """Empirical entropy of the int8, int4 and int4h codes (bits a symbol): what an entropy
     coder (CacheGen's last stage) could take off, before its own decode cost."""
     import numpy as np
-    from hostagent.inference.hf_connector import codec_for
+    from hostagent.inference.connectors.hf import codec_for
     out = {}
     for c in ("int8", "int4", "int4h"):
         codec = codec_for(layout, c)
@@ -206,7 +206,7 @@ def hit_ratios(trace_path: str, ratios: dict[str, float], fraction: float = 0.02
 # ---- the long prefix through the switch -----------------------------------------------------
 def _layout(dtype: str, shape):
     import torch
-    from hostagent.inference.hf_connector import BlockLayout
+    from hostagent.inference.connectors.hf import BlockLayout
     L, H, T, D = shape
     return BlockLayout(L, H, D, getattr(torch, dtype), T)
 
@@ -217,7 +217,7 @@ def node_put(pools, chunk_size, codec, dtype, shape, kv_path, model_id) -> dict:
     import torch
     from hostagent.inference.client import KVClient
     from hostagent.common.hashing import block_hashes
-    from hostagent.inference.hf_connector import codec_for
+    from hostagent.inference.connectors.hf import codec_for
     layout = _layout(dtype, shape)
     kv = torch.load(kv_path)
     co = codec_for(layout, codec)
@@ -237,11 +237,11 @@ def node_load(pools, chunk_size, codec, dtype, shape, nblocks, model_id, reps) -
     """In an inference node: load the prefix with the fetch engine and decode it, ``reps``
     times (the first warms the switch); seconds of each."""
     from hostagent.inference.fetch import open_client
-    from hostagent.inference.hf_connector import KVConnector
+    from hostagent.inference.connectors.hf import KVConnector
     layout = _layout(dtype, shape)
 
     async def go():
-        from hostagent.inference.hf_connector import codec_for
+        from hostagent.inference.connectors.hf import codec_for
         size = codec_for(layout, codec).nbytes
         async with open_client(pools=pools, chunk_size=chunk_size, window=64, deadline=60,
                                arena_bytes=(nblocks + 8) * size) as client:
@@ -327,8 +327,8 @@ def run_compress(codecs=("none", "int8", "fp8", "int4", "int4h"), prompts: int =
     each part. ``update``: keep what ``json_path`` already holds and update it (a run split
     into parts)."""
     import torch
-    from hostagent.inference.hf_connector import (BlockLayout, DynamicCache, cache_block_tensor,
-                                                  codec_for)
+    from hostagent.inference.connectors.hf import (BlockLayout, DynamicCache,
+                                                   cache_block_tensor, codec_for)
     from testbed.demos.realmodel import load
     from testbed.lab import write_json
     codecs = list(dict.fromkeys(["none", *codecs]))
@@ -376,7 +376,7 @@ def run_compress(codecs=("none", "int8", "fp8", "int4", "int4h"), prompts: int =
     kv = []
     for _, ids in windows_[:4] if {"speed", "load"} & set(parts) else []:
         cache = DynamicCache(config=model.config)
-        from hostagent.inference.hf_connector import prefill
+        from hostagent.inference.connectors.hf import prefill
         prefill(model, ids[:prefix_tokens], cache, BLOCK_TOKENS)
         kv.append(cache_block_tensor(cache, layout))
     block_kv = torch.cat(kv) if kv else None

@@ -31,7 +31,7 @@ METRICS = ("vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cac
            "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits",
            "vllm:prompt_tokens", "vllm:request_success")
 CONNECTOR = {"kv_connector": "KVSwitchConnector",
-             "kv_connector_module_path": "hostagent.inference.vllm_connector",
+             "kv_connector_module_path": "hostagent.inference.connectors.vllm",
              "kv_role": "kv_both"}
 
 

@@ -79,7 +79,7 @@ class _Node:
 
     def __init__(self, model: str, dtype: str, block_tokens: int):
         # first: keeps transformers offline
-        from hostagent.inference.hf_connector import BlockLayout
+        from hostagent.inference.connectors.hf import BlockLayout
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
         self.dtype = getattr(torch, dtype)
@@ -106,7 +106,7 @@ class _Node:
 
     def recompute(self, tokens: list[int]):
         from transformers import DynamicCache
-        from hostagent.inference.hf_connector import prefill
+        from hostagent.inference.connectors.hf import prefill
         cache = DynamicCache(config=self.config)
         start = time.perf_counter()
         logits = prefill(self.model, tokens, cache, self.layout.block_tokens)
@@ -123,7 +123,7 @@ class _Node:
         client where the engine cannot run), else the asyncio client (puts)."""
         from hostagent.inference.client import KVClient
         from hostagent.inference.fetch import open_client
-        from hostagent.inference.hf_connector import KVConnector
+        from hostagent.inference.connectors.hf import KVConnector
         self.warm_up()
         opened = (open_client(**client_args, arena_bytes=fetch_blocks * self.layout.block_bytes)
                   if fetch_blocks else KVClient(**client_args))
@@ -164,7 +164,7 @@ async def _node_a(node: _Node, name: str, sizes, client_args: dict, concurrency:
 
 async def _node_b(node: _Node, name: str, sizes, client_args: dict, concurrency: int,
                   new_tokens: int, codecs=("none",)) -> dict:
-    from hostagent.inference.hf_connector import greedy, prefill
+    from hostagent.inference.connectors.hf import greedy, prefill
     import torch
     out = []
     # the largest prefix's blocks are held together (the cache is built from them in place)

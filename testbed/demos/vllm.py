@@ -1,5 +1,5 @@
 """`testbed demo-vllm`: vLLM engines sharing prefix KV through the switch with the kvswitch KV
-connector (``hostagent.inference.vllm_connector``).
+connector (``hostagent.inference.connectors.vllm``).
 
 The model is a small Llama whose config ships in ``models/<name>/config.json``; its weights are
 made here from a seed (``materialize_model``: nothing is downloaded) and named in the block keys
@@ -114,7 +114,7 @@ class _Engine:
         if connector:
             kw["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="KVSwitchConnector",
-                kv_connector_module_path="hostagent.inference.vllm_connector", kv_role="kv_both",
+                kv_connector_module_path="hostagent.inference.connectors.vllm", kv_role="kv_both",
                 kv_connector_extra_config=connector)
         self.llm = LLM(model=model_dir, load_format="safetensors", skip_tokenizer_init=True,
                        enforce_eager=True, dtype="float32", seed=0, enable_prefix_caching=False,
@@ -123,7 +123,7 @@ class _Engine:
         self.vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
         self.backend = None
         if connector:
-            from hostagent.inference.vllm_connector_pool import backends
+            from hostagent.inference.connectors.vllm_pool import backends
             self.backend = backends()[0]
 
     def run(self, tokens: list[int], max_tokens: int, recompute: bool = False) -> dict:

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 
 from hostagent.common.pools import Placement
 from hostagent.common.transfer import BlockNotFound, Refused, TransferStats, unreachable
-from .client import KVClient
+from ..client import KVClient
 from .paged_kv import PagedKV
-from .vllm_connector_blocks import LoadSpec, Settings
+from .vllm_blocks import LoadSpec, Settings
 
 log = logging.getLogger("vllm.kvswitch")       # under "vllm": vLLM's handler prints it
 

@@ -39,7 +39,7 @@ from hostagent.common import auth as auth_mod
 from hostagent.common.transfer import BlockNotFound, Refused
 from kvproto import DEFAULT_CHUNK
 from . import options as options_mod
-from .client import KVClient
+from ..client import KVClient
 from hostagent.common.pools import Placement
 from hostagent.common.transfer import unreachable
 
@@ -87,7 +87,7 @@ class StoreSettings:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], where: str) -> StoreSettings:
-        """Checked settings (``hostagent.inference.options``, the checks every connector
+        """Checked settings (``hostagent.inference.connectors.options``, the checks every connector
         shares); StoreConfigError names the first bad option (unknown, of the wrong type, out
         of range, an address that does not resolve or is no node's, a key file that cannot be
         used or has no key for the namespace)."""

@@ -5,11 +5,11 @@ host_indices, extra_info)``) and ``batch_exists``. SGLang makes it through its b
 
     --enable-hierarchical-cache --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name": "kvswitch",
-        "module_path": "hostagent.inference.sglang_backend", "class_name": "KVSwitchStore",
+        "module_path": "hostagent.inference.connectors.sglang", "class_name": "KVSwitchStore",
         "interface_v1": 1, "pools": "198.18.0.101", "namespace": 1}'
 
 Every key of the extra config besides SGLang's own (``SGLANG_KEYS``) is a ``StoreSettings``
-option (hostagent/inference/store_io.py); a bad one fails the backend's creation with one line
+option (connectors/pool_io.py); a bad one fails the backend's creation with one line
 naming it.
 
 A page is one block. v1: the page's regions of the host pool, as the pool's
@@ -18,7 +18,7 @@ back; the generic interface stores the flat tensor it is given. The two never sh
 interface is part of the layout in ``store_key(model, layout, SGLang's page hash)``, with the
 pool's layout, dtype, page size and page bytes and, unless the model's KV is replicated across
 ranks (MLA), the tensor- and pipeline-parallel rank. Existence probes chunk 0 alone; a pool
-node that does not answer makes misses for a back-off, one log line (store_io).
+node that does not answer makes misses for a back-off, one log line (pool_io).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import torch
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from .store_io import StoreIO, StoreSettings, io_for, store_key
+from .pool_io import StoreIO, StoreSettings, io_for, store_key
 
 log = logging.getLogger("sglang.kvswitch")
 

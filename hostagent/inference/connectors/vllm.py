@@ -4,18 +4,18 @@ pool: prompt-prefix KV blocks put on the pool nodes and fetched through the swit
 Enable it in any vLLM with its own mechanism::
 
     --kv-transfer-config '{"kv_connector": "KVSwitchConnector",
-      "kv_connector_module_path": "hostagent.inference.vllm_connector", "kv_role": "kv_both",
+      "kv_connector_module_path": "hostagent.inference.connectors.vllm", "kv_role": "kv_both",
       "kv_connector_extra_config": {"pools": ["198.18.0.101"], "namespace": 1,
                                     "chunk_size": 3072, "model_id": "my-model@weights-sha",
                                     "kv_codec": "int8"}}'
 
-(``hostagent.inference.vllm_connector_blocks.Settings`` lists every extra key.) ``kv_role`` kv_both
+(``hostagent.inference.connectors.vllm_blocks.Settings`` lists every extra key.) ``kv_role`` kv_both
 loads and saves, kv_consumer only loads, kv_producer only saves.
 
 Keys. A block's key is the chained prefix hash of its tokens with the model id, the layout and
 the codec in it, and, at the blocks where they apply, what vLLM's own prefix cache keeps apart:
 the request's ``cache_salt`` (first block), LoRA adapter (every block), multimodal inputs (the
-blocks their placeholders cover) and prompt embeddings (``hostagent.inference.block_keys``, the
+blocks their placeholders cover) and prompt embeddings (``connectors.block_keys``, the
 Hugging Face connector's key function too). Requests of another salt, adapter or image never
 load each other's blocks; those with the same salt (or none) share across servers.
 
@@ -27,9 +27,9 @@ With ``load_mode`` async (the default) the hit is loaded asynchronously: vLLM ho
 in ``WAITING_FOR_REMOTE_KVS`` while every other request keeps decoding, and its load goes to the
 worker in the next step's metadata (``update_state_after_alloc``); with ``sync`` it is loaded in
 the request's first step, the step waiting for it. ``build_connector_meta`` turns hits and
-allocations into per-step loads and saves (``vllm_connector_blocks.Planner``).
+allocations into per-step loads and saves (``vllm_blocks.Planner``).
 
-Worker side, async (``vllm_connector_async``): loads land in the paged cache from a thread of
+Worker side, async (``vllm_async``): loads land in the paged cache from a thread of
 their own and are reported by ``get_finished``; the vLLM blocks of every pool block that did not
 land (failed, or not within its deadline) are reported by ``get_block_ids_with_load_errors``
 in the same step, and vLLM recomputes from there: the connector sets vLLM's
@@ -45,7 +45,7 @@ answering is skipped for a while (``hostagent.common.pools.Placement``), so requ
 without waiting for it.
 
 Metrics: probes, loads (by source), failures (not cached, read failed), bytes, saves and a load
-latency histogram reach vLLM's ``/metrics`` and its log (``vllm_connector_stats``).
+latency histogram reach vLLM's ``/metrics`` and its log (``vllm_stats``).
 
 Where bytes live. Between the probe and the load, in the pool (or the switch): the scheduler
 passes only keys and block ids to the worker (in ``KVSwitchMetadata``, which vLLM pickles
@@ -55,7 +55,7 @@ in one process, sharing one I/O thread and socket) and the default (each process
 
 Paged layouts: every one vLLM 0.32 allocates, on the CPU (``CPU_ATTN``) and on GPUs
 (``FLASH_ATTN``, ``FLASHINFER``, ``TRITON_ATTN``, ``FLEX_ATTENTION``; any ``KVCacheLayout``,
-kernel blocks included): ``hostagent.inference.paged_kv``. Limits: one KV cache group of full
+kernel blocks included): ``connectors.paged_kv``. Limits: one KV cache group of full
 attention, tensor and pipeline parallel size 1, ``cache_dtype`` auto; prompt blocks only
 (generated tokens are not saved).
 """
@@ -74,10 +74,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from hostagent.common.transfer import TransferStats
 from .block_keys import vllm_request_extras
 from .paged_kv import PagedKV
-from .vllm_connector_async import AsyncLoads, AsyncSaves
-from .vllm_connector_blocks import LoadSpec, Planner, PoolLayout, SaveSpec, Settings
-from .vllm_connector_pool import LoadOutcome, backend_for, drain, log
-from .vllm_connector_stats import KVSwitchPromMetrics, KVSwitchStats
+from .vllm_async import AsyncLoads, AsyncSaves
+from .vllm_blocks import LoadSpec, Planner, PoolLayout, SaveSpec, Settings
+from .vllm_pool import LoadOutcome, backend_for, drain, log
+from .vllm_stats import KVSwitchPromMetrics, KVSwitchStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -223,7 +223,7 @@ class KVSwitchConnector(KVConnectorBase_V1):
             raise ValueError(f"kvswitch connector: KV cache of {names[0]}: {exc}") from None
         log.info("kvswitch connector: %s paged KV on %s, %d kernel block(s) per block",
                  self._paged.backend, self._paged.device, self._paged.kernel_blocks)
-        from .codec import warm_up
+        from ..codec import warm_up
         warm_up(self.settings.kv_codec)  # the decode loop compiled before the first load
         if self.planner.load:
             self.backend.open_getter()   # the fetch engine compiles now, not in a load

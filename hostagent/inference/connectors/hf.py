@@ -9,7 +9,7 @@ Blocks and keys. A block holds the KV of ``block_tokens`` consecutive prompt tok
 layer. Its key is the chained prefix hash of the tokens (``hostagent.common.hashing.block_hashes``)
 with ``extra`` = model id + the layout tag (``BlockLayout.tag``), so blocks of another model,
 another set of weights or another layout never share a key. Only full blocks get keys. What else
-makes a prompt's KV differ is the caller's ``extras`` (``hostagent.inference.block_keys.KeyExtras``,
+makes a prompt's KV differ is the caller's ``extras`` (``connectors.block_keys.KeyExtras``,
 the vLLM connector's key function too): a cache salt keeps tenants apart, a LoRA adapter
 (``adapter=(name, path)``, e.g. a PEFT adapter's) changes every block, a multimodal input's
 content hash the blocks its placeholder tokens cover; ``keys``, ``save`` and ``load`` take it.
@@ -48,8 +48,8 @@ import torch                                       # noqa: E402
 from transformers import DynamicCache              # noqa: E402
 
 from hostagent.common.transfer import BlockNotFound, TransferStats  # noqa: E402
-from .client import KVClient  # noqa: E402
-from .codec import Codec, make as make_codec, warm_up  # noqa: E402
+from ..client import KVClient  # noqa: E402
+from ..codec import Codec, make as make_codec, warm_up  # noqa: E402
 from .block_keys import KeyExtras, block_keys  # noqa: E402
 from hostagent.inference.block_layout import BlockLayout  # noqa: E402
 

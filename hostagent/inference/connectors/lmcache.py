@@ -4,14 +4,14 @@ plugin config (docs/connectors.md has it whole)::
 
     remote_storage_plugins: ["kvswitch"]
     extra_config:
-      remote_storage_plugin.kvswitch.module_path: hostagent.inference.lmcache_connector
+      remote_storage_plugin.kvswitch.module_path: hostagent.inference.connectors.lmcache
       remote_storage_plugin.kvswitch.class_name: KVSwitchAdapter
       remote_storage_plugin.kvswitch.pools: "198.18.0.101"
 
 or by the legacy ``remote_url: kvswitch://198.18.0.101:19286`` with the same two plugin lines
 (LMCache's ``basic_check --mode test_remote`` uses the URL). Every other
 ``remote_storage_plugin.<name>.*`` key is an option of ``StoreSettings``
-(hostagent/inference/store_io.py).
+(hostagent/inference/connectors/pool_io.py).
 
 A chunk (one MemoryObj) is one block: LMCache's remote metadata (length, shapes, dtypes, memory
 format, as its FS connector writes it) followed by the MemoryObj's bytes; its key is
@@ -24,7 +24,7 @@ The wrapper LMCache puts around a connector drops the MemoryObj's reference afte
 
 A bad option raises ``PluginConfigError`` at load, after one error-level log line naming it;
 so does a ``$KVSWITCH_AUTH_KEY_FILE`` that cannot be used or has no key for the namespace (it is
-``auth_key_file``'s default; ``hostagent.inference.options``). LMCache catches every
+``auth_key_file``'s default; ``hostagent.inference.connectors.options``). LMCache catches every
 ``Exception`` a plugin raises while it is created, logs it and runs on with misses only;
 ``PluginConfigError`` derives from ``BaseException`` so that it stops the engine's start
 instead.
@@ -42,7 +42,7 @@ from lmcache.v1.storage_backend.connector import (ConnectorAdapter, ConnectorCon
                                                   extract_plugin_type)
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from .store_io import StoreConfigError, StoreIO, StoreSettings, io_for, store_key
+from .pool_io import StoreConfigError, StoreIO, StoreSettings, io_for, store_key
 
 log = logging.getLogger("lmcache.kvswitch")
 

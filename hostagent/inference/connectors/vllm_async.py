@@ -5,7 +5,7 @@ Loads (``AsyncLoads``). The scheduler answers a remote prefix with ``load_kv_asy
 allocates the request's blocks and holds it in ``WAITING_FOR_REMOTE_KVS`` while every other
 request keeps decoding. The load reaches the worker in the next step's metadata; ``start``
 asks the I/O thread for its blocks and hands their copy into the paged cache
-(``vllm_connector_pool.drain``) to a thread of its own, so blocks land as they arrive, whatever
+(``vllm_pool.drain``) to a thread of its own, so blocks land as they arrive, whatever
 the engine's thread does. The engine's thread collects finished loads once a step
 (``finished``, from ``get_finished``): their request ids go back as ``finished_recving``, and the
 vLLM blocks of every pool block that did not land (the first that failed or did not come within
@@ -33,8 +33,8 @@ import time
 from collections import defaultdict
 
 from .paged_kv import PagedKV
-from .vllm_connector_blocks import LoadSpec, SaveSpec
-from .vllm_connector_pool import LoadOutcome, PoolBackend, discard, drain, log
+from .vllm_blocks import LoadSpec, SaveSpec
+from .vllm_pool import LoadOutcome, PoolBackend, discard, drain, log
 
 LOAD_THREADS = 16          # loads copied at once (each mostly waits for the network)
 LATE_S = 5.0               # seconds a load waits past its blocks' deadlines

@@ -1,14 +1,14 @@
 """The vLLM connector's pure part (never vLLM): settings, the pool block layout and its
 keys, and the scheduler's plan mapping pool blocks onto vLLM's paged blocks
-(``hostagent.inference.paged_kv`` copies between them). ``hostagent.inference.vllm_connector``
+(``connectors.paged_kv`` copies between them). ``connectors.vllm``
 is the vLLM glue.
 
-Blocks and keys are those of the Hugging Face connector (``hostagent.inference.hf_connector``): a
+Blocks and keys are those of the Hugging Face connector (``hostagent.inference.connectors.hf``): a
 pool block holds ``block_tokens`` consecutive prompt tokens for every layer, one C-contiguous array
 of the KV dtype shaped ``[layers, 2 (K, V), kv_heads, block_tokens, head_dim]`` (keys after RoPE),
 and its key is the chained prefix hash of the tokens with ``extra`` = model id + ``|`` + layout
 tag + codec tag, and, at the blocks where they apply, the request's ``cache_salt``, LoRA adapter,
-multimodal inputs and prompt embeddings (``hostagent.inference.block_keys``, the key function
+multimodal inputs and prompt embeddings (``connectors.block_keys``, the key function
 both connectors share). ``block_tokens`` is a multiple of vLLM's block size (``ratio`` vLLM
 blocks per pool block).
 """
@@ -21,7 +21,7 @@ from typing import Any
 from kvproto import DEFAULT_CHUNK
 from . import options
 from .block_keys import KeyExtras, block_keys
-from .block_layout import BlockLayout
+from ..block_layout import BlockLayout
 
 
 # ---- settings ------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ class Settings:
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
         """The settings of a ``kv_connector_extra_config``, checked as every connector's
-        options (``hostagent.inference.options``); SettingsError names the first bad key
+        options (``hostagent.inference.connectors.options``); SettingsError names the first bad key
         (unknown, of the wrong type, out of range, an address that does not resolve or is no
         node's, a key file that cannot be used or has no key for the namespace), or the whole
         when it is not a mapping."""
@@ -97,7 +97,7 @@ class PoolLayout(BlockLayout):
         if self.block_tokens < 1 or self.block_tokens % self.vllm_block:
             raise ValueError(f"block_tokens {self.block_tokens} must be a positive multiple of "
                              f"vLLM's block_size {self.vllm_block}")
-        from .codec import make
+        from ..codec import make
         object.__setattr__(self, "codec", make(self.kv_codec, self.layers, self.kv_heads,
                                                self.block_tokens, self.head_dim, self.dtype))
 
@@ -118,7 +118,7 @@ class PoolLayout(BlockLayout):
     def keys(self, tokens: Sequence[int], model_id: str,
              extras: KeyExtras | None = None) -> list[bytes]:
         """The chained keys of every full pool block of ``tokens`` (with a request's
-        ``extras``: ``hostagent.inference.block_keys``)."""
+        ``extras``: ``hostagent.inference.connectors.block_keys``)."""
         return block_keys(tokens, self.block_tokens, self.extra(model_id), extras)
 
     def nchunks(self, chunk_size: int) -> int:
