@@ -194,7 +194,7 @@ def lmcache_retrieve(pools: str, n: int, seed: int, options: dict) -> dict:
 def _io_counts(backend) -> dict:
     conn = backend.connection
     conn = getattr(conn, "getWrappedConnector", lambda: conn)()
-    return dict(conn.io.counts)
+    return conn.io.stats
 
 
 if __name__ == "__main__":

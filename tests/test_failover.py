@@ -183,7 +183,7 @@ def test_a_put_skips_a_silent_holder_and_fails_fast_when_none_answers():
     ({"silence_s": 0}, "'silence_s': 0 is not a number of seconds"),
 ])
 def test_the_connectors_refuse_a_bad_placement_in_one_line(extra, said):
-    from hostagent.inference.connectors.pool_io import StoreConfigError, StoreSettings
+    from hostagent.inference.connectors.store import StoreConfigError, StoreSettings
     from hostagent.inference.connectors.vllm_blocks import Settings, SettingsError
     opts = {"pools": ["198.18.0.101", "198.18.0.102"], **extra}
     with pytest.raises(SettingsError) as e:

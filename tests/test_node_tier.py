@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hostagent.common.transfer import TransferStats
-from hostagent.inference.fetch.block import Block
+from hostagent.common.block import Block
 from hostagent.inference.node_tier import NodeTier, view_of
 from test_tiers_store import NS, key, payload
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hostagent.inference.connectors.pool_io import (StoreConfigError, StoreIO, StoreSettings,
+from hostagent.inference.connectors.store import (StoreConfigError, StoreIO, StoreSettings,
                                                     store_key)
 
 HERE = Path(__file__).resolve().parent
@@ -72,7 +72,7 @@ def _reference_key(model: str, layout: str, name: str) -> str:
 
 def test_store_keys_are_the_same_in_another_process():
     args = [("smollm2", "sglang|v1|tp0/1", f"page-{i}") for i in range(20)]
-    code = ("import json, sys; from hostagent.inference.connectors.pool_io import store_key; "
+    code = ("import json, sys; from hostagent.inference.connectors.store import store_key; "
             "print(json.dumps([store_key(*a).hex() for a in json.loads(sys.argv[1])]))")
     outs = [subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True,
                            text=True, check=True, cwd=ROOT,
@@ -319,7 +319,7 @@ def test_blocks_are_sealed_with_the_configured_key(pool_node, tmp_path):
         data, key = os.urandom(5000), store_key("m", "l", "sealed")
         assert writer.put_many(1, [key], [data]) == [True]
         assert same.get_many(1, [key], [bytes]) == [data]
-        assert same.prefix(1, [key, store_key("m", "l", "absent")]) == 1
+        assert same.prefix_now(1, [key, store_key("m", "l", "absent")]) == 1
         assert other.get_many(1, [key], [bytes]) == [None]       # its tag fails: a miss
         assert other.counts["misses"] == 1
     finally:

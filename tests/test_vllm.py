@@ -8,6 +8,7 @@ import queue
 import threading
 import time
 
+import numpy as np
 import pytest
 
 try:
@@ -98,7 +99,7 @@ def test_a_list_as_the_extra_config_is_one_line_naming_it():
 def test_good_values_pass_as_in_the_stores():
     """Namespace 0 and the last one, loopback and private pools, the deadline floor, the
     largest codec group: taken here as by the LMCache/SGLang options (one rule each)."""
-    from hostagent.inference.connectors.pool_io import StoreSettings
+    from hostagent.inference.connectors.store import StoreSettings
     for extra in ({"pools": ["127.0.0.1", "10.0.0.1:7", "192.168.1.2"], "namespace": 0},
                   {"pools": ["10.0.0.1"], "namespace": 0xFFFFFFFF},
                   {"pools": ["10.0.0.1"], "deadline": 0.001, "probe_deadline": 0.001}):
@@ -331,18 +332,16 @@ def test_a_failed_block_ends_the_load_there():
     assert loaded == 1 and "no block" in error                   # block 1 never came
     assert drain_load(ld, queued(*((i, good[i], ok) for i in range(3))), paged, 5)[::2] == (3, None)
 
-    class ZeroCopy:                    # the fetch engine's Block: a view, released once copied
-        released = 0
+    from hostagent.common.block import Block
+    released = []
 
-        def __init__(self, data):
-            self.view = memoryview(data)
-
-        def release(self):
-            ZeroCopy.released += 1
+    def zero_copy(i):                  # a client's Block: a view, released once copied
+        return Block(1, bytes(16), 1, np.frombuffer(good[i], np.uint8), ok,
+                     lambda: released.append(i))
 
     caches[0].zero_()
-    q = queued(*((i, ZeroCopy(good[i]), ok) for i in range(3)))
-    assert drain_load(ld, q, paged, 5)[::2] == (3, None) and ZeroCopy.released == 3
+    q = queued(*((i, zero_copy(i), ok) for i in range(3)))
+    assert drain_load(ld, q, paged, 5)[::2] == (3, None) and sorted(released) == [0, 1, 2]
     assert caches[0][5].view(-1)[0].item() == torch.frombuffer(bytearray(good[2][:4]),
                                                                dtype=torch.float32).item()
 
@@ -387,7 +386,8 @@ def test_backend_probes_fetches_and_saves(pool):
     assert b.probe(5, keys)[0] == 0                                    # namespaces apart
     q = b.fetch(4, keys, nchunks)
     got = dict((i, (data, st)) for i, data, st in (q.get(timeout=20) for _ in keys))
-    assert all(got[i][0] == blocks[i] and got[i][1].chunks == nchunks for i in range(3))
+    assert all(got[i][0].tobytes() == blocks[i] and got[i][1].chunks == nchunks
+               for i in range(3))
     assert got[3][1] is None and isinstance(got[3][0], BlockNotFound)
     b.save(4, keys[:1], [blocks[1]])                                   # other bits: refused
     assert b.flush(20) and b.save_refused == 1
@@ -395,9 +395,9 @@ def test_backend_probes_fetches_and_saves(pool):
     class Seam:                        # the line-rate fetch engine plugs in as ``getter``
         calls = 0
 
-        async def get_block(self, ns, key, nchunks=None):
+        async def get_block_view(self, ns, key, nchunks=None):
             Seam.calls += 1
-            return await b.client.get_block(ns, key, nchunks=nchunks)
+            return await b.client.get_block_view(ns, key, nchunks=nchunks)
 
     b.getter = Seam()
     q = b.fetch(4, keys[:2], nchunks)
@@ -409,7 +409,7 @@ def test_only_silence_takes_a_pool_node_out_of_use():
     node: it must not stop the connector from using the node."""
     from hostagent.common.transfer import NoAnswer, TransferTimeout
     from hostagent.inference.fetch.engine import NoReply
-    from hostagent.inference.connectors.vllm_pool import unreachable
+    from hostagent.common.transfer import unreachable
     assert unreachable(NoAnswer("none answered")) and unreachable(NoReply("no reply"))
     assert unreachable(ConnectionRefusedError()) and unreachable(OSError(101, "unreachable"))
     assert not unreachable(TransferTimeout("53 chunk(s) still missing"))

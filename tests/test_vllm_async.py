@@ -133,10 +133,10 @@ def test_async_loads_land_beside_the_steps_and_fail_only_what_did_not_land(model
     inner = w.backend.client
 
     class Slow:                      # every block takes 0.5 s: the step must not wait for it
-        async def get_block(self, ns, key, nchunks=None):
+        async def get_block_view(self, ns, key, nchunks=None):
             import asyncio
             await asyncio.sleep(0.5)
-            return await inner.get_block(ns, key, nchunks=nchunks)
+            return await inner.get_block_view(ns, key, nchunks=nchunks)
 
     w.backend.getter = Slow()
     n, is_async, meta, held = _admit(s, w, _request("a", "tenant-A"), range(10, 16))
@@ -150,10 +150,10 @@ def test_async_loads_land_beside_the_steps_and_fail_only_what_did_not_land(model
     gone = keys[2]
 
     class Gone:
-        async def get_block(self, ns, key, nchunks=None):
+        async def get_block_view(self, ns, key, nchunks=None):
             if key == gone:
                 raise BlockNotFound("evicted")
-            return await inner.get_block(ns, key, nchunks=nchunks)
+            return await inner.get_block_view(ns, key, nchunks=nchunks)
 
     w.backend.getter = Gone()
     _admit(s, w, _request("c", "tenant-A"), range(20, 26))
@@ -162,11 +162,11 @@ def test_async_loads_land_beside_the_steps_and_fail_only_what_did_not_land(model
     monkeypatch.setattr(vllm_connector_async, "LATE_S", 0.2)
 
     class Late:
-        async def get_block(self, ns, key, nchunks=None):
+        async def get_block_view(self, ns, key, nchunks=None):
             import asyncio
             if key == keys[1]:
                 await asyncio.sleep(1.5)
-            return await inner.get_block(ns, key, nchunks=nchunks)
+            return await inner.get_block_view(ns, key, nchunks=nchunks)
 
     w.backend.getter = Late()
     start = time.monotonic()

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from kvproto import (DEFAULT_CHUNK, Flag, Message, Op, ProtocolError, Status,
                      check_chunk_size)
 from hostagent.common import auth as auth_mod
+from hostagent.common.block import Block
 from hostagent.common.udp import grow_buffers
 from hostagent.common.pools import Placement
 from hostagent.common.transfer import (BlockNotFound, NoAnswer, Refused, Silent, TransferStats,
@@ -332,6 +333,13 @@ class KVClient:
             return bytes(auth_mod.open_sealed(k, ns, key, data, self.chunk_size)), again
         except auth_mod.AuthError as exc:
             raise auth_mod.refused(ns, key, exc) from None
+
+    async def get_block_view(self, ns: int, key: bytes, nchunks: int | None = None,
+                             no_cache: bool = False) -> tuple[Block, TransferStats]:
+        """As ``get_block``, the block as a ``Block`` (the interface every client offers: the
+        fetch engine's is a zero-copy view of its arena; this one owns its bytes)."""
+        data, stats = await self.get_block(ns, key, nchunks, no_cache)
+        return Block.of_bytes(ns, key, data, self.chunk_size, stats), stats
 
     async def first_chunk(self, ns: int, key: bytes, stats: TransferStats | None = None,
                           deadline: float | None = None) -> int:

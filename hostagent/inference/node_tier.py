@@ -23,10 +23,10 @@ engine ``arena_bytes`` of at least the tier's capacity plus the blocks in flight
 grows its arena up to ``max_arena_bytes`` when it is full and idle).
 
 ``fetch`` / ``fetch_sync`` are the small wrappers serving code and connectors call: the node
-tier first, else a fetch through the client (``AsyncFetchClient.get_block_view``: zero-copy
-``Block``; ``KVClient.get_block``: bytes) or the engine, inserted into the tier if ``admit``
-says so. ``save`` puts a block an engine computed into the tier and, if asked, writes it down
-to the pool.
+tier first, else a fetch through the client (``get_block_view``, every client's: the fetch
+engine's zero-copy ``Block``, the asyncio client's own) or the engine, inserted into the tier if
+``admit`` says so. ``save`` puts a block an engine computed into the tier and, if asked, writes
+it down to the pool.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hostagent.common.block import Block
 from hostagent.common.eviction import ValueHeap, check_eviction
 
 __all__ = ["Fetched", "Lease", "NodeTier", "fetch", "fetch_sync", "nbytes_of", "save",
@@ -47,18 +48,14 @@ log = logging.getLogger("hostagent.node_tier")
 
 def nbytes_of(obj) -> int:
     """Bytes of a block as the tier holds it (a Block, bytes, bytearray, memoryview, array)."""
-    n = getattr(obj, "nbytes", None)
-    return int(n) if n is not None else len(obj)
+    return obj.nbytes if isinstance(obj, Block) else memoryview(obj).nbytes
 
 
 def view_of(obj) -> memoryview:
     """A memoryview of a held block's bytes, without a copy."""
     if isinstance(obj, memoryview):
         return obj
-    view = getattr(obj, "view", None)          # hostagent.inference.fetch.Block
-    if view is not None and not callable(view):
-        return view
-    return memoryview(obj)
+    return obj.view if isinstance(obj, Block) else memoryview(obj)
 
 
 @dataclass(eq=False)
@@ -140,7 +137,7 @@ class NodeTier:
     def _insert(self, ns: int, key: bytes, block, release=None, pin: bool = False):
         nbytes = nbytes_of(block)
         if release is None:
-            release = getattr(block, "release", None)
+            release = block.release if isinstance(block, Block) else None
         with self._lock:
             if (ns, key) in self._entries:
                 self._entries.move_to_end((ns, key))
@@ -294,7 +291,7 @@ def _hit(tier: NodeTier, ns: int, key: bytes) -> Fetched | None:
 
 def _keep(tier: NodeTier, ns: int, key: bytes, data, stats, admit) -> Fetched:
     """A fetched block into the tier (pinned for the caller), if admitted."""
-    name, own = (ns, key), getattr(data, "release", None)
+    name, own = (ns, key), data.release if isinstance(data, Block) else None
     if admit is None or admit(ns, key, nbytes_of(data)):
         entry = tier._insert(ns, key, data, pin=True)
         if entry is not None:
@@ -310,16 +307,14 @@ def _keep(tier: NodeTier, ns: int, key: bytes, data, stats, admit) -> Fetched:
 async def fetch(tier: NodeTier, client, ns: int, key: bytes, nchunks: int | None = None,
                 no_cache: bool = False,
                 admit: Callable[[int, bytes, int], bool] | None = None) -> Fetched:
-    """The node tier first (a hit: no network), else fetch through ``client`` (an
-    ``AsyncFetchClient``: its zero-copy Block; a ``KVClient``: bytes) and keep the block in
-    the tier if ``admit(ns, key, nbytes)`` (default: always). Raises what the fetch raises."""
+    """The node tier first (a hit: no network), else fetch through ``client`` (its
+    ``get_block_view``: the fetch engine's zero-copy Block, the asyncio client's own) and keep
+    the block in the tier if ``admit(ns, key, nbytes)`` (default: always). Raises what the
+    fetch raises."""
     got = _hit(tier, ns, key)
     if got is not None:
         return got
-    if hasattr(client, "get_block_view"):
-        data, stats = await client.get_block_view(ns, key, nchunks, no_cache)
-    else:
-        data, stats = await client.get_block(ns, key, nchunks, no_cache)
+    data, stats = await client.get_block_view(ns, key, nchunks, no_cache)
     return _keep(tier, ns, key, data, stats, admit)
 
 
@@ -331,7 +326,7 @@ def fetch_sync(tier: NodeTier, engine, ns: int, key: bytes, nchunks: int | None 
     if got is not None:
         return got
     blk = engine.get_block(ns, key, nchunks, no_cache)
-    return _keep(tier, ns, key, blk, getattr(blk, "stats", None), admit)
+    return _keep(tier, ns, key, blk, blk.stats, admit)
 
 
 async def save(tier: NodeTier, ns: int, key: bytes, data, client=None,

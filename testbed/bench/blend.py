@@ -93,8 +93,8 @@ async def _run(model, tok, mid, client, args: dict, log=print) -> dict:
     from hostagent.inference import blend
     from hostagent.inference.blend_store import PassageStore
     from hostagent.common.transfer import TransferStats
-    from hostagent.inference.connectors.hf import (BlockLayout, KVConnector, cache_to_blocks, greedy,
-                                                  prefill)
+    from hostagent.inference.connectors.hf import (BlockLayout, KVConnector, cache_to_blocks,
+                                                   greedy, prefill)
     from testbed.demos.realmodel import texts
     torch.set_num_threads(args["threads"])
     cfg, new = model.config, args["new_tokens"]
@@ -225,7 +225,7 @@ def _file_log(path):
 def node(pools: list[str], chunk_size: int, args: dict) -> dict:
     """Task inside the inference node: the whole run, passages through the testbed's pool."""
     os.nice(args.get("nice", 0))            # the model's work yields; switchd and the pool don't
-    from hostagent.inference.fetch import open_client
+    from hostagent.inference.fetch import AsyncFetchClient, open_client
     from testbed.demos.realmodel import load
     model, tok, mid = load()
 
@@ -233,7 +233,7 @@ def node(pools: list[str], chunk_size: int, args: dict) -> dict:
         async with open_client(pools, chunk_size, window=64, deadline=60,
                                arena_bytes=256 << 20) as client:
             out = await _run(model, tok, mid, client, args, log=_file_log(args.get("progress")))
-            out["fetch_path"] = "xdp" if hasattr(client, "get_block_view") else "asyncio"
+            out["fetch_path"] = "xdp" if isinstance(client, AsyncFetchClient) else "asyncio"
             return out
     return {"model": mid, **asyncio.run(go())}
 

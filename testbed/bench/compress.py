@@ -236,7 +236,7 @@ def node_put(pools, chunk_size, codec, dtype, shape, kv_path, model_id) -> dict:
 def node_load(pools, chunk_size, codec, dtype, shape, nblocks, model_id, reps) -> dict:
     """In an inference node: load the prefix with the fetch engine and decode it, ``reps``
     times (the first warms the switch); seconds of each."""
-    from hostagent.inference.fetch import open_client
+    from hostagent.inference.fetch import AsyncFetchClient, open_client
     from hostagent.inference.connectors.hf import KVConnector
     layout = _layout(dtype, shape)
 
@@ -256,7 +256,7 @@ def node_load(pools, chunk_size, codec, dtype, shape, nblocks, model_id, reps) -
                               "blocks": loaded.blocks, "from_switch": loaded.stats.from_switch,
                               "chunks": loaded.stats.chunks})
                 del loaded
-            path = "xdp" if hasattr(client, "get_block_view") else "asyncio"
+            path = "xdp" if isinstance(client, AsyncFetchClient) else "asyncio"
             return {"runs": times, "fetch_path": path}
     return asyncio.run(go())
 

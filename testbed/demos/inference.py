@@ -164,6 +164,7 @@ async def _node_a(node: _Node, name: str, sizes, client_args: dict, concurrency:
 
 async def _node_b(node: _Node, name: str, sizes, client_args: dict, concurrency: int,
                   new_tokens: int, codecs=("none",)) -> dict:
+    from hostagent.inference.client import KVClient
     from hostagent.inference.connectors.hf import greedy, prefill
     import torch
     out = []
@@ -212,7 +213,7 @@ async def _node_b(node: _Node, name: str, sizes, client_args: dict, concurrency:
                     "kv_max_abs_error": kv_err, "tokens": via_fetch,
                     "text": node.tok.decode(via_fetch) if node.tok is not None else None})
                 del loaded
-            path = "xdp" if hasattr(conn.client, "get_block_view") else "asyncio"
+            path = "asyncio" if isinstance(conn.client, KVClient) else "xdp"
     return {"node": name, **node.info(), "fetch_path": path, "sizes": out}
 
 

@@ -196,9 +196,9 @@ class _FirstBlockOnly:
     def __init__(self, inner):
         self.inner, self.first = inner, None
 
-    async def get_block(self, ns, key, nchunks=None):
+    async def get_block_view(self, ns, key, nchunks=None):
         self.first = self.first or key
-        return await self.inner.get_block(ns, self.first, nchunks=nchunks)
+        return await self.inner.get_block_view(ns, self.first, nchunks=nchunks)
 
 
 def node_b(model_dir, model_id, pools, chunk_size, window, concurrency, block_tokens, shared,
@@ -229,7 +229,7 @@ def node_b(model_dir, model_id, pools, chunk_size, window, concurrency, block_to
         eng.backend.getter = getter
         out["negative"] = {k: bad[k] for k in ("tokens", "logprobs", "cached_tokens")}
     out["totals"] = eng.backend.snapshot()
-    out["fetch_path"] = "xdp" if hasattr(eng.backend.getter, "engine") else "asyncio"
+    out["fetch_path"] = "asyncio" if eng.backend.getter is eng.backend.client else "xdp"
     return out
 
 

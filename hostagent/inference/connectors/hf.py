@@ -47,6 +47,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")       # nothing here ever downloads
 import torch                                       # noqa: E402
 from transformers import DynamicCache              # noqa: E402
 
+from hostagent.common.block import Block  # noqa: E402
 from hostagent.common.transfer import BlockNotFound, TransferStats  # noqa: E402
 from ..client import KVClient  # noqa: E402
 from ..codec import Codec, make as make_codec, warm_up  # noqa: E402
@@ -97,7 +98,7 @@ def codec_for(layout: BlockLayout, kv_codec: str = "none") -> Codec:
 def _block_tensor(block, layout: BlockLayout) -> torch.Tensor:
     """A block (bytes-like, or the fetch engine's zero-copy Block) as a tensor of the layout's
     shape sharing its memory; only read."""
-    buf = block.numpy() if hasattr(block, "numpy") else block
+    buf = _bytes_of(block)
     if memoryview(buf).nbytes != layout.block_bytes:
         raise ValueError(f"a block has {memoryview(buf).nbytes} bytes, the layout "
                          f"{layout.block_bytes}")
@@ -118,7 +119,7 @@ def blocks_to_cache(blocks: Sequence, layout: BlockLayout, config=None,
     kv = torch.empty((L, 2, H, n * bt, D), dtype=layout.dtype)
     if codec is not None and codec.name != "none":
         for i, b in enumerate(blocks):
-            codec.decode_into(b.numpy() if hasattr(b, "numpy") else b, kv, i * bt)
+            codec.decode_into(_bytes_of(b), kv, i * bt)
     else:
         for i, b in enumerate(blocks):
             kv[:, :, :, i * bt:(i + 1) * bt].copy_(_block_tensor(b, layout))
@@ -151,9 +152,14 @@ def greedy(model, logits: torch.Tensor, cache: DynamicCache, new_tokens: int) ->
     return out
 
 
+def _bytes_of(block):
+    """A block's bytes: a ``Block``'s zero-copy array, or ``block`` itself (bytes-like)."""
+    return block.numpy() if isinstance(block, Block) else block
+
+
 def _release(block) -> None:
-    """Give a fetch engine's zero-copy Block back (bytes need nothing)."""
-    if block is not None and hasattr(block, "release"):
+    """Give a client's ``Block`` back (bytes need nothing)."""
+    if isinstance(block, Block):
         block.release()
 
 
@@ -210,12 +216,11 @@ class KVConnector:
                            ) -> tuple[list, int | None, TransferStats]:
         """The blocks of the longest available prefix of ``keys``, the index of the first missing
         block (None if none was), and the transfer stats summed over every block moved (a block
-        in flight past a gap still counts, though it is not kept). ``views``: with the fetch
-        engine's client, zero-copy Blocks (the caller releases them) instead of bytes.
+        in flight past a gap still counts, though it is not kept). ``views``: ``Block``s (the
+        caller releases them; the fetch engine's are zero-copy) instead of bytes.
         ``sink``: ``await sink(i, block)`` as each block arrives (outside the concurrency
         slot, so the next fetch runs meanwhile); it owns the block from then on."""
-        getter = (self.client.get_block_view if views and hasattr(self.client, "get_block_view")
-                  else self.client.get_block)
+        getter = self.client.get_block_view if views else self.client.get_block
         got: list = [None] * len(keys)
         total, sem, start = TransferStats(), asyncio.Semaphore(self.concurrency), time.monotonic()
         missing = len(keys)
@@ -277,8 +282,7 @@ class KVConnector:
         def decode(i: int, block) -> None:
             t0 = time.monotonic()
             try:
-                self.codec.decode_into(block.numpy() if hasattr(block, "numpy") else block,
-                                       kv, i * bt)
+                self.codec.decode_into(block.numpy(), kv, i * bt)
             finally:
                 _release(block)
             busy[0] += time.monotonic() - t0

@@ -42,7 +42,7 @@ from lmcache.v1.storage_backend.connector import (ConnectorAdapter, ConnectorCon
                                                   extract_plugin_type)
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from .pool_io import StoreConfigError, StoreIO, StoreSettings, io_for, store_key
+from .store import StoreConfigError, StoreIO, StoreSettings, io_for, store_key
 
 log = logging.getLogger("lmcache.kvswitch")
 
@@ -110,7 +110,7 @@ class KVSwitchConnector(RemoteConnector):
 
     # ---- existence -------------------------------------------------------------------------
     async def exists(self, key: CacheEngineKey) -> bool:
-        return await self.io.awaitable(self.io._exists(self.ns, self.block_key(key)))
+        return await self.io.awaitable(self.io.prefix(self.ns, [self.block_key(key)], 1)) == 1
 
     def exists_sync(self, key: CacheEngineKey) -> bool:
         return self.io.exists(self.ns, self.block_key(key))
@@ -119,19 +119,19 @@ class KVSwitchConnector(RemoteConnector):
         return True
 
     def batched_contains(self, keys: List[CacheEngineKey]) -> int:
-        return self.io.prefix(self.ns, [self.block_key(k) for k in keys])
+        return self.io.prefix_now(self.ns, [self.block_key(k) for k in keys])
 
     async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey],
                                      pin: bool = False) -> int:
-        return await self.io.awaitable(self.io._prefix(self.ns,
-                                                       [self.block_key(k) for k in keys]))
+        return await self.io.awaitable(self.io.prefix(
+            self.ns, [self.block_key(k) for k in keys], self.io.settings.concurrency))
 
     # ---- chunks ----------------------------------------------------------------------------
     async def get(self, key: CacheEngineKey) -> Optional[MemoryObj]:
         """The chunk, landed in a MemoryObj straight from the fetch engine's arena where one
         can be allocated there without waiting for an eviction, else through a copy."""
         got = await self.io.awaitable(
-            self.io._get(self.ns, self.block_key(key), lambda view: self._land(key, view)),
+            self.io.get(self.ns, self.block_key(key), lambda view: self._land(key, view)),
             abandoned=_release_landed)           # landed for a caller who gave up
         return self._memory_obj(key, got) if isinstance(got, bytes) else got
 
@@ -181,7 +181,7 @@ class KVSwitchConnector(RemoteConnector):
         meta = RemoteMetadata(buf.nbytes, memory_obj.get_shapes(), memory_obj.get_dtypes(),
                               memory_obj.get_memory_format())
         data = meta.serialize() + bytes(buf)       # the MemoryObj may be reused once we return
-        await self.io.awaitable(self.io._put(self.ns, self.block_key(key), data))
+        await self.io.awaitable(self.io.store(self.ns, self.block_key(key), data))
 
     async def list(self) -> List[str]:
         return []                                  # the pool does not enumerate its blocks

@@ -1,6 +1,6 @@
 """The option checks every connector shares: the vLLM connector's ``kv_connector_extra_config``
 (``vllm_blocks.Settings``) and the options of the LMCache plugin and the SGLang backend
-(``pool_io.StoreSettings``). One function per kind of value, each raising ``BadOption`` (the
+(``store.StoreSettings``). One function per kind of value, each raising ``BadOption`` (the
 option and one line saying why), which each connector words as its own error; so a value one
 connector takes, another does not refuse, and a value that cannot work or that would weaken
 authentication fails the engine's start instead of failing, or switching something off, later.

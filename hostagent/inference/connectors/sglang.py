@@ -18,7 +18,7 @@ back; the generic interface stores the flat tensor it is given. The two never sh
 interface is part of the layout in ``store_key(model, layout, SGLang's page hash)``, with the
 pool's layout, dtype, page size and page bytes and, unless the model's KV is replicated across
 ranks (MLA), the tensor- and pipeline-parallel rank. Existence probes chunk 0 alone; a pool
-node that does not answer makes misses for a back-off, one log line (pool_io).
+node that does not answer makes misses for a back-off, one log line (connectors.pool_io).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import torch
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from .pool_io import StoreIO, StoreSettings, io_for, store_key
+from .store import StoreIO, StoreSettings, io_for, store_key
 
 log = logging.getLogger("sglang.kvswitch")
 
@@ -132,7 +132,7 @@ class KVSwitchStore(HiCacheStorage):
         return [bool(g) for g in got]
 
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
-        return self.io.prefix(self.ns, self.block_keys(keys, self._probe_interface()))
+        return self.io.prefix_now(self.ns, self.block_keys(keys, self._probe_interface()))
 
     def _probe_interface(self) -> str:
         v1 = bool((self.config.extra_config or {}).get("interface_v1", 0))
@@ -182,7 +182,7 @@ class KVSwitchStore(HiCacheStorage):
         return all(self.io.put_many(self.ns, self.block_keys(keys, "flat"), blocks))
 
     def get_stats(self):
-        return dict(self.io.counts)
+        return self.io.stats
 
     def clear(self) -> None:
         pass                                   # the pool's blocks are shared; nothing local

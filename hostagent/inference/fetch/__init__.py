@@ -23,7 +23,7 @@ tells the whole story; each module owns one concern:
         ...
         blk.release()
 """
-from .block import Block
+from hostagent.common.block import Block
 from .client import AsyncFetchClient, open_client
 from .engine import EngineStats, FetchEngine, LinkDown, NoReply
 from xdp import NoXdp

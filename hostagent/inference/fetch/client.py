@@ -21,9 +21,8 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 
-import numpy as np
-
 from hostagent.common import auth as auth_mod
+from hostagent.common.block import Block
 from hostagent.common.pools import Placement
 from hostagent.inference.client import KVClient
 from hostagent.common.transfer import TransferStats
@@ -31,7 +30,6 @@ from kvproto import DEFAULT_CHUNK
 from xdp import NoXdp
 from xdp import netns as netns_mod
 
-from .block import Block
 from .crcfold import CRC_IMPL
 from .engine import FetchEngine, NoReply
 
@@ -116,9 +114,7 @@ class AsyncFetchClient:
         return t.result, t.result.stats
 
     async def _get_by_socket(self, ns, key, nchunks, no_cache) -> tuple[Block, TransferStats]:
-        data, stats = await (await self._socket_client()).get_block(ns, key, nchunks, no_cache)
-        n = -(-len(data) // self.chunk_size)
-        return Block(ns, key, n, np.frombuffer(data, np.uint8), stats), stats
+        return await (await self._socket_client()).get_block_view(ns, key, nchunks, no_cache)
 
     async def _socket_client(self) -> KVClient:
         """The asyncio client beside the engine (its socket in the engine's namespace)."""

@@ -46,7 +46,8 @@ from kvproto.frames import PAYLOAD_OFF
 from xdp import Netns, NoXdp
 
 from . import authcheck, transfers
-from .block import Block, SlotAllocator
+from hostagent.common.block import Block
+from .block import SlotAllocator
 from .crcfold import CRC_IMPL, Folder
 from .ids import RequestIds
 from .netpath import link, next_hop, route_header

@@ -20,7 +20,7 @@ from hostagent.common.auth import AuthError
 from hostagent.common.transfer import BlockNotFound, Refused
 from kvproto import Flag, ProtocolError, Status
 
-from .block import Block
+from hostagent.common.block import Block
 from .crcfold import Folder, crc32
 from .program import C, GEN_MASK, SENDQ
 from .transfers import Transfer
