@@ -1,6 +1,7 @@
 """Which code a command line runs: the *entry* of a result's ``measured.command`` (or of the
 command ``MADE_BY`` says made an unstamped result) — the function of a console script's click
-command, or a module run as a script or with ``python -m``."""
+command, or a module run as a script or with ``python -m`` — and where that code was before it
+moved (``MOVED``, ``places``)."""
 from __future__ import annotations
 
 import importlib
@@ -21,6 +22,21 @@ class Entry:
 
     def __str__(self) -> str:
         return self.module + (f":{self.function}" if self.function else "")
+
+
+# Entries whose code moved to another module or function: its place now -> its place before
+# ("module" or "module:function"), so that a result made before the move is compared with the
+# code its command ran then. A place that moved again is followed (the chain of ``places``).
+MOVED: dict[str, str] = {}
+
+
+def places(entry: Entry) -> list[Entry]:
+    """``entry`` and the places its code had before (``MOVED``), newest first."""
+    out = [entry]
+    while (before := MOVED.get(str(out[-1]))) and len(out) <= len(MOVED):
+        module, _, function = before.partition(":")
+        out.append(Entry(module, function or None))
+    return out
 
 
 class UnknownCommand(ValueError):
