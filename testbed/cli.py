@@ -412,7 +412,7 @@ def soak(minutes, faults, fault_every, json_path):
                    "libCacheSim's, e.g. ARC or lcs:ARC); belady and static always run.")
 def policy_eval(trace_path, capacity, sweep, plot_path, json_path, policies):
     """Replay a trace against switchd's policies, libCacheSim's, Belady and the best fixed set."""
-    from .lab import write_json
+    from .results import write_json
     from .sim.baselines import LibCacheSimMissing
     from .sim.evaluate import evaluate, plot_sweep, render, sweep as run_sweep
     from .sim.trace import TraceError, load_trace

@@ -251,7 +251,8 @@ def run_blend(prompts=50, pool=32, per_prompt=(4, 6), passage_tokens=(256, 320),
               ratios=(0.05, 0.10, 0.15, 0.20, 0.30), new_tokens=32, threads=1,
               store="testbed", chunk_size=3072, json_path=None, plot_path=None,
               log=print, recipe=None, calibrate=False, nice=10) -> dict:
-    from ..lab import Lab, write_json
+    from ..lab import Lab
+    from ..results import write_json
     recipe = {**RECIPE, **(recipe or {})}
     args = dict(prompts=prompts, pool=pool, per_prompt=list(per_prompt),
                 passage_tokens=list(passage_tokens), ratios=list(ratios),
@@ -312,7 +313,7 @@ def main(argv: list[str]) -> None:
     """``python -m testbed.bench.blend ROWS.jsonl JSON PNG``: the results of the prompts a run
     (cut short) finished, from its rows file."""
     rows_path, json_path, plot_path = argv
-    from ..lab import write_json
+    from ..results import write_json
     rows = [json.loads(line) for line in open(rows_path)]
     done = {r["prompt"] for r in rows}
     result = summarise(rows[0]["model"], rows)

@@ -330,7 +330,7 @@ def run_compress(codecs=("none", "int8", "fp8", "int4", "int4h"), prompts: int =
     from hostagent.inference.hf_connector import (BlockLayout, DynamicCache, cache_block_tensor,
                                                   codec_for)
     from testbed.demos.realmodel import load
-    from testbed.lab import write_json
+    from testbed.results import write_json
     codecs = list(dict.fromkeys(["none", *codecs]))
     t0 = time.monotonic()
     torch.set_num_threads(1)             # a shared machine: OpenMP threads spinning cost more

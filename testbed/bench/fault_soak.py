@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from ..lab import write_json
+from ..results import write_json
 from ..lab.tasks import gather
 from .fault_kinds import FAULTS, SECONDS, Target, heal, inject, leftover_processes
 from .faults import (CHUNK, DEADLINE_S, REQUEST_TIMEOUT_S, FaultBench, holding_for,

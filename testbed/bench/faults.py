@@ -33,8 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..lab import Lab, TestbedError, write_json
+from ..lab import Lab, TestbedError
 from ..lab.topology import plain_bridge_ports
+from ..results import write_json
 from ..sim.config import MODELS
 from .fault_kinds import (FAULTS, SECONDS, SWITCH_FAULTS, MemoryLimit, Target, heal, inject,
                           leftover_processes)

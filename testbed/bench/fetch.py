@@ -49,7 +49,8 @@ from hostagent.inference.fetch import FetchEngine
 from switchd.cache import Cache
 from switchd.dataplane import DataPlane, pinned_deployment
 
-from ..lab import Lab, Topology, write_json
+from ..lab import Lab, Topology
+from ..results import write_json
 from .fetch_lone import bench_lone
 from .fetch_mooncake import _block, _gbps, _mooncake
 from .generator import Generator, check_kv_reply, endpoint, kv_get

@@ -15,7 +15,8 @@ from hostagent.inference.fetch import FetchEngine
 from switchd.cache import Cache
 from switchd.dataplane import DataPlane, pinned_deployment
 
-from ..lab import Lab, write_json
+from ..lab import Lab
+from ..results import write_json
 from .fetch import AUTH_KEY, MIB, NS, NS_AUTH, PREFIX, _block, _engine, _gbps, _key, _merge
 from .throughput import fill_cache
 

@@ -32,7 +32,7 @@ import numpy as np
 from kvproto import DEFAULT_CHUNK
 
 from ..lab import Lab
-from ..lab import write_json
+from ..results import write_json
 
 NS = 7
 

@@ -32,9 +32,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..lab import Lab, TestbedError, write_json
+from ..lab import Lab, TestbedError
 from ..lab.mooncake import HTTP_PORT, RPC_PORT, port_open
 from ..lab.tasks import StartLine, gather
+from ..results import write_json
 from ..lmcache_engine import CHUNK_TOKENS
 from .faults import _fresh
 from .lmcache_node import LMCACHE_FIX

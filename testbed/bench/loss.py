@@ -8,7 +8,7 @@ import os
 import statistics
 
 from ..lab import Lab
-from ..lab import write_json
+from ..results import write_json
 from ..lab import attach_loss
 
 NS = 9

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..lab import Lab, TestbedError, write_json
+from ..lab import Lab, TestbedError
 from ..lab.tasks import StartLine, gather
 from ..lab.topology import plain_bridge_ports
+from ..results import write_json
 from ..sim.config import MODELS
 from ..sim.trace import DEFAULT_TRACE
 from .serve_workloads import (WORKLOADS, Workload, burst_workload, payload, trace_workload,

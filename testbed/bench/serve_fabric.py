@@ -22,8 +22,9 @@ import time
 
 import numpy as np
 
-from ..lab import TestbedError, write_json
+from ..lab import TestbedError
 from ..lab.fabric import AGG, FabricLab
+from ..results import write_json
 from ..sim.config import FRAME_OVERHEAD, MODELS
 from ..sim.trace import DEFAULT_TRACE
 from .serve import (CHUNK, _pct, _preload, block_bytes_for, check_choices, make_workloads,

@@ -28,8 +28,9 @@ import numpy as np
 from hostagent.common.tier_policy import DEMOTES, WRITE_DOWNS, PolicyConfig, PolicyError, TierCost
 from hostagent.common.tier_policy import DEFAULT_COSTS
 
-from ..lab import Lab, TestbedError, write_json
+from ..lab import Lab, TestbedError
 from ..lab.tasks import StartLine, gather
+from ..results import write_json
 from ..sim.config import MODELS
 from .serve import CHUNK, CLUSTER_GBIT, block_bytes_for, check_choices
 from .serve_workloads import Workload, _request, arrivals, block_key, zipf_weights

@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from ..lab import Lab, TestbedError, write_json
+from ..lab import Lab, TestbedError
+from ..results import write_json
 from .vllm_server import ServerSpec, VllmServer, Workload, run_clients
 
 MODES = ("local", "pool", "switch")

@@ -10,7 +10,8 @@ import os
 import subprocess
 import time
 
-from ..lab import Lab, write_json
+from ..lab import Lab
+from ..results import write_json
 
 NS = 13
 

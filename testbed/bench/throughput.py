@@ -39,7 +39,8 @@ from xdp.program import program_run_time, run_time_stats
 from .generator import (MC_PORT, Endpoint, Generator, Iperf3, check_kv_reply,
                         check_memcached_reply, check_reflected, endpoint, kv_get, memcached_get,
                         memcached_key, payload)
-from ..lab import Lab, TestbedError, Topology, attach_pass_programs, write_json
+from ..lab import Lab, TestbedError, Topology, attach_pass_programs
+from ..results import write_json
 
 PREFIX = "tp"
 NS = 9

@@ -47,7 +47,7 @@ def sim():
 @json_opt()
 def sim_run(trace_path, requests, sharing, json_path, **kw):
     """Simulate one cluster configuration, switch pool on and off (one point of the sweep)."""
-    from ..lab import write_json
+    from ..results import write_json
     from .config import SimConfig
     from .model import point
     from .trace import load_trace
@@ -201,7 +201,7 @@ def _validate_fabric(racks, hosts_per_rack, pools, oversub, link_gbit, pool_link
                      workloads, modes, scale, live_json, json_path, placement, switch_entries):
     """``sim validate --serve --racks``: on a fabric testbed, or (``live_json``) against a
     result `bench serve --racks` wrote."""
-    from ..lab import write_json
+    from ..results import write_json
     from ..lab.topology import TestbedError
     from .fabric_serve_model import FABRIC_MODES, check_shape
     from .validate_fabric import MODEL_WORKLOADS, compare_file, run_validate_fabric

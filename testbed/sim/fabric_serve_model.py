@@ -52,7 +52,7 @@ from dataclasses import asdict
 
 from switchd.manager import in_share
 
-from ..lab.topology import TestbedError
+from ..errors import TestbedError
 from .config import FRAME_OVERHEAD
 from .serve_model import Calibration, HeldSwitch, _Transfer, owner, replay
 from .tiers import POOL, SWITCH

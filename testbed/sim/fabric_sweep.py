@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..lab import write_json
+from ..results import write_json
 from .config import FRAME_OVERHEAD, GIB, MODELS, SimConfig, xdp_frame_cost
 from .fabric_serve_model import FABRIC_MODES, check_shape
 from .model import _blocks, _percentiles, _request_times, _tiers

@@ -21,7 +21,8 @@ import os
 import time
 from pathlib import Path
 
-from ..lab import Lab, write_json
+from ..lab import Lab
+from ..results import write_json
 from .evaluate import capacity_blocks, evaluate
 from .trace import load_trace
 

@@ -18,7 +18,7 @@ import math
 import time
 from pathlib import Path
 
-from ..lab import write_json
+from ..results import write_json
 from .codec import kv_codec
 from .config import MAX_REQUESTS, REQUESTS_PER_NODE, SimConfig, SimError, xdp_frame_cost
 from .model import point

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..lab import Lab, write_json
+from ..lab import Lab
 from ..lab.tasks import gather
+from ..results import write_json
 from .config import GIB, SimConfig
 from .evaluate import capacity_blocks
 from .model import simulate

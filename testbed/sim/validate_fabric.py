@@ -189,7 +189,7 @@ def run_validate_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2,
     """Calibrate a fabric of each mode, run the bench, run the model, compare."""
     from ..bench import serve as bench_serve
     from ..bench.serve_fabric import check, fabric_lab, run_fabric
-    from ..lab import write_json
+    from ..results import write_json
     from .validate_serve import calibrate
     check(racks, hosts_per_rack, oversub, workloads, modes, placement)
     bad = [w for w in workloads if w not in MODEL_WORKLOADS]

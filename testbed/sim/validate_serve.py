@@ -23,8 +23,9 @@ import time
 
 from ..bench import serve as bench_serve
 from ..bench.serve_workloads import block_key
-from ..lab import Lab, write_json
+from ..lab import Lab
 from ..lab.tasks import gather
+from ..results import write_json
 from .config import FRAME_OVERHEAD, MODELS
 from .trace import DEFAULT_TRACE
 from .serve_model import Calibration, simulate_serve, summarise
