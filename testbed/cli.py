@@ -13,12 +13,12 @@ from kvproto import VETH_MAX_MTU
 from kvproto.cli import chunk_option
 from switchd.policy import POLICIES
 
-from .bench.compress import command as compress_command
-from .bench.faults_cli import command as faults_command
-from .bench.lmcache_cli import command as lmcache_command
-from .bench.serve_vllm import command as vllm_bench_command
-from .bench.serve_fabric_cli import fabric_options
-from .bench.serve_tiers_cli import tiers_options
+from .bench.quality.compress import command as compress_command
+from .bench.faults.cli import command as faults_command
+from .bench.stores.cli import command as lmcache_command
+from .bench.serve.serve_vllm import command as vllm_bench_command
+from .bench.serve.serve_fabric_cli import fabric_options
+from .bench.serve.serve_tiers_cli import tiers_options
 from .demos.inference import BLOCK_TOKENS, MODEL_CHOICES as DEMO_MODELS
 from .demos.vllm import MODELS_DIR as DEMO_MODEL_DIR
 from .lab.lab import STORES
@@ -241,7 +241,7 @@ def throughput(chunk_sizes, seconds, windows, cores, rate, keys, hit_ratios, swe
                plot_path):
     """GET replies/s: XDP_TX ceiling, switch hits, pool server, memcached; hit ratios, cache
     size, TCP."""
-    from .bench.throughput import run_throughput
+    from .bench.fetch.throughput import run_throughput
     if sweep_chunk is None:
         sweep_chunk = 1024 if 1024 in chunk_sizes else chunk_sizes[0]
     if sweep_chunk not in chunk_sizes:
@@ -276,7 +276,7 @@ def throughput(chunk_sizes, seconds, windows, cores, rate, keys, hit_ratios, swe
 def incast(readers, block_mib, reps, chunk_size, store, link_gbit, pool_link_gbit,
            link_delay_us, json_path, plot_path):
     """N readers fetch one block at once: plain bridge vs the switch."""
-    from .bench.incast import run_incast
+    from .bench.fetch.incast import run_incast
     if readers[-1] > 99:
         raise click.BadParameter("at most 99 readers", param_hint="--readers")
     spec = link_spec(link_gbit, pool_link_gbit, link_delay_us)
@@ -313,7 +313,7 @@ def incast(readers, block_mib, reps, chunk_size, store, link_gbit, pool_link_gbi
 def serve(nodes, pools, store, link_gbit, workloads, modes, model, trace_path, trace_requests,
           scale, json_path, plot_path):
     """Serving loops on N nodes over shaped links: TTFT, pool egress; bridge, switch, replicas."""
-    from .bench.serve import run_serve
+    from .bench.serve.serve import run_serve
     plot_path = plot_path_for(json_path, plot_path)
     out = run_serve(nodes, pools, store, link_gbit, workloads, modes, model, trace_path,
                     trace_requests, scale, json_path, plot_path, log=click.echo)
@@ -331,7 +331,7 @@ def serve(nodes, pools, store, link_gbit, workloads, modes, model, trace_path, t
 @json_opt("bench/results/loss.json")
 def loss(losses, block_mib, reps, json_path):
     """Block fetches over links that drop KV frames."""
-    from .bench.loss import run_loss
+    from .bench.fetch.loss import run_loss
     run_loss(losses, block_mib, reps, json_path)
 
 
@@ -344,7 +344,7 @@ def loss(losses, block_mib, reps, json_path):
 @plot_opt()
 def fetch(chunk_sizes, sizes_mib, rounds, mooncake, json_path, plot_path):
     """Whole blocks at a node: XDP engine, switch hit path, pool, asyncio client, Mooncake."""
-    from .bench.fetch import run_fetch
+    from .bench.fetch.fetch import run_fetch
     plot_path = plot_path_for(json_path, plot_path)
     out = run_fetch(chunk_sizes, sizes_mib, rounds, mooncake=mooncake, json_path=json_path,
                     plot_path=plot_path, log=click.echo)
@@ -364,7 +364,7 @@ def fetch(chunk_sizes, sizes_mib, rounds, mooncake, json_path, plot_path):
 @plot_opt()
 def blend(prompts, pool, ratios, store, json_path, plot_path):
     """CacheBlend: RAG passages' KV reused at any position (SmolLM2-135M, issue #31)."""
-    from .bench.blend import run_blend
+    from .bench.quality.blend import run_blend
     plot_path = plot_path_for(json_path, plot_path)
     out = run_blend(prompts, pool, ratios=[r / 100 for r in ratios], store=store,
                     json_path=json_path, plot_path=plot_path, log=click.echo)
@@ -383,7 +383,7 @@ def blend(prompts, pool, ratios, store, json_path, plot_path):
 def soak(minutes, faults, fault_every, json_path):
     """Sustained load for a bounded time; checks maps and daemon memory do not grow."""
     if faults:
-        from .bench.fault_soak import run_fault_soak
+        from .bench.faults.fault_soak import run_fault_soak
         out = run_fault_soak(minutes or 60.0, fault_every,
                              json_path=json_path or "bench/results/soak-faults.json",
                              log=click.echo)
@@ -391,7 +391,7 @@ def soak(minutes, faults, fault_every, json_path):
         fail_unless(out["failed_requests"] == 0 and out["wrong_bytes"] == 0 and
                     out["counters"]["consistent"] and not out["left_behind"])
         return
-    from .bench.soak import run_soak
+    from .bench.faults.soak import run_soak
     out = run_soak(minutes or 10.0, json_path or "bench/results/soak.json")
     click.echo(json.dumps({k: v for k, v in out.items() if k != "samples"}, indent=2))
     fail_unless(out["within_capacity"])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from testbed.bench.serve_workloads import burst_workload, zipf_workload
+from testbed.bench.serve.serve_workloads import burst_workload, zipf_workload
 from testbed.cli import main
 from testbed.lab.topology import TestbedError as FabricError
 from testbed.sim.config import FRAME_OVERHEAD
@@ -213,7 +213,7 @@ def test_a_result_file_without_constants_takes_the_serve_validations(tmp_path):
 
 def test_validate_calibrates_each_mode_runs_the_bench_then_the_model(tmp_path, monkeypatch):
     # the orchestration alone: no testbed (the fabric, the probe and the bench are stand-ins)
-    import testbed.bench.serve_fabric as bench
+    import testbed.bench.serve.serve_fabric as bench
     import testbed.sim.validate_serve as vs
     from testbed.sim.validate_fabric import run_validate_fabric
     built = []

@@ -27,7 +27,7 @@ CITED = re.compile(r"([\w.-]+\.(?:json|png))")
 # matter: every path the command's code can take counts)
 MADE_BY: list[tuple[str, str]] = [
     ("throughput*", "testbed bench throughput"),
-    ("fetch-auth*", "python -m testbed.bench.fetch_auth"),
+    ("fetch-auth*", "python -m testbed.bench.fetch.fetch_auth"),
     ("fetch*", "testbed bench fetch"),
     ("incast*", "testbed bench incast"),
     ("serve*", "testbed bench serve"),           # serve, serve-tiers, serve-fabric

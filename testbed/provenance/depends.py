@@ -10,7 +10,7 @@ repository's files, everything that entry imports and loads within the repositor
   a ``from pkg import name`` naming a submodule is that submodule. Modules outside the
   repository are left out.
 * Modules run in another interpreter: a string naming a repository module in dotted form, a
-  task's ``"testbed.bench.serve_node:serve"`` or ``f"{__name__}:probe"``, and the module of
+  task's ``"testbed.bench.serve.serve_node:serve"`` or ``f"{__name__}:probe"``, and the module of
   ``python_argv("switchd", ...)`` or of a ``"-m", "name"`` pair (with its ``__main__``).
 * C sources: a string that is a ``.c``/``.h`` file name (``xdp.source("kvswitch.c")``,
   ``class P(Program, source="kvfetch.c")``, ``HERE / "lossy.c"``, ``... / "trafficgen.c"``),

@@ -27,7 +27,16 @@ class Entry:
 # Entries whose code moved to another module or function: its place now -> its place before
 # ("module" or "module:function"), so that a result made before the move is compared with the
 # code its command ran then. A place that moved again is followed (the chain of ``places``).
-MOVED: dict[str, str] = {}
+MOVED: dict[str, str] = {
+    # testbed/bench/ in packages by experiment
+    "testbed.bench.faults.cli:command": "testbed.bench.faults_cli:command",
+    "testbed.bench.stores.cli:command": "testbed.bench.lmcache_cli:command",
+    "testbed.bench.quality.compress:command.<locals>.compress":
+        "testbed.bench.compress:command.<locals>.compress",
+    "testbed.bench.serve.serve_vllm:command.<locals>.vllm":
+        "testbed.bench.serve_vllm:command.<locals>.vllm",
+    "testbed.bench.fetch.fetch_auth": "testbed.bench.fetch_auth",
+}
 
 
 def places(entry: Entry) -> list[Entry]:

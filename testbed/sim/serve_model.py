@@ -1,5 +1,5 @@
 """The cluster model at `testbed bench serve`'s scale (``testbed sim validate --serve``): the same
-per-node request lists (testbed.bench.serve_workloads) replayed through the model's tiers and
+per-node request lists (testbed.bench.serve.serve_workloads) replayed through the model's tiers and
 the testbed's timing, so the two can be compared request for request.
 
 Tiers, as in the cluster model: a block is in the pool from its preload or once a node's

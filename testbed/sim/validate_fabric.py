@@ -1,5 +1,5 @@
 """`testbed sim validate --serve --racks R`: the fabric model (testbed.sim.fabric_serve_model)
-against `testbed bench serve --racks R` (testbed.bench.serve_fabric) at the bench's own point,
+against `testbed bench serve --racks R` (testbed.bench.serve.serve_fabric) at the bench's own point,
 as validate_serve does it for one switch. For each mode a fabric of that mode's switches is
 built and its timing constants measured with every node probing at once
 (validate_serve.calibrate: the fetch engine's round trip from h1 through its rack switch, the
@@ -86,7 +86,7 @@ def placement_of(cfg: dict) -> str:
 def model_rows(cfg: dict, consts: dict, pairs, log=None) -> dict:
     """The model at a `bench serve --racks` result's configuration ``cfg``: one result per
     (workload, mode) of ``pairs``, with per-mode constants ``consts`` (rtt_s, wake_s)."""
-    from ..bench.serve import make_workloads
+    from ..bench.serve.serve import make_workloads
     from ..sim.trace import DEFAULT_TRACE
     racks, hosts, pools = cfg["racks"], cfg["hosts_per_rack"], cfg["pools"]
     check_shape(racks, hosts, cfg["oversub"])
@@ -187,8 +187,8 @@ def run_validate_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2,
                         model: str = "llama3-8b", log=print, placement: str = "independent",
                         cache_entries: int = CACHE_ENTRIES) -> dict:
     """Calibrate a fabric of each mode, run the bench, run the model, compare."""
-    from ..bench import serve as bench_serve
-    from ..bench.serve_fabric import check, fabric_lab, run_fabric
+    from ..bench.serve import serve as bench_serve
+    from ..bench.serve.serve_fabric import check, fabric_lab, run_fabric
     from ..results import write_json
     from .validate_serve import calibrate
     check(racks, hosts_per_rack, oversub, workloads, modes, placement)

@@ -1,28 +1,27 @@
 """`testbed sim validate --serve`: the cluster model against `testbed bench serve` at its own
 point. For each mode (switch, bridge; replicas on request) one testbed of bench serve's
-configuration (testbed.bench.serve: N inference nodes, P pool nodes, every link queueing at one
-rate, chunk and block sizes scaled with the links, switchd's default policy) runs bench serve's
-workloads one after another with bench serve's own code (make_workloads, _run_workload); before
-them, the testbed's timing constants are measured with every node probing at once
-(``calibrate``): the fetch engine's round trip (one node's fetch of one block from the pool on
-idle links) and the box's wake-up latency; the link rate is the configured one, which the links
-hold (the probe's is kept as a check). The model (testbed.sim.serve_model) then replays the
-same request lists with those constants and switchd's default policy at the same cache size,
-interval and fill headroom. Compared per (workload, mode): TTFT p50 and p99 (warm-up
-requests apart), the share of fetched
-blocks per tier (switch: hits and held replicas; pool) and of looked-up blocks found in a remote
-tier (the rest is recomputed), and each pool node's egress bytes. Verdict (testbed.sim.verdict):
-TTFT p50 within 10 %, and the split the model could get wrong, switch hits and held replicas,
-each within 20 % of the measured share (1 pp at least); the pool's share, the cached and the
-recomputed blocks agree by construction and are shown as such. Result:
+configuration (testbed.bench.serve.serve: N inference nodes, P pool nodes, every link queueing
+at one rate, chunk and block sizes scaled with the links, switchd's default policy) runs bench
+serve's workloads one after another with bench serve's own code (make_workloads, _run_workload);
+before them, the testbed's timing constants are measured with every node probing at once
+(``calibrate``): the fetch engine's round trip (one node's fetch of one block from the pool on idle
+links) and the box's wake-up latency; the link rate is the configured one, which the links hold (the
+probe's is kept as a check). The model (testbed.sim.serve_model) then replays the same request lists
+with those constants and switchd's default policy at the same cache size, interval and fill
+headroom. Compared per (workload, mode): TTFT p50 and p99 (warm-up requests apart), the share of
+fetched blocks per tier (switch: hits and held replicas; pool) and of looked-up blocks found in a
+remote tier (the rest is recomputed), and each pool node's egress bytes. Verdict
+(testbed.sim.verdict): TTFT p50 within 10 %, and the split the model could get wrong, switch hits
+and held replicas, each within 20 % of the measured share (1 pp at least); the pool's share, the
+cached and the recomputed blocks agree by construction and are shown as such. Result:
 bench/results/sim-validate-serve.json."""
 from __future__ import annotations
 
 import statistics
 import time
 
-from ..bench import serve as bench_serve
-from ..bench.serve_workloads import block_key
+from ..bench.serve import serve as bench_serve
+from ..bench.serve.serve_workloads import block_key
 from ..lab import Lab
 from ..lab.tasks import gather
 from ..results import write_json
