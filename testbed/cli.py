@@ -16,6 +16,7 @@ from switchd.policy import POLICIES
 from .bench.quality.compress import command as compress_command
 from .bench.faults.cli import command as faults_command
 from .bench.stores.cli import command as lmcache_command
+from .bench.validate.cli import sim_validate
 from .bench.serve.serve_vllm import command as vllm_bench_command
 from .bench.serve.serve_fabric_cli import fabric_options
 from .bench.serve.serve_tiers_cli import tiers_options
@@ -452,7 +453,7 @@ def policy_eval(trace_path, capacity, sweep, plot_path, json_path, policies):
 @json_opt()
 def replay(trace_path, capacity, limit, speedup, interval, policy, fill_headroom, json_path):
     """Replay a trace through the testbed; compare the live hit ratio with the evaluator's."""
-    from .sim.replay import run_replay
+    from .bench.validate.replay import run_replay
     run_replay(trace_path, capacity, limit, speedup, interval, json_path=json_path,
                fill_headroom=fill_headroom, policy=policy)
 
@@ -475,5 +476,6 @@ def results_check(root, require_stamps):
     fail_unless(ok)
 
 
-# ---- the cluster model (testbed.sim.cli) -------------------------------------------------------
+# ---- the cluster model (testbed.sim.cli; its live validation: testbed.bench.validate.cli) -------
+sim_group.add_command(sim_validate)
 main.add_command(sim_group)

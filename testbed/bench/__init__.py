@@ -7,4 +7,5 @@ and plots written to the caller's paths):
   fetch     the data path: the traffic generator and its XDP programs, GET throughput, whole-block
             fetches, incast, lossy links
   stores    kvswitch as LMCache's remote tier beside the stores LMCache users pick today
-  quality   what reusing KV does to a real model: the KV codecs (compress), CacheBlend (blend)"""
+  quality   what reusing KV does to a real model: the KV codecs (compress), CacheBlend (blend)
+  validate  the cluster model and the policy evaluator checked against the live testbed"""

@@ -36,6 +36,8 @@ MOVED: dict[str, str] = {
     "testbed.bench.serve.serve_vllm:command.<locals>.vllm":
         "testbed.bench.serve_vllm:command.<locals>.vllm",
     "testbed.bench.fetch.fetch_auth": "testbed.bench.fetch_auth",
+    # the live validations out of the pure model, testbed/sim/, into testbed/bench/validate/
+    "testbed.bench.validate.cli:sim_validate": "testbed.sim.cli:sim_validate",
 }
 
 

@@ -28,11 +28,11 @@ import os
 import time
 from pathlib import Path
 
-from ..lab.topology import SUBNET, TestbedError
-from .config import MODELS, result_file
-from .fabric_serve_model import LEVELS, check_modes, check_shape, simulate_fabric
-from .serve_model import Calibration, summarise
-from .verdict import FLOOR, RELATIVE, relative_agrees, share_agrees, share_bound
+from ...lab.topology import SUBNET, TestbedError
+from ...sim.config import MODELS, result_file
+from ...sim.fabric_serve_model import LEVELS, check_modes, check_shape, simulate_fabric
+from ...sim.serve_model import Calibration, summarise
+from ...sim.verdict import FLOOR, RELATIVE, relative_agrees, share_agrees, share_bound
 
 TARGET_P50 = 0.10
 INTERVAL = 1.0                                  # switchd's default policy step
@@ -86,8 +86,8 @@ def placement_of(cfg: dict) -> str:
 def model_rows(cfg: dict, consts: dict, pairs, log=None) -> dict:
     """The model at a `bench serve --racks` result's configuration ``cfg``: one result per
     (workload, mode) of ``pairs``, with per-mode constants ``consts`` (rtt_s, wake_s)."""
-    from ..bench.serve.serve import make_workloads
-    from ..sim.trace import DEFAULT_TRACE
+    from ..serve.serve import make_workloads
+    from ...sim.trace import DEFAULT_TRACE
     racks, hosts, pools = cfg["racks"], cfg["hosts_per_rack"], cfg["pools"]
     check_shape(racks, hosts, cfg["oversub"])
     preset = MODELS[cfg.get("preset", "llama3-8b")]
@@ -187,9 +187,9 @@ def run_validate_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2,
                         model: str = "llama3-8b", log=print, placement: str = "independent",
                         cache_entries: int = CACHE_ENTRIES) -> dict:
     """Calibrate a fabric of each mode, run the bench, run the model, compare."""
-    from ..bench.serve import serve as bench_serve
-    from ..bench.serve.serve_fabric import check, fabric_lab, run_fabric
-    from ..results import write_json
+    from ..serve import serve as bench_serve
+    from ..serve.serve_fabric import check, fabric_lab, run_fabric
+    from ...results import write_json
     from .validate_serve import calibrate
     check(racks, hosts_per_rack, oversub, workloads, modes, placement)
     bad = [w for w in workloads if w not in MODEL_WORKLOADS]

@@ -21,10 +21,10 @@ import os
 import time
 from pathlib import Path
 
-from ..lab import Lab
-from ..results import write_json
-from .evaluate import capacity_blocks, evaluate
-from .trace import load_trace
+from ...lab import Lab
+from ...results import write_json
+from ...sim.evaluate import capacity_blocks, evaluate
+from ...sim.trace import load_trace
 
 NS = 11
 

@@ -22,16 +22,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ..lab import Lab
-from ..lab.tasks import gather
-from ..results import write_json
-from .config import GIB, SimConfig
-from .evaluate import capacity_blocks
-from .model import simulate
+from ...lab import Lab
+from ...lab.tasks import gather
+from ...results import write_json
+from ...sim.config import GIB, SimConfig
+from ...sim.evaluate import capacity_blocks
+from ...sim.model import simulate
 from .replay import NS, block_key, block_payload, put_blocks
-from .trace import Trace, load_trace
-from .verdict import BY_CONSTRUCTION, FLOOR, RELATIVE, share_agrees, share_bound
-from .workload import Workload, route
+from ...sim.trace import Trace, load_trace
+from ...sim.verdict import BY_CONSTRUCTION, FLOOR, RELATIVE, share_agrees, share_bound
+from ...sim.workload import Workload, route
 
 HOSTS = 4
 BLOCK = 1024

@@ -20,15 +20,16 @@ from __future__ import annotations
 import statistics
 import time
 
-from ..bench.serve import serve as bench_serve
-from ..bench.serve.serve_workloads import block_key
-from ..lab import Lab
-from ..lab.tasks import gather
-from ..results import write_json
-from .config import FRAME_OVERHEAD, MODELS
-from .trace import DEFAULT_TRACE
-from .serve_model import Calibration, simulate_serve, summarise
-from .verdict import BY_CONSTRUCTION, FLOOR, RELATIVE, relative_agrees, share_agrees, share_bound
+from ..serve import serve as bench_serve
+from ..serve.serve_workloads import block_key
+from ...lab import Lab
+from ...lab.tasks import gather
+from ...results import write_json
+from ...sim.config import FRAME_OVERHEAD, MODELS
+from ...sim.trace import DEFAULT_TRACE
+from ...sim.serve_model import Calibration, simulate_serve, summarise
+from ...sim.verdict import (BY_CONSTRUCTION, FLOOR, RELATIVE, relative_agrees, share_agrees,
+                            share_bound)
 
 TARGET_P50 = 0.10
 # the shares the verdict checks (hits and held replicas: what timing decides) and those that
