@@ -38,6 +38,20 @@ MOVED: dict[str, str] = {
     "testbed.bench.fetch.fetch_auth": "testbed.bench.fetch_auth",
     # the live validations out of the pure model, testbed/sim/, into testbed/bench/validate/
     "testbed.bench.validate.cli:sim_validate": "testbed.sim.cli:sim_validate",
+    # one registration style: every command a click command beside its code, in one table
+    "testbed.bench.fetch.cli:throughput": "testbed.cli:throughput",
+    "testbed.bench.fetch.cli:incast": "testbed.cli:incast",
+    "testbed.bench.fetch.cli:loss": "testbed.cli:loss",
+    "testbed.bench.fetch.cli:fetch": "testbed.cli:fetch",
+    "testbed.bench.serve.cli:serve": "testbed.cli:serve",
+    "testbed.bench.serve.cli:vllm": "testbed.bench.serve.serve_vllm:command.<locals>.vllm",
+    "testbed.bench.faults.cli:faults_cmd": "testbed.bench.faults.cli:command",
+    "testbed.bench.faults.cli:soak": "testbed.cli:soak",
+    "testbed.bench.stores.cli:lmcache": "testbed.bench.stores.cli:command",
+    "testbed.bench.quality.cli:compress":
+        "testbed.bench.quality.compress:command.<locals>.compress",
+    "testbed.bench.quality.cli:blend": "testbed.cli:blend",
+    "testbed.bench.validate.cli:replay": "testbed.cli:replay",
 }
 
 

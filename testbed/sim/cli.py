@@ -27,12 +27,7 @@ def codec_options(f):
                              "blocks shrink by its ratio, nodes pay its decode time.")(f)
 
 
-@click.group()
-def sim():
-    """Cluster-scale model: tiers, switch pool on/off, break-even, testbed validation."""
-
-
-@sim.command("run")
+@click.command("run")
 @trace_opt
 @click.option("--requests", type=click.IntRange(0),
               help="Resample to this many requests (default 200 per node, at most 200,000, as "
@@ -64,7 +59,7 @@ def sim_run(trace_path, requests, sharing, json_path, **kw):
     click.echo(f"{out['requests']} requests over {kw['nodes']} nodes in {out['wall_seconds']}s")
 
 
-@sim.command("sweep")
+@click.command("sweep")
 @trace_opt
 @click.option("--nodes", "nodes", default=SWEEP_NODES, show_default=True, callback=int_list)
 @click.option("--switch-gib", "switch_gib", default="16,64,256", show_default=True,
@@ -93,7 +88,7 @@ def sim_sweep(trace_path, nodes, switch_gib, sharing, skew_cases, requests_per_n
     say_wrote(json_path, plot_path)
 
 
-@sim.command("reprice")
+@click.command("reprice")
 @click.argument("paths", nargs=-1, required=True,
                 type=click.Path(exists=True, dir_okay=False))
 @click.option("--throughput-json", default="bench/results/throughput.json", show_default=True,
@@ -116,7 +111,7 @@ def sim_reprice(paths, throughput_json, plot_path):
         click.echo(f"{path}: {was} -> {xdp['ns_per_frame']} ns/frame ({xdp['source']})")
 
 
-@sim.command("fabric")
+@click.command("fabric")
 @trace_opt
 @click.option("--racks", default="4,8,16,32", show_default=True,
               help="Rack counts (comma-separated).")

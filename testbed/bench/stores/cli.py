@@ -1,5 +1,5 @@
-"""The `testbed bench lmcache` command (registered by testbed.cli); the benchmark is
-testbed.bench.stores.lmcache_bench, each node's engine testbed.bench.stores.lmcache_node."""
+"""`testbed bench lmcache` (registered by testbed.cli): it parses its options and calls the
+benchmark, lmcache_bench.run_lmcache_bench (each node's engine: lmcache_node)."""
 from __future__ import annotations
 
 import json
@@ -43,7 +43,7 @@ POSITIVE = click.IntRange(1)
               help="Names the testbeds' namespaces (PREFIX, PREFIXm, PREFIXu, PREFIXmu).")
 @json_opt("bench/results/lmcache.json")
 @plot_opt()
-def command(stores, workloads, nodes, link_gbit, timeout_s, hot_tokens, incast_rounds,
+def lmcache(stores, workloads, nodes, link_gbit, timeout_s, hot_tokens, incast_rounds,
             zipf_prefixes, zipf_requests, single_prefixes, single_rounds, prefix, json_path,
             plot_path):
     """kvswitch as LMCache's remote tier beside LMCache's server, Redis and Mooncake Store."""

@@ -1,14 +1,18 @@
-"""`testbed sim validate`: the cluster model checked against the live testbed (registered on the
-`testbed sim` group by testbed.cli). It parses its options and calls the validation it names
-(validate.run_validate, validate_serve.run_validate_serve, validate_fabric.run_validate_fabric or
-.compare_file), imported when the command runs."""
+"""`testbed sim validate` and `testbed replay`: the cluster model and the policy evaluator checked
+against the live testbed (registered by testbed.cli). Each parses its options and calls the
+check it names (validate.run_validate, validate_serve.run_validate_serve,
+validate_fabric.run_validate_fabric or .compare_file, replay.run_replay), imported when the
+command runs."""
 from __future__ import annotations
 
 import json
 
 import click
 
-from ...options import fail_unless, trace_opt
+from kvproto.cli import FINITE, FloatRange
+from switchd.policy import POLICIES
+
+from ...options import capacity_value, fail_unless, json_opt, trace_opt
 
 
 @click.command("validate")
@@ -130,6 +134,27 @@ def _validate_fabric(racks, hosts_per_rack, pools, oversub, link_gbit, pool_link
                    + (", ".join(levels) or "no kvswitch"))
     click.echo(f"within targets: {json.dumps(out['within_targets'])}\nwrote {json_path}")
     fail_unless(out.get("completed", True) and all(out["within_targets"].values()))
+
+
+@click.command()
+@trace_opt
+@click.option("--capacity", type=FINITE, default=0.02, show_default=True, callback=capacity_value,
+              help="Fraction of the trace's distinct blocks (<1) or a count.")
+@click.option("--limit", type=click.IntRange(1), help="Only the first N requests.")
+@click.option("--speedup", type=FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="Time compression of the trace's pace (10 with a 0.1 s "
+              "interval: one policy step per second of trace, as switchd's default).")
+@click.option("--interval", type=FloatRange(min=0.05), default=0.1, show_default=True,
+              help="switchd's policy interval, seconds.")
+@click.option("--policy", type=click.Choice(list(POLICIES)), help="Default: switchd's default.")
+@click.option("--fill-headroom", type=click.IntRange(min=0),
+              help="Extra cache entries for speculative fills (default: a quarter of capacity).")
+@json_opt()
+def replay(trace_path, capacity, limit, speedup, interval, policy, fill_headroom, json_path):
+    """Replay a trace through the testbed; compare the live hit ratio with the evaluator's."""
+    from .replay import run_replay
+    run_replay(trace_path, capacity, limit, speedup, interval, json_path=json_path,
+               fill_headroom=fill_headroom, policy=policy)
 
 
 def _names(v: str) -> list[str]:
