@@ -98,6 +98,7 @@ def run_fault_soak(minutes: float = 60.0, every_s: float = 180.0, sample_s: floa
     bench = FaultBench(nodes, pools, link_gbit, prefix=prefix, log=log)
     stop = f"/tmp/kvsoak-{prefix}-{os.getpid()}.stop"
     samples, rss, injected = [], [], []
+    log("soak --faults: building the testbed ...")
     with bench.lab("memory") as lab:
         ns = bench.ns
         pre = mixed_workload(nodes, lab.pool_addrs, ns, seconds=SEGMENT_S)
@@ -107,6 +108,7 @@ def run_fault_soak(minutes: float = 60.0, every_s: float = 180.0, sample_s: floa
                                 ns, bench.block_bytes, bench.preset.prefill_tokens_per_s, t0)
                  for i, n in enumerate(lab.topo.host_nodes)]
         end, next_fault, turn = t0 + minutes * 60, t0 + every_s, 0
+        log(f"soak --faults: {minutes:g} minutes of serving, a fault every {every_s:g} s ...")
         while time.time() < end:
             now = time.time()
             if now >= next_fault:

@@ -202,6 +202,7 @@ class FaultBench:
 
     def run(self, lab: Lab, mode: str, fault: str | None = None) -> tuple[dict, Timeline]:
         """One run of the traffic: ``bridge``, ``switch``, or ``switch`` with ``fault``."""
+        self.log(f"bench faults: {mode}, {fault or 'no fault'} ({self.run_s:g} s of traffic) ...")
         _fresh(lab, mode == "switch")
         self.ns += 1
         wl = mixed_workload(self.nodes, lab.pool_addrs, self.ns, seconds=self.run_s)
@@ -307,12 +308,15 @@ def run_faults(faults=FAULTS, stores=STORES, nodes: int = 8, pools: int = 2,
     by_store: dict[str, list[str]] = {}
     for f, s in runs:
         by_store.setdefault(s, []).append(f)
+    log(f"bench faults: {len(runs)} fault runs ({', '.join(faults)}) on {nodes} nodes and "
+        f"{pools} pool nodes, stores {', '.join(by_store)}")
     for store, fs in by_store.items():
         # Mooncake keeps blocks in its master across pool restarts: a testbed per run there
         groups = [fs] if store != "mooncake" else [[f] for f in fs]
         for group in groups:
             rows = []
             with contextlib.ExitStack() as stack:
+                log(f"bench faults: store {store}: building the testbed ...")
                 lab = stack.enter_context(bench.lab(store))
                 calm = bench.baselines(lab) if baselines else None
                 calm_rows += [{"store": store, **calm[m][0]} for m in calm or ()]

@@ -43,11 +43,13 @@ def run_soak(minutes: float, json_path: str | None, blocks: int = 200, block_kib
              sample_s: float = 10.0, log=print) -> dict:
     keys = [os.urandom(16) for _ in range(blocks)]
     capacity = blocks * block_kib // 4           # room for a quarter of the working set
+    log(f"soak: building the testbed, {blocks} blocks of {block_kib} KiB put ...")
     with Lab(f"sk{os.getpid() % 10000}", hosts=2, pools=1, cache_entries=capacity,
              switchd_args=("--interval", "0.5")) as lab:
         for key in keys:
             lab.put("h1", NS, key, os.urandom(block_kib * 1024))
         seconds = minutes * 60
+        log(f"soak: {minutes:g} minutes of load, a sample every {sample_s:g} s ...")
         drivers = [lab.start_task(h, f"{__name__}:drive", lab.pool_addrs[0], seconds, i,
                                   [k.hex() for k in keys]) for i, h in enumerate(("h1", "h2"))]
         samples, start = [], time.monotonic()

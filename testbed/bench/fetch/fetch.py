@@ -329,6 +329,8 @@ def run_fetch(chunk_sizes=(3072, 1024), sizes_mib=(2, 64), rounds: int = 5, reps
               losses=(0.01, 0.05), hit_seconds: float = 0.5, mooncake: bool = True,
               json_path: str | None = None, plot_path: str | None = None, log=print) -> dict:
     started, load0 = time.monotonic(), os.getloadavg()
+    log(f"bench fetch: chunk sizes {', '.join(map(str, chunk_sizes))} B, blocks of "
+        f"{', '.join(map(str, sizes_mib))} MiB; the traffic generator ...")
     gen = Generator()
     rows, hits, lone = [], [], []
     try:

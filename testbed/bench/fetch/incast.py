@@ -69,10 +69,13 @@ def run_incast(readers: list[int], block_mib: float, reps: int, json_path: str |
     block = os.urandom(int(block_mib * (1 << 20)))
     key = os.urandom(16)
     shaped = link_gbit is not None or pool_link_gbit is not None
+    log(f"bench incast: {', '.join(map(str, readers))} readers of a {block_mib:g} MiB block, "
+        f"{reps} repetitions each, bridge then switch")
     results = _run_modes(readers, block, key, reps, chunk_size, (link_gbit, pool_link_gbit,
                          link_delay_us), store, ("baseline", "switch"), log)
     unshaped = None
     if shaped:          # the box's own bound: the same fetch through the switch, no shaping
+        log("bench incast: the switch on unshaped links ...")
         row = _run_modes([max(readers)], block, key, 1, chunk_size, (None, None, 0.0), store,
                          ("switch",), log)[0]
         unshaped = {"readers": row["readers"], "completion_s_p50": row["completion_s_p50"],
@@ -96,12 +99,14 @@ def run_incast(readers: list[int], block_mib: float, reps: int, json_path: str |
 def _run_modes(readers, block, key, reps, chunk_size, links, store, modes, log) -> list[dict]:
     results = []
     link_gbit, pool_link_gbit, link_delay_us = links
+    log(f"bench incast: building the testbed ({max(readers)} readers) ...")
     with Lab("inc", hosts=max(readers), pools=1, chunk_size=chunk_size, switch=False,
              pool_capacity="1GiB", store=store, link_gbit=link_gbit,
              pool_link_gbit=pool_link_gbit, link_delay_us=link_delay_us,
              cache_entries=max(65536, 2 * len(block) // chunk_size)) as lab:
         lab.put("h1", NS, key, block)
         for mode in modes:
+            log(f"bench incast: mode {mode} ...")
             if mode == "switch":
                 lab.start_switch()
                 lab.switchd("cache", "admit", "--ns", str(NS), "--key", key.hex())

@@ -18,10 +18,12 @@ def run_loss(losses: list[float], block_mib: float, reps: int, json_path: str | 
              log=print) -> dict:
     block, key = os.urandom(int(block_mib * (1 << 20))), os.urandom(16)
     results = []
+    log(f"bench loss: losses {', '.join(f'{x:g}' for x in losses)} %; building the testbed ...")
     with Lab(f"ls{os.getpid() % 10000}", hosts=2, pools=1) as lab:
         lab.put("h1", NS, key, block)
         nodes = [n.netns for n in lab.topo.nodes]
         for loss in losses:
+            log(f"bench loss: {loss:g} % ...")
             attach_loss(nodes, loss / 100)
             rows = {"miss": [], "hit": []}
             exact, retransmits = True, {"miss": 0, "hit": 0}

@@ -333,6 +333,8 @@ def run_throughput(chunk_sizes=(256, 1024, 3072), seconds: float = 2.0, windows:
                    log=print) -> dict:
     """Run every scenario; returns (and writes, when given paths) the results."""
     started = time.monotonic()
+    log(f"bench throughput: chunk sizes {', '.join(map(str, chunk_sizes))} B; the traffic "
+        "generator ...")
     gen = Generator()
     b = _Bench(gen, seconds, windows, rate, tuple(cores), log)
     load_before = os.getloadavg()

@@ -259,6 +259,8 @@ def run_blend(prompts=50, pool=32, per_prompt=(4, 6), passage_tokens=(256, 320),
                 new_tokens=new_tokens, threads=threads, recipe=recipe, calibrate=calibrate,
                 nice=nice)
     start = time.time()
+    log(f"bench blend: {prompts} prompts over {pool} passages, store {store}"
+        + (" ..." if store == "local" else "; building the testbed ..."))
     if store == "local":
         out = local(args, log)
         counters = {}

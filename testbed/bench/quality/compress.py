@@ -334,6 +334,7 @@ def run_compress(codecs=("none", "int8", "fp8", "int4", "int4h"), prompts: int =
     codecs = list(dict.fromkeys(["none", *codecs]))
     t0 = time.monotonic()
     torch.set_num_threads(1)             # a shared machine: OpenMP threads spinning cost more
+    log(f"bench compress: parts {', '.join(parts)}; loading the model ...")
     model, tok, mid = load()
     layout = BlockLayout.of(model.config, torch.float32, BLOCK_TOKENS)
     for c in codecs:
@@ -381,17 +382,20 @@ def run_compress(codecs=("none", "int8", "fp8", "int4", "int4h"), prompts: int =
         kv.append(cache_block_tensor(cache, layout))
     block_kv = torch.cat(kv) if kv else None
     if "quality" in parts:
+        log("bench compress: quality ...")
         q = quality(model, layout, codecs, windows_, prefix_tokens, cont_tokens, suffix_tokens,
                     new_tokens, log)
         for c in codecs:
             per[c].update(q[c])
         save()
     if "speed" in parts:
+        log("bench compress: speed ...")
         for c, s in speed(layout, codecs, block_kv).items():
             per[c].update({k: v for k, v in s.items() if k != "ratio"})
         result["entropy"] = entropy(layout, block_kv)
         save()
     if "load" in parts:
+        log("bench compress: load from the switch ...")
         prefix = f"cmp{os.getpid() % 10000}"
         lt = load_times(block_kv, codecs, load_blocks, chunk_size, prefix, log=log)
         for c in codecs:
@@ -402,6 +406,7 @@ def run_compress(codecs=("none", "int8", "fp8", "int4", "int4h"), prompts: int =
         save()
     if "policy" in parts and trace_path:
         # the switch's bytes are those of 2 % of the distinct blocks at 16 bits
+        log("bench compress: policy hit ratios ...")
         hr = hit_ratios(trace_path, {c: per[c]["ratio"] for c in codecs})
         for c in codecs:
             per[c]["hit_ratio_at_2pct_bytes"] = hr[c]

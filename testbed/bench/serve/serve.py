@@ -273,6 +273,8 @@ def run_serve(nodes: int = 8, pools: int = 2, store: str = "memory", link_gbit: 
     results = []
     kw = dict(hosts=nodes, pools=pools, chunk_size=CHUNK, store=store, pool_capacity="1GiB",
               link_gbit=link_gbit, pool_link_gbit=link_gbit)
+    log(f"bench serve: modes {', '.join(modes)} x workloads {', '.join(workloads)} on {nodes} "
+        f"nodes and {pools} pool nodes ({store}), links at {link_gbit:g} Gbit/s")
     with contextlib.ExitStack() as labs:
         lab = None
         for mode in modes:
@@ -280,12 +282,15 @@ def run_serve(nodes: int = 8, pools: int = 2, store: str = "memory", link_gbit: 
             # Mooncake's master outlives a pool server, so there each mode has a testbed
             if lab is None or store != "memory":
                 labs.close()
+                log(f"bench serve: mode {mode}: building the testbed ...")
                 lab = labs.enter_context(Lab(prefix, switch=mode == "switch", **kw))
             else:
+                log(f"bench serve: mode {mode}: pool servers afresh ...")
                 fresh_mode(lab, mode)
             wls = make_workloads(workloads, nodes, lab.pool_addrs, preset, trace_path,
                                  trace_requests, scale)
             for name in workloads:
+                log(f"bench serve: mode {mode}, workload {name} ...")
                 results.append(_run_workload(lab, wls[name], mode, wls[name].params["ns"],
                                              preset, block_bytes, log))
     config = {

@@ -200,7 +200,10 @@ def run_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2, oversub:
     check(racks, hosts_per_rack, oversub, workloads, modes, placement)
     preset, block_bytes = MODELS[model], block_bytes_for(link_gbit)
     nodes, results, wls, shape = racks * hosts_per_rack, [], {}, {}
+    log(f"bench serve --racks: modes {', '.join(modes)} x workloads {', '.join(workloads)} on "
+        f"{racks} racks x {hosts_per_rack} nodes, {pools} pool nodes, {oversub:g}:1 uplinks")
     for mode in modes:
+        log(f"bench serve --racks: mode {mode}: building the fabric testbed ...")
         with fabric_lab(prefix, mode, racks, hosts_per_rack, pools, oversub, link_gbit,
                         pool_link_gbit, placement, cache_entries) as lab:
             shape = lab.topo.as_dict()
@@ -208,9 +211,12 @@ def run_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2, oversub:
             wls = make_workloads(serving, nodes, lab.pool_addrs, preset, DEFAULT_TRACE, 0,
                                  scale)
             for name in serving:
+                log(f"bench serve --racks: mode {mode}, workload {name} ...")
                 results.append(_run(lab, wls[name], mode, preset, block_bytes, log))
             if "incast" in workloads:       # the burst's prefix as one block
+                log(f"bench serve --racks: mode {mode}, workload incast ...")
                 results.append(_incast(lab, mode, max(2, int(32 * scale)) * block_bytes, log))
+    log("bench serve --racks: the fabric's unshaped capacity ...")
     unshaped = unshaped_capacity(racks, hosts_per_rack, pools, prefix)
     log(f"unshaped: {unshaped}")
     burst = wls.get("burst")

@@ -259,6 +259,8 @@ def run_tiers(nodes: int = 4, pools: int = 1, link_gbit: float = 0.025,
                 "disk_bytes": 0 if unbounded else cap["disk_blocks"] * cap["disk_block_bytes"]}
 
     rows, refs = [], {}
+    log(f"bench serve --tiers: {len(runs)} runs (demote x write-down, each bounded and "
+        f"unbounded) on {nodes} nodes and {pools} pool nodes; building the testbed ...")
     with TiersLab(prefix, hosts=nodes, pools=pools, chunk_size=CHUNK, switch=True,
                   cache_entries=cap["switch_blocks"] * -(-block_bytes // CHUNK),
                   link_gbit=link_gbit, pool_link_gbit=link_gbit, **setting(0)) as lab:
@@ -267,6 +269,7 @@ def run_tiers(nodes: int = 4, pools: int = 1, link_gbit: float = 0.025,
                 lab.reconfigure(**setting(i))
             ns, cfg = NS + i, cfgs[i]
             label = f"{'unbounded' if unbounded else demote}/{wd}"
+            log(f"bench serve --tiers: {label} ...")
             row = run_mode(lab, wl, cfg, block_bytes, cap["node_blocks"] * block_bytes,
                            preset, log, label, ns)
             sim = simulate(wl, cap, nodes, lab.pool_addrs, cfg, block_bytes, unbounded,

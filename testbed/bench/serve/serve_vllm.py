@@ -92,6 +92,8 @@ def run_vllm_bench(cfg: VllmBench, json_path: str | None = None, plot_path: str 
     layout = _kv_layout(model_dir)
     prefix_kv = cfg.workload.prefix_len * layout["kv_bytes_per_token"]
     t0 = time.time()
+    log(f"bench vllm: modes {', '.join(cfg.modes)} on {cfg.servers} servers; first the box's "
+        "unshaped capacity ...")
     unshaped = measure_unshaped(cfg, prefix_kv, log)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvbench-vllm-") as tmp:
@@ -135,6 +137,7 @@ def run_mode(cfg: VllmBench, mode: str, model_dir: str, model_id: str, tmp: str,
                   cache_entries=max(1024, (cfg.switch_cache_mib << 20) // CHUNK),
                   pool_capacity="2GiB", switch=mode == "switch", link_gbit=cfg.link_gbit,
                   pool_link_gbit=cfg.pool_link_gbit or cfg.link_gbit)
+    log(f"bench vllm: {mode}: building the testbed, starting {cfg.servers} servers ...")
     with Lab(cfg.prefix, **lab_kw) as lab:
         connector = None if mode == "local" else {
             "pools": lab.pool_addrs, "namespace": NS, "chunk_size": CHUNK, "model_id": model_id}
@@ -155,8 +158,10 @@ def run_mode(cfg: VllmBench, mode: str, model_dir: str, model_id: str, tmp: str,
             # the same requests once before (at twice the rate): every prefix has been computed
             # somewhere, as hot prefixes have in a deployment; measured: the second pass
             nodes = [s.node for s in servers]
+            log(f"bench vllm: {mode}: the warm-up pass ...")
             warm = run_clients(lab.topo, nodes, replace(wl, rate=2 * wl.rate), spec, tmp,
                                f"{mode}-warmup", timeout)
+            log(f"bench vllm: {mode}: the measured pass ...")
             pools = [n.name for n in lab.topo.pool_nodes]
             egress0 = sum(lab.link_bytes(p, "tx") for p in pools)
             counters0 = lab.counters() if mode == "switch" else None

@@ -255,6 +255,8 @@ def run_lmcache_bench(cfg: LmcacheBench, json_path: str | None = None,
             groups = [[s for s in cfg.stores if s != "mooncake"],
                       [s for s in cfg.stores if s == "mooncake"]]
             for group in (g for g in groups if g):
+                log(f"bench lmcache: {'shaped' if shaped else 'unshaped'} testbed for "
+                    f"{', '.join(group)}: building it ...")
                 with lab_for(cfg, group[0], shaped) as lab:
                     turns = 1 if shaped else cfg.single_rounds
                     for turn in range(turns):
@@ -277,6 +279,7 @@ def run_lmcache_bench(cfg: LmcacheBench, json_path: str | None = None,
 def _one_store(cfg: LmcacheBench, lab: Lab, store: str, shaped: bool, turn: int, tmp: str,
                per_token: int, results: list, raw: dict, log) -> None:
     """The store started on the lab's storage node, its phases run, its rows added."""
+    log(f"bench lmcache: {store}: {'incast, zipf' if shaped else f'single, turn {turn + 1}'} ...")
     desc, proc = start_store(lab, store, tmp, cfg.timeout_s)
     desc["timeout_s"] = cfg.timeout_s
     try:

@@ -81,6 +81,7 @@ def run_replay(trace_path: str, capacity: float, limit: int | None = None,
                policy: str | None = None, log=print) -> dict:
     trace = load_trace(trace_path)
     n = min(trace.n_requests, limit or trace.n_requests)
+    log(f"replay: {n} requests; the offline evaluator ...")
     if n < trace.n_requests:
         trace_for_eval = [{"timestamp": int(trace.timestamp[i]),
                            "input_length": int(trace.input_length[i]),
@@ -95,6 +96,7 @@ def run_replay(trace_path: str, capacity: float, limit: int | None = None,
     log(f"offline: {name} hits {offline['hit_ratio'][name]:.4f} of block requests at "
         f"{cap} blocks (belady {offline['hit_ratio']['belady']:.4f})")
     headroom = max(16, cap // 4) if fill_headroom is None else fill_headroom
+    log(f"replay: building the testbed, replaying at {speedup:g}x ...")
     with Lab(f"rp{os.getpid() % 100000}", hosts=1, pools=1, chunk_size=block_bytes,
              cache_entries=cap + headroom,
              switchd_args=("--interval", str(interval), "--fill-headroom", str(headroom),

@@ -115,6 +115,8 @@ def run_validate(trace_path: str, limit: int = 2000, capacity: float = 0.05,
     routes = route(wl, cfg)
     t0 = time.monotonic()
     trace_abs = str(Path(trace_path).resolve())
+    log(f"validate: {n} requests of the trace on {HOSTS} nodes; building the testbed, putting "
+        "the blocks ...")
     with Lab(f"simv{os.getpid() % 10000}", hosts=HOSTS, pools=1, chunk_size=BLOCK,
              cache_entries=cap + headroom,
              switchd_args=("--interval", str(interval), "--fill-headroom", str(headroom))) as lab:

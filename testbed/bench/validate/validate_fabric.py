@@ -201,6 +201,7 @@ def run_validate_fabric(racks: int = 2, hosts_per_rack: int = 4, pools: int = 2,
     gbit = bottleneck_gbit(link_gbit, pool_link_gbit, hosts_per_rack, oversub)
     t0, cals = time.monotonic(), {}
     for mode in modes:
+        log(f"validate --racks: mode {mode}: building the fabric testbed, probing its timing ...")
         with fabric_lab(prefix, mode, racks, hosts_per_rack, pools, oversub, link_gbit,
                         pool_link_gbit, placement, cache_entries) as lab:
             cal = calibrate(lab, block_bytes, chunk, gbit)

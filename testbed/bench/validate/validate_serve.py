@@ -166,7 +166,10 @@ def run_validate_serve(nodes: int = 8, pools: int = 2, link_gbit: float = 0.025,
     prefix = prefix or f"svv{__import__('os').getpid() % 10000}"
     t0 = time.monotonic()
     rows, comparisons, cals = [], [], {}
+    log(f"validate --serve: modes {', '.join(modes)} x workloads {', '.join(workloads)} on "
+        f"{nodes} nodes and {pools} pool nodes")
     for mode in modes:
+        log(f"validate --serve: mode {mode}: building the testbed, probing its timing ...")
         with Lab(prefix, hosts=nodes, pools=pools, chunk_size=chunk, switch=mode == "switch",
                  store="memory", pool_capacity="1GiB", link_gbit=link_gbit,
                  pool_link_gbit=link_gbit) as lab:
@@ -182,6 +185,7 @@ def run_validate_serve(nodes: int = 8, pools: int = 2, link_gbit: float = 0.025,
             cache_blocks = lab.cache_entries // cal.chunks
             for name in workloads:
                 wl = wls[name]
+                log(f"validate --serve: mode {mode}, workload {name} ...")
                 row = bench_serve._run_workload(lab, wl, mode, wl.params["ns"], preset,
                                                 block_bytes, log)
                 m = simulate_serve(wl.requests, wl.preload, mode, lab.pool_addrs,
