@@ -36,7 +36,7 @@ from switchd.ports import set_role
 from switchd.dataplane import ROLE_HOST, ROLE_POOL, DataPlane, Deployment
 from xdp.libbpf import xdp_test_run
 
-from .lab import write_json
+from .results import write_json
 from .lab.topology import scratch_ports
 
 CHUNK = 512

@@ -247,7 +247,7 @@ def test_full_recompute_equals_prefill_on_the_real_model():
     """SmolLM2: blending every passage token gives full prefill's greedy tokens (and logits);
     with the passages computed after the system prompt as the lead, too."""
     from hostagent.inference.connectors.hf import greedy
-    from testbed.bench.blend import SYSTEM
+    from testbed.bench.quality.blend import SYSTEM
     from testbed.demos.realmodel import ModelMissing, load, texts
     try:
         model, tok, _ = load()

@@ -68,10 +68,10 @@ def test_bench_fetch_depends_on_what_its_engine_imports_and_the_switch_loads():
     switchd.dataplane naming kvswitch.c, which includes it."""
     tree = Tree.of_dir(ROOT)
     entry = entry_of("testbed bench fetch --json bench/results/fetch.json", ROOT)
-    assert entry == Entry("testbed.cli", "fetch")
+    assert entry == Entry("testbed.bench.fetch.cli", "fetch")
     deps = dependencies(tree, entry)
-    assert "packet_ring" not in (ROOT / "testbed/bench/fetch.py").read_text()
-    assert {"testbed/bench/fetch.py", "hostagent/inference/fetch/engine.py",
+    assert "packet_ring" not in (ROOT / "testbed/bench/fetch/fetch.py").read_text()
+    assert {"testbed/bench/fetch/fetch.py", "hostagent/inference/fetch/engine.py",
             "hostagent/common/packet_ring.py", "switchd/dataplane.py", "xdp/kvswitch.c",
             "xdp/kvswitch_rounds.c", "xdp/kvfetch.c", "xdp/kvproto.h"} <= set(deps)
     assert why(tree, Entry("hostagent.inference.fetch.engine"),
@@ -86,14 +86,15 @@ def test_bench_fetch_depends_on_what_its_engine_imports_and_the_switch_loads():
 
 def test_commands_name_their_entries():
     assert entry_of("testbed bench compress --json x", ROOT) == Entry(
-        "testbed.bench.compress", "command.<locals>.compress")
+        "testbed.bench.quality.cli", "compress")
     assert entry_of("OMP_NUM_THREADS=1 testbed sim run --nodes 4", ROOT) == Entry(
         "testbed.sim.cli", "sim_run")
-    assert entry_of("python -m testbed.bench.fetch_auth out.json", ROOT) == Entry(
-        "testbed.bench.fetch_auth")
-    assert entry_of("/elsewhere/testbed/bench/fetch_auth.py", ROOT) == Entry(
-        "testbed.bench.fetch_auth")
-    assert entry_of("python -m testbed bench fetch", ROOT) == Entry("testbed.cli", "fetch")
+    assert entry_of("python -m testbed.bench.fetch.fetch_auth out.json", ROOT) == Entry(
+        "testbed.bench.fetch.fetch_auth")
+    assert entry_of("/elsewhere/testbed/bench/fetch/fetch_auth.py", ROOT) == Entry(
+        "testbed.bench.fetch.fetch_auth")
+    assert entry_of("python -m testbed bench fetch", ROOT) == Entry("testbed.bench.fetch.cli",
+                                                                    "fetch")
 
 
 def test_a_package_that_imports_its_own_submodules_and_import_cycles():

@@ -220,7 +220,7 @@ def test_policy_admits_hot_blocks_serves_them_and_evicts_colder_ones():
 def test_trace_replay_reports_the_switch_hit_ratio(tmp_path):
     """A small trace with one hot shared prefix: the live switch learns it and serves it."""
     import json
-    from testbed.sim.replay import run_replay
+    from testbed.bench.validate.replay import run_replay
     lines = [{"timestamp": 50 * i, "input_length": 2048, "output_length": 8,
               "hash_ids": [0, 1, 2, 100 + i]} for i in range(60)]
     path = tmp_path / "trace.jsonl"

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import leaves_no_namespaces, need_mooncake
-from testbed.bench import faults as fb
-from testbed.bench.serve_workloads import mixed_workload
+from testbed.bench.faults import faults as fb
+from testbed.bench.serve.serve_workloads import mixed_workload
 
 TESTBED = [sys.executable, "-m", "testbed"]
 

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from conftest import leaves_no_namespaces
-from testbed.bench import fetch
+from testbed.bench.fetch import fetch
 
 
 @pytest.mark.e2e

@@ -16,10 +16,11 @@ from kvproto.frames import XDP
 from switchd.cache import Cache
 from switchd.ports import set_role
 from switchd.dataplane import ROLE_POOL, DataPlane, Deployment
-from testbed.bench.throughput import fill_cache
-from testbed.bench.generator import (GEN_PORT, MC_PORT, Endpoint, Generator, Iperf3, Sweep,
-                                     check_kv_reply, check_memcached_reply, check_reflected,
-                                     endpoint, kv_get, memcached_get, payload)
+from testbed.bench.fetch.throughput import fill_cache
+from testbed.bench.fetch.generator import (GEN_PORT, MC_PORT, Endpoint, Generator, Iperf3,
+                                           Sweep, check_kv_reply, check_memcached_reply,
+                                           check_reflected, endpoint, kv_get, memcached_get,
+                                           payload)
 from testbed.lab.topology import Topology
 from xdp import netns
 from xdp.libbpf import xdp_test_run

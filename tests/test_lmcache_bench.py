@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import leaves_no_namespaces, need_mooncake
-from testbed.bench.lmcache_bench import HOT, WARM, ZIPF, LmcacheBench
+from testbed.bench.stores.lmcache_bench import HOT, WARM, ZIPF, LmcacheBench
 
 TESTBED = [sys.executable, "-m", "testbed"]
 
@@ -55,7 +55,7 @@ def test_lmcache_queue_workers_survive_callers_that_give_up(monkeypatch):
     import asyncio
     import threading
     from lmcache.v1.storage_backend.job_executor.pq_executor import AsyncPQExecutor
-    from testbed.bench.lmcache_node import fix_lmcache_executor
+    from testbed.bench.stores.lmcache_node import fix_lmcache_executor
     # the fix patches LMCache's class; LMCache's own code comes back for the other tests
     monkeypatch.setattr(AsyncPQExecutor, "submit_job", AsyncPQExecutor.submit_job)
     fix_lmcache_executor()

@@ -19,7 +19,8 @@ def test_the_wheel_works_outside_the_source_tree(tmp_path):
                    "xdp/parse.h", "xdp/verifier.h", "xdp/kvfetch.c", "xdp/kvfetch.h",
                    "xdp/kvfetch_maps.h", "xdp/kvserve.c", "xdp/kvserve.h", "xdp/kvserve_maps.h",
                    "testbed/lab/pass.c", "testbed/lab/lossy.c",
-                   "testbed/bench/trafficgen.c", "testbed/demos/models/small-llama/config.json",
+                   "testbed/bench/fetch/trafficgen.c",
+                   "testbed/demos/models/small-llama/config.json",
                    "testbed/traces/mooncake_synthetic_trace.jsonl"):
         assert source in names, f"{source} is not packaged"
     site = tmp_path / "site"

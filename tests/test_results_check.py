@@ -193,3 +193,29 @@ def test_an_unmarked_change_in_between_marked_ones_is_counted(tmp_path):
                       "def helper():\n    return 9\n"}, f"Same\n\n{TRAILER}\n")
     f = check(tmp_path, table=TABLE)[0]
     assert (f.status, f.changed_lines, len(f.change.skipped)) == ("stale", 2, 1)
+
+
+def test_a_command_whose_code_moved_is_compared_with_where_it_was(monkeypatch, tmp_path):
+    """A result made before its command's code moved to another module is compared with the
+    code at its old place (entries.MOVED): the move, marked, changes nothing; what changed
+    before the move still counts."""
+    from testbed.provenance import entries
+    commit(tmp_path, {"app/__init__.py": "", "app/bench.py": BENCH_PY, "app/server.py": SERVER,
+                      "README.md": "fetch.json\n"}, "code")
+    commit(tmp_path, {"bench/results/fetch.json": "{}"}, "results")
+    commit(tmp_path, {"app/server.py": SERVER.replace("return 3", "return 4")}, "change")
+    run(tmp_path, "mv", "app/bench.py", "app/tool.py")
+    commit(tmp_path, {}, f"Move\n\n{TRAILER}\n")
+    table = [("fetch*", "python -m app.tool")]
+    monkeypatch.setattr(entries, "MOVED", {"app.tool": "app.bench"})
+    f = check(tmp_path, table=table)[0]
+    assert (f.status, f.changed_lines, f.changed_files) == ("stale", 2, ["app/server.py"])
+    # without the table the code before the move is not found: the change would be lost
+    monkeypatch.setattr(entries, "MOVED", {})
+    assert check(tmp_path, table=table)[0].status == "fresh"
+    # a chain of moves, a function among them
+    monkeypatch.setattr(entries, "MOVED", {"app.tool:main": "app.mid:main", "app.mid:main":
+                                           "app.bench"})
+    assert entries.places(entries.Entry("app.tool", "main")) == [
+        entries.Entry("app.tool", "main"), entries.Entry("app.mid", "main"),
+        entries.Entry("app.bench")]

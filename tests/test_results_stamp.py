@@ -1,10 +1,10 @@
-"""Every result file says what made it: testbed.lab.results.write_json stamps it with the commit,
+"""Every result file says what made it: testbed.results.write_json stamps it with the commit,
 whether the checkout was as committed, the kernel and the command (``measured``)."""
 import json
 
 import pytest
 
-from testbed.lab.results import is_stamp, measured, write_json
+from testbed.results import is_stamp, measured, write_json
 
 
 def test_a_result_is_stamped_with_what_made_it(tmp_path):

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from conftest import leaves_no_namespaces
-from testbed.bench.serve import MODES, run_serve
-from testbed.bench.serve_workloads import WORKLOADS, burst_workload, zipf_workload
+from testbed.bench.serve.serve import MODES, run_serve
+from testbed.bench.serve.serve_workloads import WORKLOADS, burst_workload, zipf_workload
 from testbed.lab.topology import python_argv
 from testbed.sim.trace import DEFAULT_TRACE
 
@@ -30,7 +30,7 @@ def test_burst_puts_a_request_on_every_node_after_the_first_computes_the_prefix(
 
 
 def test_burst_runs_its_warmup_to_the_end_before_any_burst_request():
-    from testbed.bench.serve import phases
+    from testbed.bench.serve.serve import phases
     wl = burst_workload(4, 10_000, prefix_blocks=8, tail_s=2.0)
     warm, rest = phases(wl)
     assert [len(r) for r in warm] == [1, 0, 0, 0] and warm[0][0]["warmup"]

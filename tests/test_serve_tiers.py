@@ -10,8 +10,8 @@ import pytest
 
 from conftest import leaves_no_namespaces
 from hostagent.common.tier_policy import PolicyConfig
-from testbed.bench.serve import block_bytes_for
-from testbed.bench.serve_tiers import (fill_workload, plan, run_tiers, scaled_costs, simulate)
+from testbed.bench.serve.serve import block_bytes_for
+from testbed.bench.serve.serve_tiers import (fill_workload, plan, run_tiers, scaled_costs, simulate)
 from testbed.lab.topology import python_argv
 
 ROW_KEYS = {"demote", "write_down", "hit_ratio", "hit_ratio_unbounded", "pool_write_bytes",
@@ -105,8 +105,8 @@ def test_pool_side_on_a_store_demotes_into_an_empty_disk(tmp_path, demote, found
     from hostagent.pool.store import MemoryStore
     from hostagent.common.tier_policy import PoolSide
     from kvproto import checksum
-    from testbed.bench.serve_tiers import object_bytes, staged_bytes
-    from testbed.bench.serve_tiers_pool import attach
+    from testbed.bench.serve.serve_tiers import object_bytes, staged_bytes
+    from testbed.bench.serve.serve_tiers_pool import attach
 
     bb, cs = block_bytes_for(0.025), 3072
     cfg = PolicyConfig(demote=demote, costs=scaled_costs(0.025))
@@ -142,8 +142,8 @@ def test_the_benchmarks_pool_side_hears_every_fetch_the_server_sees():
     handle() patch it replaced never saw the staged hits, so `value` ordered by PUTs alone."""
     from hostagent.common.tier_policy import PoolSide
     from hostagent.pool.store import MemoryStore
-    from testbed.bench.serve_tiers import staged_bytes
-    from testbed.bench.serve_tiers_pool import attach
+    from testbed.bench.serve.serve_tiers import staged_bytes
+    from testbed.bench.serve.serve_tiers_pool import attach
 
     bb = block_bytes_for(0.025)
     cfg = PolicyConfig(demote="value", costs=scaled_costs(0.025))

@@ -246,7 +246,7 @@ def test_cli_run_writes_json(tmp_path):
 
 @pytest.mark.e2e
 def test_validate_on_the_testbed(tmp_path):
-    from testbed.sim.validate import run_validate
+    from testbed.bench.validate.validate import run_validate
     out = run_validate(str(TRACE_HEAD), limit=300,
                        capacity=0.05, speedup=30.0, json_path=str(tmp_path / "v.json"),
                        log=lambda m: None)

@@ -1,7 +1,8 @@
 """The model on a fabric of switches (issue 43), pure Python: the serve-level fabric model
 (testbed.sim.fabric_serve_model) on bench serve's own workloads, shrunk; the comparison with a
-`bench serve --racks` result (testbed.sim.validate_fabric) on a synthetic one; the cluster-scale
-sweep (testbed.sim.fabric_sweep) on the trace's head; the commands' one-line errors."""
+`bench serve --racks` result (testbed.bench.validate.validate_fabric) on a synthetic one; the
+cluster-scale sweep (testbed.sim.fabric_sweep) on the trace's head; the commands' one-line
+errors."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from testbed.bench.serve_workloads import burst_workload, zipf_workload
+from testbed.bench.serve.serve_workloads import burst_workload, zipf_workload
 from testbed.cli import main
 from testbed.lab.topology import TestbedError as FabricError
 from testbed.sim.config import FRAME_OVERHEAD
@@ -19,7 +20,7 @@ from testbed.sim.fabric_serve_model import (FABRIC_MODES, check_shape, measure_s
                                             simulate_fabric)
 from testbed.sim.serve_model import Calibration, summarise
 from testbed.sim.tiers import POOL, REPLICA
-from testbed.sim.validate_fabric import compare_fabric, pool_addrs
+from testbed.bench.validate.validate_fabric import compare_fabric, pool_addrs
 
 CAL = Calibration(link_bytes_per_s=1e6, rtt_s=0.002, chunk=1000, block_bytes=3000)
 WIRE = 3 * (1000 + FRAME_OVERHEAD)
@@ -195,7 +196,7 @@ def test_the_comparison_is_built_from_a_live_result_without_a_testbed():
 
 
 def test_a_result_file_without_constants_takes_the_serve_validations(tmp_path):
-    from testbed.sim.validate_fabric import compare_file
+    from testbed.bench.validate.validate_fabric import compare_file
     path = tmp_path / "live.json"
     path.write_text(json.dumps(_live([_row("bridge", 0.1), _row("pool-side", 0.1, agg=0.5)])))
     out = compare_file(str(path))
@@ -213,9 +214,9 @@ def test_a_result_file_without_constants_takes_the_serve_validations(tmp_path):
 
 def test_validate_calibrates_each_mode_runs_the_bench_then_the_model(tmp_path, monkeypatch):
     # the orchestration alone: no testbed (the fabric, the probe and the bench are stand-ins)
-    import testbed.bench.serve_fabric as bench
-    import testbed.sim.validate_serve as vs
-    from testbed.sim.validate_fabric import run_validate_fabric
+    import testbed.bench.serve.serve_fabric as bench
+    import testbed.bench.validate.validate_serve as vs
+    from testbed.bench.validate.validate_fabric import run_validate_fabric
     built = []
 
     class Lab:

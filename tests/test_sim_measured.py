@@ -183,7 +183,7 @@ def test_serve_model_links_serve_what_was_asked_first_first_a_window_at_a_time()
 def test_validate_serve_on_a_tiny_testbed(tmp_path):
     # bench serve's zipf workload, shrunk, on 2 nodes and 1 pool node through the switch: the
     # model at the same point gets the tiers and the pool's egress (timing is the box's)
-    from testbed.sim.validate_serve import run_validate_serve
+    from testbed.bench.validate.validate_serve import run_validate_serve
     out = run_validate_serve(nodes=2, pools=1, workloads=("zipf",), modes=("switch",),
                              scale=0.2, json_path=str(tmp_path / "v.json"),
                              prefix=f"svt{__import__('os').getpid() % 10000}", log=lambda m: None)
@@ -220,7 +220,7 @@ def test_the_serve_verdict_fails_a_model_whose_hit_and_replica_split_is_off():
     pool's is fetched - hits - replicas, recompute is the workload's); a model that got the
     split between hits and held replicas 24.6 pp wrong (as a run once did) must fail, though
     every share the old verdict looked at agrees to the digit."""
-    from testbed.sim.validate_serve import compare
+    from testbed.bench.validate.validate_serve import compare
     good = compare(_serve_row(0.40, 0.30), _serve_model(0.42, 0.29))
     assert good["ttft_p50_within_target"] and good["tiers_within_target"]
     bad = compare(_serve_row(0.40, 0.30), _serve_model(0.646, 0.054))

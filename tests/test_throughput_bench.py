@@ -6,8 +6,8 @@ import os
 import pytest
 
 from conftest import leaves_no_namespaces
-from testbed.bench import throughput
-from testbed.bench.generator import Generator
+from testbed.bench.fetch import throughput
+from testbed.bench.fetch.generator import Generator
 
 
 @pytest.mark.e2e

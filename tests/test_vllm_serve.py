@@ -44,8 +44,8 @@ TINY = dict(prefix_len=256, suffix_len=32, prefixes=2, output_len=4, prompts=4, 
 def tiny_bench(tmp_path_factory):
     """`testbed bench vllm` on 1 server, 1 pool node, 1 Gbit/s links, 4 requests, every mode."""
     _need_vllm()
-    from testbed.bench.serve_vllm import VllmBench, run_vllm_bench
-    from testbed.bench.vllm_server import Workload
+    from testbed.bench.serve.serve_vllm import VllmBench, run_vllm_bench
+    from testbed.bench.serve.vllm_server import Workload
     cfg = VllmBench(servers=1, pools=1, link_gbit=1.0, workload=Workload(**TINY), kv_blocks=4,
                     prefix="vbt")
     out = tmp_path_factory.mktemp("vllm") / "vllm-serve.json"
@@ -92,7 +92,7 @@ def test_a_silent_pool_costs_a_bounded_wait_and_recomputes_the_same_text(tiny_be
     none waits much past the probe's deadline plus vLLM's own time (a hang would be the load's
     10 s deadline or the client's 300 s), the text is vLLM's alone, and the server says so in
     one line."""
-    from testbed.bench.vllm_server import ServerSpec, VllmServer, Workload, run_clients
+    from testbed.bench.serve.vllm_server import ServerSpec, VllmServer, Workload, run_clients
     from testbed.demos import realmodel
     from testbed.lab import Lab
     bench, _ = tiny_bench
@@ -127,7 +127,7 @@ def test_a_malformed_connector_config_stops_the_start_with_one_line_naming_the_k
     _need_vllm()
     import os
     import signal
-    from testbed.bench.vllm_server import ENV, ServerSpec
+    from testbed.bench.serve.vllm_server import ENV, ServerSpec
     from testbed.demos import realmodel
     spec = ServerSpec(str(realmodel.model_dir()), "smollm2", 384, 4,
                       connector={"pools": ["10.0.0.1"], "chunk_size": 3004})

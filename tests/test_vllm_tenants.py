@@ -125,7 +125,7 @@ def two_servers():
     """Two `vllm serve` (SmolLM2-135M, 128-token blocks) on h1 and h2, the connector on both,
     one pool node, a plain bridge, every link 0.2 Gbit/s."""
     _need_vllm()
-    from testbed.bench.vllm_server import ServerSpec, VllmServer
+    from testbed.bench.serve.vllm_server import ServerSpec, VllmServer
     from testbed.demos import realmodel
     from testbed.lab import Lab
     model_dir = str(realmodel.model_dir())

@@ -35,7 +35,8 @@ import random
 import time
 
 
-from ..lab import Lab, write_json
+from ..lab import Lab
+from ..results import write_json
 
 NS = 8
 SEED = 0

@@ -27,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..lab import Lab, write_json
+from ..lab import Lab
+from ..results import write_json
 
 NS = 9
 SEED = 0

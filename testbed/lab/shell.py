@@ -1,12 +1,10 @@
 """How the lab runs commands: ``sh`` (a command, its failure one TestbedError line with what it
-said), ``ip`` (iproute2, in a namespace if named), and TestbedError, the lab's one error."""
+said) and ``ip`` (iproute2, in a namespace if named)."""
 from __future__ import annotations
 
 import subprocess
 
-
-class TestbedError(RuntimeError):
-    """A testbed could not be built, run or torn down; the message says why in one line."""
+from ..errors import TestbedError
 
 
 def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -1,7 +1,7 @@
 """``testbed results-check``: are the figures the README and docs cite still true? Every result
 file they name must exist, and the code it measures must be the code that made it.
 
-What made a result is its ``measured`` stamp (``testbed.lab.results.write_json``): the commit it
+What made a result is its ``measured`` stamp (``testbed.results.write_json``): the commit it
 was made on and the command. The command's entry and what it imports and loads give the code it
 measures (``depends``); that code at the stamp's commit is compared with the same at HEAD
 (``compare``). A result without a stamp (made before stamps) is taken as made on the last
@@ -27,7 +27,7 @@ CITED = re.compile(r"([\w.-]+\.(?:json|png))")
 # matter: every path the command's code can take counts)
 MADE_BY: list[tuple[str, str]] = [
     ("throughput*", "testbed bench throughput"),
-    ("fetch-auth*", "python -m testbed.bench.fetch_auth"),
+    ("fetch-auth*", "python -m testbed.bench.fetch.fetch_auth"),
     ("fetch*", "testbed bench fetch"),
     ("incast*", "testbed bench incast"),
     ("serve*", "testbed bench serve"),           # serve, serve-tiers, serve-fabric

@@ -10,7 +10,7 @@ repository's files, everything that entry imports and loads within the repositor
   a ``from pkg import name`` naming a submodule is that submodule. Modules outside the
   repository are left out.
 * Modules run in another interpreter: a string naming a repository module in dotted form, a
-  task's ``"testbed.bench.serve_node:serve"`` or ``f"{__name__}:probe"``, and the module of
+  task's ``"testbed.bench.serve.serve_node:serve"`` or ``f"{__name__}:probe"``, and the module of
   ``python_argv("switchd", ...)`` or of a ``"-m", "name"`` pair (with its ``__main__``).
 * C sources: a string that is a ``.c``/``.h`` file name (``xdp.source("kvswitch.c")``,
   ``class P(Program, source="kvfetch.c")``, ``HERE / "lossy.c"``, ``... / "trafficgen.c"``),
@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .entries import Entry
+from .entries import Entry, places
 from .gitread import Tree
 
 Selection = frozenset[int] | None   # a Python file's top-level statements that count (None: all)
@@ -51,11 +51,13 @@ IMPORTS = (ast.Import, ast.ImportFrom)
 def dependencies(tree: Tree, entry: Entry, whole_modules: bool = False) -> dict[str, Selection]:
     """The repository files ``entry`` runs in ``tree`` (one version of the repository), each
     with the top-level statements that count (None: the whole file, as every C file is), as the
-    module docstring describes. Empty when the entry's module is not in ``tree`` (its code did
-    not exist then). An entry that is a function starts from the statement defining it alone;
-    one its module does not define starts from the whole module."""
+    module docstring describes. The entry's code is looked for where it was in ``tree``
+    (``located``: code that moved since is found where it was then). Empty when the entry's
+    module is not in ``tree`` (its code did not exist then). An entry that is a function starts
+    from the statement defining it alone; one its module does not define starts from the whole
+    module."""
     walk = _Walk(tree, whole_modules)
-    start = module_file(tree, entry.module)
+    entry, start = located(tree, entry)
     if start is None:
         return {}
     walk.start(entry, start)
@@ -67,7 +69,7 @@ def why(tree: Tree, entry: Entry, path: str, whole_modules: bool = False) -> lis
     """How ``entry`` reaches ``path``: the ``file:line`` of each step from the entry's module,
     ``path`` last (empty when it does not reach it)."""
     walk = _Walk(tree, whole_modules)
-    start = module_file(tree, entry.module)
+    entry, start = located(tree, entry)
     if start is None:
         return []
     walk.start(entry, start)
@@ -78,6 +80,18 @@ def why(tree: Tree, entry: Entry, path: str, whole_modules: bool = False) -> lis
         node, line = walk.via[node]
         chain.append(f"{node}:{line}" if line else node)
     return chain[::-1]
+
+
+def located(tree: Tree, entry: Entry) -> tuple[Entry, str | None]:
+    """Where ``entry``'s code is in ``tree``, and its module's file: the first of its places
+    (``entries.places``: where it is now, then where it moved from) whose module is there and
+    defines its function; else ``entry`` itself (its file None when not there)."""
+    for place in places(entry):
+        path = module_file(tree, place.module)
+        if path and (place.function is None
+                     or _defining(tree.read(path), place.function) is not None):
+            return place, path
+    return entry, module_file(tree, entry.module)
 
 
 def module_file(tree: Tree, name: str) -> str | None:

@@ -1,6 +1,7 @@
 """Which code a command line runs: the *entry* of a result's ``measured.command`` (or of the
 command ``MADE_BY`` says made an unstamped result) — the function of a console script's click
-command, or a module run as a script or with ``python -m``."""
+command, or a module run as a script or with ``python -m`` — and where that code was before it
+moved (``MOVED``, ``places``)."""
 from __future__ import annotations
 
 import importlib
@@ -21,6 +22,46 @@ class Entry:
 
     def __str__(self) -> str:
         return self.module + (f":{self.function}" if self.function else "")
+
+
+# Entries whose code moved to another module or function: its place now -> its place before
+# ("module" or "module:function"), so that a result made before the move is compared with the
+# code its command ran then. A place that moved again is followed (the chain of ``places``).
+MOVED: dict[str, str] = {
+    # testbed/bench/ in packages by experiment
+    "testbed.bench.faults.cli:command": "testbed.bench.faults_cli:command",
+    "testbed.bench.stores.cli:command": "testbed.bench.lmcache_cli:command",
+    "testbed.bench.quality.compress:command.<locals>.compress":
+        "testbed.bench.compress:command.<locals>.compress",
+    "testbed.bench.serve.serve_vllm:command.<locals>.vllm":
+        "testbed.bench.serve_vllm:command.<locals>.vllm",
+    "testbed.bench.fetch.fetch_auth": "testbed.bench.fetch_auth",
+    # the live validations out of the pure model, testbed/sim/, into testbed/bench/validate/
+    "testbed.bench.validate.cli:sim_validate": "testbed.sim.cli:sim_validate",
+    # one registration style: every command a click command beside its code, in one table
+    "testbed.bench.fetch.cli:throughput": "testbed.cli:throughput",
+    "testbed.bench.fetch.cli:incast": "testbed.cli:incast",
+    "testbed.bench.fetch.cli:loss": "testbed.cli:loss",
+    "testbed.bench.fetch.cli:fetch": "testbed.cli:fetch",
+    "testbed.bench.serve.cli:serve": "testbed.cli:serve",
+    "testbed.bench.serve.cli:vllm": "testbed.bench.serve.serve_vllm:command.<locals>.vllm",
+    "testbed.bench.faults.cli:faults_cmd": "testbed.bench.faults.cli:command",
+    "testbed.bench.faults.cli:soak": "testbed.cli:soak",
+    "testbed.bench.stores.cli:lmcache": "testbed.bench.stores.cli:command",
+    "testbed.bench.quality.cli:compress":
+        "testbed.bench.quality.compress:command.<locals>.compress",
+    "testbed.bench.quality.cli:blend": "testbed.cli:blend",
+    "testbed.bench.validate.cli:replay": "testbed.cli:replay",
+}
+
+
+def places(entry: Entry) -> list[Entry]:
+    """``entry`` and the places its code had before (``MOVED``), newest first."""
+    out = [entry]
+    while (before := MOVED.get(str(out[-1]))) and len(out) <= len(MOVED):
+        module, _, function = before.partition(":")
+        out.append(Entry(module, function or None))
+    return out
 
 
 class UnknownCommand(ValueError):

@@ -1,7 +1,7 @@
 """The serve-level model on a fabric of switches (issue 43; ``testbed sim validate --serve
 --racks``): bench serve's request lists replayed over R racks of H inference nodes, each rack's
 uplink shared by its hosts' transfers, a pool-side ("agg") switch in front of P pool nodes, in
-the four modes of `testbed bench serve --racks` (testbed.bench.serve_fabric):
+the four modes of `testbed bench serve --racks`:
 
   bridge     no kvswitch: every block from its owner pool node;
   rack       a switch model per rack switch, seeing its hosts' fetches;
@@ -52,7 +52,7 @@ from dataclasses import asdict
 
 from switchd.manager import in_share
 
-from ..lab.topology import TestbedError
+from ..errors import TestbedError
 from .config import FRAME_OVERHEAD
 from .serve_model import Calibration, HeldSwitch, _Transfer, owner, replay
 from .tiers import POOL, SWITCH
@@ -89,7 +89,8 @@ class ShareSwitch(HeldSwitch):
 
 
 def check_shape(racks: int, hosts_per_rack: int, oversub: float) -> None:
-    """A fabric the model cannot have: one line, as testbed.lab.fabric words it."""
+    """A fabric the model cannot have: one line, as the lab's fabric (`testbed up --racks`) words
+    it."""
     if racks < 1:
         raise TestbedError(f"--racks must be at least 1, got {racks}")
     if hosts_per_rack < 1:
@@ -262,7 +263,7 @@ def simulate_fabric(requests: list[list[dict]], preload, mode: str, pools: list[
 
 
 def level_hit_ratio(c: dict | None) -> float | None:
-    """The bench's hit ratio of a level (testbed.bench.serve_fabric.hit_ratio)."""
+    """The bench's hit ratio of a level (as `bench serve --racks` counts it: its hit_ratio)."""
     if c is None:
         return None
     seen = c["get_hit"] + c["get_miss"] + c["coalesced"]

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..lab import write_json
+from ..results import write_json
 from .config import FRAME_OVERHEAD, GIB, MODELS, SimConfig, xdp_frame_cost
 from .fabric_serve_model import FABRIC_MODES, check_shape
 from .model import _blocks, _percentiles, _request_times, _tiers
@@ -288,6 +288,8 @@ def run_fabric_sweep(trace_path: str, racks=RACKS, hosts_per_rack=HOSTS, oversub
     base = SimConfig(**cfg_kw)
     xdp = xdp_frame_cost(base)
     log(f"data plane: {xdp['ns_per_frame']} ns/frame from {xdp['source']}")
+    log(f"sim fabric: {len(sharing) * len(hosts_per_rack) * len(racks)} points (sharing x hosts "
+        f"per rack x racks, each at {len(oversub)} oversubscriptions), a line each ...")
     t0, points = time.perf_counter(), []
     for s in sharing:
         for h in hosts_per_rack:

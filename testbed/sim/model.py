@@ -198,7 +198,8 @@ def simulate(wl: Workload, cfg: SimConfig, log=None, xdp: dict | None = None) ->
            "seconds_simulated": round(span, 3), "resampled": wl.resampled}
     base = _serve(cfg, b, tiers, sampled, switch=False)
     if log:
-        log(f"node tiers and pool off: {time.perf_counter() - t_start:.1f}s")
+        log(f"node tiers and pool off: {time.perf_counter() - t_start:.1f}s; the switch pool "
+            "on ...")
     on = _serve(cfg, b, tiers, sampled, switch=True)
     res["pool_off"], res["pool_on"] = base, on
     # value recovery: the same run with HBM evictions dropped
@@ -465,6 +466,8 @@ def point(trace: Trace, cfg: SimConfig, requests: int | None = None, sharing: fl
         log(f"KV codec {codec['name']}: {codec['source']}")
     if requests is None:
         requests = default_requests(cfg.nodes)
+    if log:
+        log(f"{cfg.nodes} nodes: the workload ...")
     wl = workload(trace, cfg, requests or None, sharing)
     if log:
         log(f"workload: {wl.n} requests, {len(wl.hash_ids)} block requests "

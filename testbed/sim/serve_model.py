@@ -1,6 +1,6 @@
 """The cluster model at `testbed bench serve`'s scale (``testbed sim validate --serve``): the same
-per-node request lists (testbed.bench.serve_workloads) replayed through the model's tiers and
-the testbed's timing, so the two can be compared request for request.
+per-node request lists (bench serve's workloads) replayed through the model's tiers and the
+testbed's timing, so the two can be compared request for request.
 
 Tiers, as in the cluster model: a block is in the pool from its preload or once a node's
 write-through of it has completed; the switch tier is tiers.SwitchModel (switchd's own admission

@@ -18,7 +18,7 @@ import math
 import time
 from pathlib import Path
 
-from ..lab import write_json
+from ..results import write_json
 from .codec import kv_codec
 from .config import MAX_REQUESTS, REQUESTS_PER_NODE, SimConfig, SimError, xdp_frame_cost
 from .model import point
@@ -85,6 +85,8 @@ def run_sweep(trace_path, nodes, switch_gib, cases, requests_per_node=REQUESTS_P
     log(f"data plane: {xdp['ns_per_frame']} ns/frame from {xdp['source']}"
         + (f"; {xdp['fallback']}" if "fallback" in xdp else ""))
     log(f"KV codec {codec['name']}: {codec['source']}")
+    log(f"sim sweep: {len(cases) * len(switch_gib) * len(nodes)} points (cases x switch memory "
+        "x nodes), a line each ...")
     points, t0 = [], time.perf_counter()
     for s, k in cases:
         for mem in switch_gib:
