@@ -11,12 +11,13 @@ and fetched again with KV_F_NO_CACHE so the switch's copy is bypassed.
 Which pool nodes hold a block is the client's ``Placement`` (``hostagent.common.pools``: the
 first ``replicas`` of its rendezvous order). A PUT goes to each holder answering now; a GET asks
 them in turn: a transfer left unanswered for the placement's silence limit (no accepted reply
-for that long) leaves its node out for a while and asks the next holder for the chunks still
-missing (``Silent`` when none is left: the last holder is waited for until the deadline).
+to it, nor to any other transfer from that node, for that long) leaves its node out for a while
+and asks the next holder for the chunks still missing (``Silent`` when none is left: the last
+holder is waited for until the deadline).
 
 Request ids are random (``secrets``) and never reused while a reply to them can arrive: one
 in use or retired less than ``RID_HOLD`` seconds ago is not drawn again, so an off-path host
-cannot predict the next one (issue 26). Blocks of a namespace the client's keyring covers are
+cannot predict the next one. Blocks of a namespace the client's keyring covers are
 sealed on PUT and their tag checked on GET (hostagent/common/auth.py); a block failing its tag is
 fetched once more with KV_F_NO_CACHE, then refused with AuthError.
 """
@@ -121,7 +122,8 @@ class _Transfer:
         if self.future.done():
             return
         now = time.monotonic()
-        if self.silence is not None and now - self.heard > self.silence:
+        heard = max(self.heard, self.client._heard.get(self.addr, 0.0))   # or another transfer
+        if self.silence is not None and now - heard > self.silence:
             self.future.set_exception(Silent(
                 f"{self.addr[0]}:{self.addr[1]} left {self.left} chunk(s) unanswered for "
                 f"{self.silence:g} s"))
@@ -156,7 +158,7 @@ class _Transfer:
             return
         if verdict == IGNORE:
             return
-        self.heard = time.monotonic()
+        self.heard = self.client._heard[self.addr] = time.monotonic()
         if verdict == RETRY_BYPASS:
             self._send(item, tries, Flag.NO_CACHE)
             return
@@ -186,6 +188,7 @@ class KVClient:
         self.rtt = _RttEstimator()
         self.malformed = 0
         self._waiters: dict[int, _Transfer] = {}
+        self._heard: dict[tuple[str, int], float] = {}      # pool node -> its last answer
         self._retired: collections.OrderedDict[int, float] = collections.OrderedDict()
         self.keyring = auth_mod.resolve(auth)
         self._sock: socket.socket | None = None

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import click
+from click.core import ParameterSource
 
 from kvproto.cli import FINITE, FloatRange
 
@@ -163,14 +164,26 @@ def serve(nodes, pools, store, link_gbit, workloads, modes, model, trace_path, t
               default=VLLM_DEFAULTS.switch_cache_mib, show_default=True)
 @click.option("--modes", default=",".join(VLLM_MODES), show_default=True,
               help=f"Comma list of {', '.join(VLLM_MODES)}.")
+@click.option("--workload", type=click.Choice(["light", "busy"]), default="light",
+              show_default=True,
+              help="light: a warm-up pass, then the same requests measured (modes --modes); "
+                   "busy: requests decode while others load, prefixes no warm-up saw, loads "
+                   "sync and async and a pool node killed (its own defaults for the options "
+                   "above not given; 2 pool nodes).")
 @json_opt("bench/results/vllm-serve.json")
 @click.option("--plot", "plot_path", help="PNG (default: the JSON path with .png).")
-def vllm(servers, pools, link_gbit, pool_link_gbit, prefix_len, suffix_len,
+@click.pass_context
+def vllm(ctx, servers, pools, link_gbit, pool_link_gbit, prefix_len, suffix_len,
          prefixes, output_len, prompts, rate, seed, kv_blocks, switch_cache_mib, modes,
-         json_path, plot_path):
+         workload, json_path, plot_path):
     """`vllm serve` on S nodes driven by `vllm bench serve`: local, pool, switch."""
     from .serve_vllm import run_vllm_bench
     wl = Workload(prefix_len, suffix_len, prefixes, output_len, prompts, rate, seed)
+    if workload == "busy":
+        from .vllm_busy import BUSY
+        given = {f: v for f, v in asdict(wl).items()
+                 if ctx.get_parameter_source(f) is not ParameterSource.DEFAULT}
+        wl = replace(BUSY, **given)
     cfg = replace(VLLM_DEFAULTS, servers=servers, pools=pools, link_gbit=link_gbit,
                   pool_link_gbit=pool_link_gbit, workload=wl, kv_blocks=kv_blocks,
                   switch_cache_mib=switch_cache_mib,
@@ -179,6 +192,11 @@ def vllm(servers, pools, link_gbit, pool_link_gbit, prefix_len, suffix_len,
         cfg.check()
     except TestbedError as exc:
         raise click.UsageError(str(exc)) from None
+    if workload == "busy":
+        out = run_vllm_bench(cfg, json_path, None, log=click.echo, busy=True)
+        click.echo(json.dumps(out["summary"], indent=2))
+        fail_unless(out["outputs_match"] and out["summary"]["met"]["no_failed_request"])
+        return
     plot_path = plot_path or (json_path and json_path.rsplit(".", 1)[0] + ".png")
     out = run_vllm_bench(cfg, json_path, plot_path, log=click.echo)
     click.echo(json.dumps(out["summary"], indent=2))

@@ -22,7 +22,7 @@ import time
 from hostagent.inference.fetch.engine import FetchEngine
 from hostagent.inference.node_tier import NodeTier, view_of
 
-from .serve_node import BLOCK_TOKENS, Writer, common_start
+from .serve_node import BLOCK_TOKENS, Writer, common_start, placement
 from .serve_tiers_pool import policy_config
 from .serve_workloads import payload
 
@@ -34,7 +34,7 @@ def serve(pools: list[str], chunk_size: int, ns: int, block_bytes: int, requests
     t0 = [time.monotonic()]
     clock = lambda: time.monotonic() - t0[0]      # noqa: E731 - the policy's time
     written: set[bytes] = set()
-    writer = Writer(pools, chunk_size, ns, block_bytes, False)
+    writer = Writer(placement(pools), chunk_size, ns, block_bytes)
 
     def write(key: bytes) -> None:
         written.add(key)

@@ -82,7 +82,9 @@ class VllmBench:
 
 
 def run_vllm_bench(cfg: VllmBench, json_path: str | None = None, plot_path: str | None = None,
-                   log=print) -> dict:
+                   log=print, busy: bool = False) -> dict:
+    """The light workload's modes (module docstring), or with ``busy`` the busy workload's
+    passes (``vllm_busy``)."""
     from testbed.demos import realmodel
     cfg.check()
     model_dir, model_id = str(realmodel.model_dir()), None
@@ -92,6 +94,8 @@ def run_vllm_bench(cfg: VllmBench, json_path: str | None = None, plot_path: str 
     layout = _kv_layout(model_dir)
     prefix_kv = cfg.workload.prefix_len * layout["kv_bytes_per_token"]
     t0 = time.time()
+    if busy:
+        return _run_busy(cfg, model_dir, model_id, layout, json_path, log, t0)
     log(f"bench vllm: modes {', '.join(cfg.modes)} on {cfg.servers} servers; first the box's "
         "unshaped capacity ...")
     unshaped = measure_unshaped(cfg, prefix_kv, log)
@@ -116,6 +120,20 @@ def run_vllm_bench(cfg: VllmBench, json_path: str | None = None, plot_path: str 
     write_json(json_path, out)
     if plot_path:
         plot(out, plot_path)
+    return out
+
+
+def _run_busy(cfg: VllmBench, model_dir: str, model_id: str, layout: dict,
+              json_path: str | None, log, t0: float) -> dict:
+    from .vllm_busy import busy_config, busy_summary, run_busy
+    with tempfile.TemporaryDirectory(prefix="kvbench-vllm-busy-") as tmp:
+        rows = run_busy(cfg, model_dir, model_id, tmp, log)
+    out = {"config": {**busy_config(cfg), "model": model_id, **layout, "cpus": os.cpu_count(),
+                      "seconds": round(time.time() - t0, 1),
+                      "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0))},
+           "results": rows, "summary": busy_summary(rows)}
+    out["outputs_match"] = out["summary"]["outputs_match"]
+    write_json(json_path, out)
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -162,14 +163,19 @@ class Workload:
 
 
 def run_clients(topo: Topology, nodes: list[str], workload: Workload, spec: ServerSpec,
-                result_dir: str, tag: str, timeout: float) -> list[dict]:
-    """One `vllm bench serve` per node, all started at once; vLLM's result JSON of each."""
+                result_dir: str, tag: str, timeout: float,
+                delays: list[float] | None = None) -> list[dict]:
+    """One `vllm bench serve` per node, all started at once (node i's ``delays[i]`` seconds
+    later); vLLM's result JSON of each."""
     procs, names = [], []
     env = {**os.environ, **ENV}
-    for node in nodes:
+    for i, node in enumerate(nodes):
         name = f"{tag}-{node}.json"
         log = open(os.path.join(result_dir, f"{tag}-{node}.client.log"), "wb")
-        procs.append((node, log, topo.popen(node, workload.argv(spec, result_dir, name),
+        argv = workload.argv(spec, result_dir, name)
+        if delays and delays[i]:
+            argv = ["sh", "-c", f"sleep {delays[i]:g}; exec " + shlex.join(argv)]
+        procs.append((node, log, topo.popen(node, argv,
                                             stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=env,
                                             start_new_session=True)))

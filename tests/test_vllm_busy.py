@@ -1,0 +1,55 @@
+"""`testbed bench vllm --workload busy` without a server (the passes themselves run in
+`make bench`): its summary reads vLLM's own results per pass over the loading servers, the
+verdicts can fail, and the workload's options mix with the preset as given."""
+import pytest
+
+from testbed.bench.serve.vllm_busy import BUSY, PASSES, TARGETS, busy_summary
+
+
+def _row(mode, loads, fault, server, ttfts, itls, failed=0, texts=("a", "b")):
+    return {"workload": "busy", "mode": mode, "loads": loads, "fault": fault, "server": server,
+            "vllm": {"ttfts": ttfts, "itls": [itls], "failed": failed,
+                     "completed": len(ttfts), "mean_tpot_ms": 30.0,
+                     "generated_texts": list(texts)},
+            "connector_loads": {"failed": 0}}
+
+
+def _rows(switch_ttft, switch_itl, failed=0, texts=("a", "b")):
+    rows = []
+    for p in PASSES:
+        fast = p.mode == "switch" and p.loads == "async" and p.fault is None
+        for server in (0, 1):
+            ttft = [switch_ttft] * 4 if fast and server else [1.0] * 4
+            itl = [switch_itl] * 10 if fast and server else [0.05] * 10
+            rows.append(_row(p.mode, p.loads, p.fault, server, ttft, itl,
+                             failed if p.fault else 0, texts if p.fault else ("a", "b")))
+    return rows
+
+
+def test_a_pass_that_loads_fast_without_stalling_meets_the_targets():
+    s = busy_summary(_rows(switch_ttft=0.3, switch_itl=0.05))
+    assert set(s["passes"]) == {"local", "pool-async", "switch-sync", "switch-async",
+                                "switch-async-pool-kill"}
+    assert s["ttft_p50_switch_over_local"] == 0.3 and s["itl_p99_switch_over_local"] == 1.0
+    assert all(s["met"].values()) and s["targets"] == TARGETS
+
+
+@pytest.mark.parametrize("kw, unmet", [
+    ({"switch_ttft": 0.8, "switch_itl": 0.05}, "ttft_p50_switch_over_local"),
+    ({"switch_ttft": 0.3, "switch_itl": 0.07}, "itl_p99_switch_over_local"),
+    ({"switch_ttft": 0.3, "switch_itl": 0.05, "failed": 1}, "no_failed_request"),
+    ({"switch_ttft": 0.3, "switch_itl": 0.05, "texts": ("a", "c")}, "outputs_match"),
+])
+def test_every_verdict_can_fail(kw, unmet):
+    s = busy_summary(_rows(**kw))
+    assert [k for k, ok in s["met"].items() if not ok] == [unmet]
+
+
+def test_busy_options_given_win_over_the_preset():
+    from click.testing import CliRunner
+    from testbed.cli import main
+    r = CliRunner().invoke(main, ["bench", "vllm", "--workload", "busy", "--prompts", "4",
+                                  "--servers", "1", "--json", ""])
+    assert r.exit_code != 0                      # 4 prompts < the preset's 8 prefixes
+    assert "--prompts (4) must be at least --prefixes (8)" in r.output
+    assert BUSY.output_len > 8 and BUSY.rate > 0.25          # busier than the light workload
