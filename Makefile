@@ -102,6 +102,7 @@ bench:
 	$(VENV)/bin/testbed bench blend --json bench/results/blend.json --plot bench/results/blend.png
 	$(VENV)/bin/testbed bench vllm --json bench/results/vllm-serve.json
 	$(VENV)/bin/testbed bench vllm --pool-link-gbit 0.25 --json bench/results/vllm-serve-pool-shared.json
+	$(VENV)/bin/testbed bench vllm --workload busy --json bench/results/vllm-busy.json
 	$(VENV)/bin/testbed bench faults --json bench/results/faults.json
 	$(VENV)/bin/testbed bench serve --racks 2 --json bench/results/serve-fabric.json
 	$(VENV)/bin/testbed bench serve --racks 2 --pools 1 --json bench/results/serve-fabric-1pool.json

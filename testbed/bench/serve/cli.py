@@ -179,11 +179,13 @@ def vllm(ctx, servers, pools, link_gbit, pool_link_gbit, prefix_len, suffix_len,
     """`vllm serve` on S nodes driven by `vllm bench serve`: local, pool, switch."""
     from .serve_vllm import run_vllm_bench
     wl = Workload(prefix_len, suffix_len, prefixes, output_len, prompts, rate, seed)
-    if workload == "busy":
-        from .vllm_busy import BUSY
+    if workload == "busy":                   # its own defaults for what was not given
+        from .vllm_busy import BUSY, KV_BLOCKS
         given = {f: v for f, v in asdict(wl).items()
                  if ctx.get_parameter_source(f) is not ParameterSource.DEFAULT}
         wl = replace(BUSY, **given)
+        if ctx.get_parameter_source("kv_blocks") is ParameterSource.DEFAULT:
+            kv_blocks = KV_BLOCKS
     cfg = replace(VLLM_DEFAULTS, servers=servers, pools=pools, link_gbit=link_gbit,
                   pool_link_gbit=pool_link_gbit, workload=wl, kv_blocks=kv_blocks,
                   switch_cache_mib=switch_cache_mib,

@@ -31,7 +31,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -39,10 +39,15 @@ from ...lab import Lab, TestbedError
 from ...lab.topology import ip
 from .vllm_server import VllmServer, Workload, run_clients
 
-BUSY = Workload(prefix_len=512, suffix_len=32, prefixes=8, output_len=48, prompts=24,
-                rate=1.0, seed=7)
-OFFSET_S = 12.0              # the loading servers' clients start this much later
-KILL_AFTER_S = 4.0           # the fault strikes this long into the loading servers' pass
+# one core prefills SmolLM2's 512-token prefix in ~2.7 s and decodes a token in tens of ms:
+# at 0.3 requests/s with 96 tokens out a server computing its prefixes is near saturation and
+# one or two requests decode while another's prefix loads (or is prefilled, in chunks)
+BUSY = Workload(prefix_len=512, suffix_len=32, prefixes=8, output_len=96, prompts=16,
+                rate=0.3, seed=7)
+KV_BLOCKS = 24               # vLLM blocks per server: 3,072 tokens, 4 requests (a working set
+#                              of 4,096 prefix tokens still does not fit)
+OFFSET_S = 20.0              # the loading servers' clients start this much later
+KILL_AFTER_S = 10.0          # the fault strikes this long into the loading servers' pass
 POOLS = 2
 TARGETS = {"itl_p99_switch_over_local": 1.1, "ttft_p50_switch_over_local": 0.5}
 
@@ -180,8 +185,3 @@ def busy_config(cfg) -> dict:
             "replicas": POOLS, "offset_s": OFFSET_S, "kill_after_s": KILL_AFTER_S,
             "passes": [asdict(p) for p in PASSES], "link_gbit": cfg.link_gbit,
             "kv_blocks": cfg.kv_blocks}
-
-
-def busy_bench(cfg):
-    """``cfg`` with the busy workload (its own options given explicitly win: ``replace``)."""
-    return replace(cfg, workload=BUSY)
