@@ -45,7 +45,7 @@ MADE_BY: list[tuple[str, str]] = [
     ("blend*", "testbed bench blend"),           # blend, blend-detail
     ("inference*", "testbed demo-inference"),
     ("lmcache*", "testbed bench lmcache"),
-    ("vllm-serve*", "testbed bench vllm"),
+    ("vllm-serve*", "testbed bench vllm"), ("vllm-busy*", "testbed bench vllm"),
     ("vllm*", "testbed demo-vllm"),
 ]
 
