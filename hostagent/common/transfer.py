@@ -35,6 +35,16 @@ class Silent(NoAnswer):
     transfer moves on to the block's next holder, or fails with this when there is none."""
 
 
+class NoReply(NoAnswer):
+    """Nothing ever came back to the fetch engine's GETs: its frames do not leave the interface
+    (a veth whose peer carries no XDP program drops what XDP transmits) or the pool is gone.
+    The asyncio client tells the two apart (``AsyncFetchClient`` retries with it)."""
+
+
+class LinkDown(NoAnswer):
+    """The fetch engine's own interface has no carrier: no pool node can be reached."""
+
+
 def unreachable(exc: BaseException) -> bool:
     """An error that says a pool node did not answer at all (not that it lacks a block,
     refused one, or was slow: a transfer that timed out with answers is congestion, and a

@@ -14,13 +14,11 @@ is busy one thread can win (every wake-up waits for a time slice). A few GETs (a
 thread is idle, sparing a hand-off that cost more than the call.
 
 Which pool node a transfer asks is the engine's ``Placement`` (``hostagent.common.pools``). A
-transfer that heard nothing for its silence limit (and whose node answered no other transfer
-meanwhile: a busy link still delivers) moves on to the block's next holder, as does one that
-node answers NOT_FOUND (restarted empty) or UNAVAILABLE (its store cannot reach the block); the
-silent node is left out for a while, once this engine has been answered at all (else its own
-path may be what is silent: ``NoReply``). While the engine's own interface has no carrier (its
-cable is out) a transfer fails at once with ``LinkDown`` and no node is blamed: the caller
-computes rather than waits.
+transfer silent for its silence limit (its node answering no other transfer either) moves on to
+the block's next holder, as does one answered NOT_FOUND (a holder restarted empty) or
+UNAVAILABLE; the silent node is left out, once this engine was answered at all (else its own
+path may be what is silent: ``NoReply``). With no carrier on the engine's own interface a
+transfer fails at once (``LinkDown``), blaming no node: the caller computes, not waits.
 
 A block of unknown size is fetched in two steps: a one-slot probe transfer asks for chunk 0
 (the program then accepts only chunk 0 and records the reply's chunk count), then a contiguous
@@ -40,12 +38,13 @@ from hostagent.common import auth as auth_mod
 from hostagent.common.netif import has_carrier
 from hostagent.common.packet_ring import PacketRing
 from hostagent.common.pools import Placement
-from hostagent.common.transfer import BlockNotFound, NoAnswer, Refused, Silent, TransferTimeout
+from hostagent.common.transfer import (BlockNotFound, LinkDown, NoAnswer, NoReply, Refused,
+                                       Silent, TransferTimeout)
 from kvproto import DEFAULT_CHUNK, PORT, Flag, Status
 from kvproto.frames import PAYLOAD_OFF
 from xdp import Netns, NoXdp
 
-from . import authcheck, transfers
+from . import authcheck, pacing, transfers
 from hostagent.common.block import Block
 from .block import SlotAllocator
 from .crcfold import CRC_IMPL, Folder
@@ -58,16 +57,6 @@ from .verify import crc_damaged, finish, status_error, verify
 
 log = logging.getLogger("hostagent.fetch")
 _NO_CACHE = int(Flag.NO_CACHE)
-
-
-class NoReply(NoAnswer):
-    """Nothing ever came back to this engine's GETs: its frames do not leave the interface (a
-    veth whose peer carries no XDP program drops what XDP transmits) or the pool is gone. The
-    asyncio client tells the two apart (``client.AsyncFetchClient`` retries with it)."""
-
-
-class LinkDown(NoAnswer):
-    """The engine's own interface has no carrier: no pool node can be reached."""
 
 
 class FetchEngine:
@@ -365,10 +354,10 @@ class FetchEngine:
             elif self._ring.queued:                   # the sender is at work: its next call
                 self._sender.wait()
             else:
-                time.sleep(transfers.idle_wait(active, self.poll_interval))
+                time.sleep(pacing.idle_wait(active, self.poll_interval))
             self.stats.idle_seconds += time.monotonic() - t0
         elif self.threaded or not self._ring.queued:      # a slow link trickles: let it gather
-            self.stats.idle_seconds += transfers.trickle(active, got, self.poll_interval)
+            self.stats.idle_seconds += pacing.trickle(active, got, self.poll_interval)
         self.stats.step_cpu += time.thread_time() - c0
         return bool(n or got)
 

@@ -93,7 +93,6 @@ HELD_SHARE = 0.5                        # more than this share of the chunks ask
 #                                         held, not lost (if lost, not to be asked again at once)
 REORDER_ASKS = 8                        # asks a route's reply may come after another's asked later
 TIMEOUT_BATCH = 16                      # chunks presumed lost by a timeout per scan
-IDLE_CHUNKS, IDLE_MAX = 8, 0.002        # a step on a queued link sleeps ~8 deliveries, <= 2 ms
 RATE_SPAN = 0.002                       # seconds a delivery-rate sample spans at least: 16
 #                                         readers on 2 cores verify replies in bursts, and 1 ms
 #                                         spans measured up to 3x the link's rate (windows that
@@ -244,43 +243,10 @@ class Route:
             self.last_cut = now
 
 
-def link_paced(t: "Transfer") -> bool:
-    """Whether ``t``'s replies come through a link's queue (its smoothed round trip is
-    ``QUEUE_SIGNAL`` above the route's base one): they keep coming at the link's rate, and the
-    engine may let a few gather between steps. Not on unshaped paths, nor in loss recovery
-    there (the round trip stays near the base one)."""
-    return t.rtt.srtt is not None and not queue_free(t) and not t.rtt.sync
-
-
 def queue_free(t: "Transfer") -> bool:
     """Whether ``t``'s round trip shows no link queue yet: measured, and within
     ``QUEUE_SIGNAL`` of its route's base round trip."""
     return t.rtt.srtt is not None and t.rtt.srtt <= t.route.base_rtt + QUEUE_SIGNAL
-
-
-def idle_wait(active: list["Transfer"], poll_interval: float) -> float:
-    """How long an engine step sleeps that moved nothing, or (``trickle``) verified fewer than
-    ``IDLE_CHUNKS`` replies and finished no transfer, where every active transfer is
-    link-paced: about the time ``IDLE_CHUNKS`` replies take at the slowest active route's
-    delivery rate, at most ``IDLE_MAX``; elsewhere ``poll_interval``. A shaped link delivers a
-    chunk every 0.25-1 ms, and a step per chunk (polling every 50 us) spent a core per reader,
-    which 16 readers on two cores took from the links' forwarding."""
-    rates = [t.route.bw for t in active]
-    if not rates or min(rates) <= 0 or not all(link_paced(t) for t in active):
-        return poll_interval
-    return min(IDLE_MAX, max(poll_interval, IDLE_CHUNKS / min(rates)))
-
-
-def trickle(active: list["Transfer"], got: int, poll_interval: float) -> float:
-    """After a step that verified ``got`` replies: sleep while a slow link's replies gather
-    (see ``idle_wait``); the seconds slept."""
-    if got >= IDLE_CHUNKS or any(t.done for t in active):
-        return 0.0
-    wait = idle_wait(active, poll_interval)
-    if wait <= poll_interval:
-        return 0.0
-    time.sleep(wait)
-    return wait
 
 
 class Transfer:
