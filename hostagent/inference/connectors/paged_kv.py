@@ -100,16 +100,16 @@ class PagedKV:
             for s, vid in targets:
                 view[vid].copy_(src[li, :, :, s])
 
-    def read(self, ids: Sequence[int]) -> bytes:
+    def read(self, ids: Sequence[int], pos0: int = 0) -> bytes:
         """One pool block gathered from vLLM blocks ``ids`` (``ratio`` of them), as bytes
-        (coded with the layout's codec)."""
+        (coded with the layout's codec; ``pos0``: the block's first token's position)."""
         out = torch.empty(self._shape(), dtype=self.layout.dtype, device=self.device)
         for li, view in enumerate(self.views):
             for s, vid in enumerate(ids):
                 out[li, :, :, s].copy_(view[vid])
         out = out.cpu().view(self.layout.shape)
         if self.layout.codec.name != "none":
-            return self.layout.codec.encode(out)
+            return self.layout.codec.encode(out, pos0)
         return out.view(torch.uint8).numpy().tobytes()
 
 
