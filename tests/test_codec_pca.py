@@ -346,3 +346,32 @@ def test_the_vllm_connector_gives_the_tokens_of_the_round_trip(model, cal_dir):
                          config=model.config)
     assert _generate(model, cache, tokens) == _generate(model, _round_trip_cache(
         c, kv, model.config), tokens)
+
+
+def test_the_loaded_run_rotates_codecs_and_summarises_per_codec():
+    """bench compress --parts loaded, its pure parts: every codec once a round, the order
+    rotating; TTFT p50/p99 per codec over every reader and round, and against raw's p50."""
+    from testbed.bench.quality.compress_loaded import schedule, summarize
+    lines = schedule(["none", "pca"], 3)
+    assert lines == ["none", "pca", "pca", "none", "none", "pca"]
+    records = [[{"ttft_s": (4.0 if c == "none" else 1.0) + r, "load_s": 0.5, "bytes": 10 if
+                 c == "none" else 2} for c in lines] for r in range(8)]
+    out = summarize(["none", "pca"], lines, records)
+    assert out["none"]["samples"] == out["pca"]["samples"] == 24
+    assert out["none"]["ttft_p50_s"] == 7.5 and out["pca"]["ttft_p50_s"] == 4.5
+    assert out["pca"]["ttft_p50_vs_raw"] == 0.6 and out["none"]["ttft_p50_vs_raw"] == 1.0
+    assert out["pca"]["ttft_p99_s"] == 8.0 and out["pca"]["reader_bytes"] == 2
+
+
+def test_quality_windows_never_use_calibration_text():
+    """Every codec's quality is measured on license texts the pca calibration does not use."""
+    from testbed.bench.quality.compress import windows
+    from testbed.demos.realmodel import texts
+
+    class Tok:                                   # a word a token is enough to cut windows
+        def __call__(self, text):
+            return {"input_ids": text.split()}
+    got = windows(Tok(), 300, 20)
+    names = {n.partition("@")[0] for n, _ in got}
+    assert len(got) == 20 and names and not names & set(codec_pca.CALIBRATION_TEXTS)
+    assert set(codec_pca.CALIBRATION_TEXTS) <= set(texts())       # and they exist here
