@@ -24,6 +24,7 @@ whole; the per-layer copies run on the device.
 """
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Sequence
 
@@ -113,15 +114,24 @@ class PagedKV:
         return out.view(torch.uint8).numpy().tobytes()
 
 
+_SCRATCH = threading.local()
+
+
 def as_block(buf, layout) -> torch.Tensor:
     """A pool block's bytes (bytes, bytearray, memoryview, numpy) as a ``layout.shape`` tensor
-    sharing their memory (no codec), or decoded into a new one (a codec)."""
+    sharing their memory (no codec), or decoded (a codec) into this thread's float32 block,
+    reused from block to block (a new one would fault its pages in for every block): valid
+    until the thread's next call."""
     size = len(memoryview(buf).cast("B"))
     if layout.codec.name != "none":
         if size != layout.coded_bytes:
             raise ValueError(f"pool block of {size} bytes, codec {layout.codec.name} of the "
                              f"layout has {layout.coded_bytes}")
-        return layout.codec.decode(buf).view(layout.shape)
+        out = getattr(_SCRATCH, "block", None)
+        if out is None or tuple(out.shape) != tuple(layout.shape):
+            out = _SCRATCH.block = torch.empty(layout.shape)
+        layout.codec.decode_into(buf, out)
+        return out
     if size != layout.block_bytes:
         raise ValueError(f"pool block of {size} bytes, the layout has {layout.block_bytes}")
     with warnings.catch_warnings():      # read-only buffers: only ever read from

@@ -36,16 +36,16 @@ def ensure_calibration(model, tok, log=print) -> str:
 
 def pca_entropy(codec, block_kv) -> dict:
     """Empirical entropy of the pca codec's codes, per component over the blocks of
-    ``block_kv`` [n, L, 2, H, T, D] (block i at position i * T): how much an ideal entropy
-    coder would take off the fixed-rate streams (Lloyd-Max codes are near uniform)."""
+    ``block_kv`` [n, L, 2, H, T, D] (block i at position i * T) but the first (its own
+    allocation): how much an ideal entropy coder would take off the fixed-rate streams."""
     import numpy as np
     from hostagent.inference import codec_pca
     T = codec.block_tokens
     counts: dict = {}
     bits_total = 0
-    for i, block in enumerate(block_kv):
-        coded = np.frombuffer(codec.encode(block, (i + 1) * T), np.uint8)   # not the sinks
-        plan = codec.plan
+    plan = codec.plan
+    for i, block in enumerate(block_kv[1:], 1):
+        coded = np.frombuffer(codec.encode(block, i * T), np.uint8)
         bits = np.unpackbits(coded[codec_pca.HEADER:], bitorder="little")
         p = 0
         for g, j in zip(*np.nonzero(plan.bits)):
@@ -58,7 +58,7 @@ def pca_entropy(codec, block_kv) -> dict:
     for c in counts.values():
         q = c[c > 0] / c.sum()
         entropy += float(-(q * np.log2(q)).sum()) * c.sum()
-    saved = entropy / bits_total
-    return {"bits_per_value": round(bits_total / (len(block_kv) * codec.values), 4),
+    saved = float(entropy / bits_total)
+    return {"bits_per_value": round(bits_total / ((len(block_kv) - 1) * codec.values), 4),
             "entropy_over_bits": round(saved, 4),
             "ratio_if_entropy_coded": round(codec.ratio / saved, 3)}
