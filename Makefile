@@ -113,6 +113,8 @@ bench:
 	$(VENV)/bin/testbed bench lmcache --json bench/results/lmcache.json
 	OMP_NUM_THREADS=1 $(VENV)/bin/testbed bench compress --trace $(TRACE) \
 	  --json bench/results/compress.json --plot bench/results/compress.png
+	OMP_NUM_THREADS=1 $(VENV)/bin/testbed bench compress --codecs none,pca --parts loaded \
+	  --load-blocks 16 --update --json bench/results/compress.json --plot bench/results/compress.png
 	$(VENV)/bin/testbed policy-eval --trace $(TRACE) \
 	  --capacity 0.02 --json bench/results/policy-0.02.json
 	$(VENV)/bin/testbed policy-eval --trace $(TRACE) \

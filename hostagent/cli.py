@@ -1,4 +1,5 @@
-"""The `hostagent` command line: serve a pool node, put and get whole blocks, hash token ids.
+"""The `hostagent` command line: serve a pool node, put and get whole blocks, hash token ids,
+calibrate the pca KV codec for a model.
 
 Results print as one JSON object per command so scripts (and the testbed) can read them.
 """
@@ -414,3 +415,28 @@ def hash_cmd(tokens, block_tokens, extra):
                                  " (--block-tokens)", param_hint="TOKENS")
     for key in block_hashes(tokens, block_tokens, extra.encode()):
         click.echo(key.hex())
+
+
+@main.group("codec")
+def codec_group():
+    """KV codecs: calibrate the pca transform codec for a model (the inference extra)."""
+
+
+@codec_group.command("calibrate")
+@click.option("--model", "model_dir", required=True,
+              type=click.Path(file_okay=False, exists=True),
+              help="A transformers checkpoint directory (config, weights, tokenizer).")
+@click.option("--text", "text_files", multiple=True, type=click.Path(dir_okay=False, exists=True),
+              help="Calibration text (repeat); default: Debian's license texts Apache-2.0, "
+                   "Artistic, BSD, CC0-1.0, MPL-1.1, MPL-2.0.")
+@click.option("--max-tokens", type=click.IntRange(256, 1 << 16), default=8192, show_default=True,
+              help="Tokens of each text used.")
+@click.option("--out-dir", type=click.Path(file_okay=False),
+              help="Where to store it (default $KVSWITCH_CALIBRATION_DIR or "
+                   "~/.cache/kvswitch/calibrations).")
+def codec_calibrate(model_dir, text_files, max_tokens, out_dir):
+    """Compute the pca codec's calibration of a model (deterministic: the same model and text
+    give the same file); prints its path, SHA-256 and the kv_codec that names it."""
+    from .inference.codec_calibrate import calibrate_dir
+    click.echo(json.dumps(calibrate_dir(model_dir, text_files, max_tokens, out_dir,
+                                        log=lambda m: click.echo(m, err=True))))

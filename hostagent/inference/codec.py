@@ -24,6 +24,10 @@ A block is ``[layers, 2 (K, V), kv_heads, block_tokens, head_dim]``
   rotated channel c low, c + 32 high), K scales, K minima (fp16 ``[layers, heads, groups,
   64]``), V scale codes, V minimum codes (uint8 ``[layers, heads, tokens]``), V row grids
   (fp16 ``[layers, heads, 3]``: top scale, lowest minimum, minimum step).
+- ``pca``: transform coding with a calibration computed once per model (a decorrelating
+  transform per layer, Lloyd-Max quantisers, bits allocated by the model's sensitivity), at a
+  fixed ratio (``pca/xN``, default 8); its own module, ``hostagent.inference.codec_pca``, whose
+  tag names the calibration's SHA-256.
 
 Every coded size is fixed by the layout and the codec (a reader knows the chunk count). Encoding
 uses torch; decoding is one pass of a numba-compiled loop (LLVM vectorises it) from the coded
@@ -37,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-CODECS = ("none", "int8", "fp8", "int4", "int4h")
+CODECS = ("none", "int8", "fp8", "int4", "int4h", "pca")
 DEFAULT_GROUP = {"int8": 16, "fp8": 16, "int4": 256, "int4h": 256}
 SCALE_MIN = 2.0 ** -20                     # a representable fp16 (subnormal) scale floor
 # the longest group NAME/gTOKENS may ask for, checked where options are (``parse``): a group
@@ -52,7 +56,12 @@ class UnknownCodec(ValueError):
 
 
 def parse(spec: str) -> tuple[str, int | None]:
-    """``name`` or ``name/g<tokens>`` → (name, group or None); the group 2..MAX_GROUP."""
+    """``name`` or ``name/g<tokens>`` → (name, group or None); the group 2..MAX_GROUP. The
+    transform codec's ``pca[/xN][@CALIBRATION]`` → ("pca", None) (``codec_pca.parse_spec``)."""
+    if str(spec).strip().lower().partition("@")[0].partition("/")[0] == "pca":
+        from .codec_pca import parse_spec
+        parse_spec(spec)
+        return "pca", None
     name, _, rest = str(spec).strip().lower().partition("/")
     if name not in CODECS:
         raise UnknownCodec(f"unknown KV codec {spec!r}: choose one of {', '.join(CODECS)}")
@@ -128,8 +137,9 @@ class Codec:
         return b"" if self.name == "none" else f" codec={self.name}/g{self.group}".encode()
 
     # ---- encode ---------------------------------------------------------------------------
-    def encode(self, kv: torch.Tensor) -> bytes:
-        """A block tensor ``[L, 2, H, T, D]`` (any float dtype) as coded bytes."""
+    def encode(self, kv: torch.Tensor, pos0: int = 0) -> bytes:
+        """A block tensor ``[L, 2, H, T, D]`` (any float dtype) as coded bytes (``pos0``, the
+        block's first position, matters to the ``pca`` codec only)."""
         shape = (self.layers, 2, self.kv_heads, self.block_tokens, self.head_dim)
         if tuple(kv.shape) != shape:
             raise ValueError(f"block of shape {tuple(kv.shape)}, the codec's is {shape}")
@@ -212,6 +222,9 @@ def make(spec: str, layers: int, kv_heads: int, block_tokens: int, head_dim: int
     name, group = parse(spec)
     if name == "none":
         return Codec(name, layers, kv_heads, block_tokens, head_dim, dtype)
+    if name == "pca":                     # calibrated: hostagent.inference.codec_pca
+        from .codec_pca import make_pca
+        return make_pca(spec, layers, kv_heads, block_tokens, head_dim, dtype)
     group = min(group or DEFAULT_GROUP[name], block_tokens)
     if name == "int4h" and head_dim != 64:
         raise UnknownCodec(f"KV codec {spec!r} needs a head dimension of 64, not {head_dim}")
@@ -324,6 +337,11 @@ def warm_up(spec: str) -> None:
     first block loaded does not pay for it; once a process."""
     name, _ = parse(spec)
     if name == "none" or name in _WARM:
+        return
+    if name == "pca":
+        from .codec_pca import warm_up as warm_pca
+        warm_pca()
+        _WARM.add(name)
         return
     c = make(name, 1, 1, 2, 64, torch.float32)
     c.decode_into(c.encode(torch.zeros(1, 2, 1, 2, 64)), torch.empty(1, 2, 1, 2, 64))

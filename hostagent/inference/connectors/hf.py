@@ -23,9 +23,11 @@ fetched prefix is token-for-token (and logit-for-logit) that of a full recompute
 are immutable: a node whose bits differed would have its PUTs refused.
 
 Codecs. ``KVConnector(kv_codec=...)`` codes blocks with ``hostagent.inference.codec`` (none, int8,
-fp8, int4): encoded where saved, decoded where loaded (each block straight into the cache's tensor
-as it arrives, in a worker thread, while later blocks are fetched); the pool and the switch carry
-the coded bytes. The codec's tag joins ``extra``, so a reader with another codec misses.
+fp8, int4, int4h, pca): encoded where saved (a block with its first token's position, which the
+``pca`` codec uses to take RoPE off the keys), decoded where loaded (each block straight into the
+cache's tensor as it arrives, in a worker thread, while later blocks are fetched); the pool and
+the switch carry the coded bytes. The codec's tag joins ``extra``, so a reader with another codec
+(or another ``pca`` calibration) misses.
 
 Finding the prefix. Blocks are fetched in chain order, ``concurrency`` at a time; a missing block
 answers NACK (``BlockNotFound``) within one round trip, and the search stops there: blocks after
@@ -84,7 +86,8 @@ def cache_to_blocks(cache: DynamicCache, layout: BlockLayout, first: int = 0,
     with ``codec`` (default: none, the layout's raw bytes)."""
     kv = cache_block_tensor(cache, layout, first, last)
     if codec is not None and codec.name != "none":
-        return [codec.encode(kv[i]) for i in range(kv.shape[0])]
+        bt = layout.block_tokens
+        return [codec.encode(kv[i], (first + i) * bt) for i in range(kv.shape[0])]
     raw = kv.view(torch.uint8).numpy()                            # [n, L, 2, H, bt, D*itemsize]
     return [raw[i].tobytes() for i in range(kv.shape[0])]
 

@@ -12,7 +12,8 @@ authentication fails the engine's start instead of failing, or switching somethi
   replicas     1..the number of pools: the nodes that hold each block (``hostagent.common.pools``)
   shared_store true or false (pool nodes on one Mooncake Store: any node reads any block)
   deadlines    MIN_DEADLINE..3600 seconds
-  kv_codec     a codec name, its group 2..MAX_GROUP tokens (``hostagent.inference.codec.parse``)
+  kv_codec     a codec name, its group 2..MAX_GROUP tokens, or pca[/xN][@CALIBRATION]
+               (``hostagent.inference.codec.parse``)
   key file     the connector's ``auth_key_file``, else $KVSWITCH_AUTH_KEY_FILE: it must load and
                have a key for the namespace (``hostagent.common.auth.keyring_for``)
 """

@@ -24,6 +24,7 @@ whole; the per-layer copies run on the device.
 """
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Sequence
 
@@ -100,28 +101,37 @@ class PagedKV:
             for s, vid in targets:
                 view[vid].copy_(src[li, :, :, s])
 
-    def read(self, ids: Sequence[int]) -> bytes:
+    def read(self, ids: Sequence[int], pos0: int = 0) -> bytes:
         """One pool block gathered from vLLM blocks ``ids`` (``ratio`` of them), as bytes
-        (coded with the layout's codec)."""
+        (coded with the layout's codec; ``pos0``: the block's first token's position)."""
         out = torch.empty(self._shape(), dtype=self.layout.dtype, device=self.device)
         for li, view in enumerate(self.views):
             for s, vid in enumerate(ids):
                 out[li, :, :, s].copy_(view[vid])
         out = out.cpu().view(self.layout.shape)
         if self.layout.codec.name != "none":
-            return self.layout.codec.encode(out)
+            return self.layout.codec.encode(out, pos0)
         return out.view(torch.uint8).numpy().tobytes()
+
+
+_SCRATCH = threading.local()
 
 
 def as_block(buf, layout) -> torch.Tensor:
     """A pool block's bytes (bytes, bytearray, memoryview, numpy) as a ``layout.shape`` tensor
-    sharing their memory (no codec), or decoded into a new one (a codec)."""
+    sharing their memory (no codec), or decoded (a codec) into this thread's float32 block,
+    reused from block to block (a new one would fault its pages in for every block): valid
+    until the thread's next call."""
     size = len(memoryview(buf).cast("B"))
     if layout.codec.name != "none":
         if size != layout.coded_bytes:
             raise ValueError(f"pool block of {size} bytes, codec {layout.codec.name} of the "
                              f"layout has {layout.coded_bytes}")
-        return layout.codec.decode(buf).view(layout.shape)
+        out = getattr(_SCRATCH, "block", None)
+        if out is None or tuple(out.shape) != tuple(layout.shape):
+            out = _SCRATCH.block = torch.empty(layout.shape)
+        layout.codec.decode_into(buf, out)
+        return out
     if size != layout.block_bytes:
         raise ValueError(f"pool block of {size} bytes, the layout has {layout.block_bytes}")
     with warnings.catch_warnings():      # read-only buffers: only ever read from

@@ -268,7 +268,8 @@ class KVSwitchConnector(KVConnectorBase_V1):
                 self._async_saves.submit(sv)
                 continue
             start = time.monotonic()
-            blocks = [self._paged.read(ids) for ids in sv.ids]
+            bt = self.layout.block_tokens                 # each block with its first position
+            blocks = [self._paged.read(ids, (sv.first + j) * bt) for j, ids in enumerate(sv.ids)]
             self.backend.save(self.ns, sv.keys, blocks)
             self.backend.record(ev="save", req=sv.req_id, first=sv.first, blocks=len(blocks),
                                 bytes=sum(map(len, blocks)), keys=[k.hex() for k in sv.keys],

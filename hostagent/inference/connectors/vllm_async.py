@@ -109,7 +109,8 @@ class AsyncSaves:
     def _copy_out(self, sv: SaveSpec) -> None:
         start = time.monotonic()
         try:
-            blocks = [self.paged.read(ids) for ids in sv.ids]
+            bt = self.paged.layout.block_tokens          # each block with its first position
+            blocks = [self.paged.read(ids, (sv.first + j) * bt) for j, ids in enumerate(sv.ids)]
             sent = self.backend.save(self.ns, sv.keys, blocks, wait=False)
             self.record(ev="save", req=sv.req_id, first=sv.first, blocks=len(blocks),
                         bytes=sum(map(len, blocks)), keys=[k.hex() for k in sv.keys],

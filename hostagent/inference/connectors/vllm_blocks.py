@@ -52,7 +52,7 @@ class Settings:
     block_tokens: int | None = None    # pool block tokens; default: vLLM's block size
     max_pending_save_mib: int = 256    # saves copied out but not yet acknowledged
     fetch_engine: str = "auto"         # auto: the XDP fetch engine where it can run; off
-    kv_codec: str = "none"             # none, int8, fp8, int4, int4h or NAME/gTOKENS (codec)
+    kv_codec: str = "none"             # none, int8, fp8, int4, int4h, NAME/gTOKENS, pca[/xN][@C]
     load_failure: str = "recompute"    # a block that cannot be loaded: recompute, or fail
     load_mode: str = "async"           # async: loads beside the engine's steps; sync: in them
     auth_key_file: str | None = None   # keyed authentication; default $KVSWITCH_AUTH_KEY_FILE

@@ -25,8 +25,9 @@ def codec_list(ctx, param, value):
 
 
 @click.command("compress")
-@click.option("--codecs", default="none,int8,fp8,int4,int4h", show_default=True,
-              callback=codec_list, help="Comma list of KV codecs (NAME or NAME/gTOKENS).")
+@click.option("--codecs", default="none,int8,fp8,int4,int4h,pca", show_default=True,
+              callback=codec_list,
+              help="Comma list of KV codecs (NAME, NAME/gTOKENS, pca/xRATIO).")
 @click.option("--prompts", type=click.IntRange(1, 200), default=20, show_default=True,
               help="Windows of Debian's license texts.")
 @click.option("--prefix-tokens", type=click.IntRange(BLOCK_TOKENS), default=256,
@@ -37,7 +38,12 @@ def codec_list(ctx, param, value):
 @click.option("--chunk-size", type=click.IntRange(64, 3440), default=3072,
               show_default=True)
 @click.option("--parts", default="quality,speed,load,policy", show_default=True,
-              help="Comma list of quality, speed, load, policy.")
+              help="Comma list of quality, speed, load, policy, loaded (readers at once over "
+                   "a shaped pool link: TTFT with and without each codec).")
+@click.option("--readers", type=click.IntRange(1, 64), default=8, show_default=True,
+              help="Readers of the loaded part.")
+@click.option("--pool-link-gbit", type=click.FloatRange(0.001, 100), default=1.0,
+              show_default=True, help="The pool node's link in the loaded part (Gbit/s).")
 @trace_opt(help="Trace for the policy hit ratio (default: the one in testbed/traces/).")
 @click.option("--json", "json_path", default="bench/results/compress.json",
               show_default=True)
@@ -45,12 +51,13 @@ def codec_list(ctx, param, value):
 @click.option("--update", is_flag=True,
               help="Update the JSON file's results with these parts (a run in parts).")
 def compress(codecs, prompts, prefix_tokens, new_tokens, load_blocks, chunk_size, parts,
-             trace_path, json_path, plot_path, update):
-    """KV codecs on SmolLM2: ratio, perplexity, agreement, speed, load from the switch."""
+             readers, pool_link_gbit, trace_path, json_path, plot_path, update):
+    """KV codecs on SmolLM2: ratio, perplexity, agreement, speed, load from the switch, TTFT of
+    readers over a shared pool link."""
     from ...demos.realmodel import ModelMissing
     from .compress import run_compress
     parts = [p.strip() for p in parts.split(",") if p.strip()]
-    bad = set(parts) - {"quality", "speed", "load", "policy"}
+    bad = set(parts) - {"quality", "speed", "load", "policy", "loaded"}
     if bad:
         raise click.BadParameter(f"unknown parts {sorted(bad)}", param_hint="--parts")
     if prefix_tokens % BLOCK_TOKENS:
@@ -62,7 +69,7 @@ def compress(codecs, prompts, prefix_tokens, new_tokens, load_blocks, chunk_size
                            load_blocks=load_blocks, chunk_size=chunk_size,
                            trace_path=trace_path, json_path=json_path,
                            plot_path=plot_path, parts=parts, update=update,
-                           log=click.echo)
+                           readers=readers, pool_gbit=pool_link_gbit, log=click.echo)
     except ModelMissing as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(json.dumps(out["results"], indent=1))

@@ -1,6 +1,8 @@
 """`testbed bench compress`: the KV codecs (``hostagent.inference.codec``) measured on a real
 trained model, SmolLM2-135M-Instruct (``testbed.demos.realmodel``), with real English text (Debian's
-``/usr/share/common-licenses/*``).
+``/usr/share/common-licenses/*``, but for the texts the ``pca`` codec is calibrated on,
+``codec_pca.CALIBRATION_TEXTS``: every codec's quality is measured on text no calibration saw;
+the calibration is made first if there is none, ``compress_pca``).
 
 Per codec: the compression ratio against 16-bit KV; the perplexity of a continuation with the
 prefix KV loaded through the codec against the same with the exact KV (``ppl_delta_pct``); greedy
@@ -10,13 +12,15 @@ load time of a long prefix fetched from the switch with the XDP fetch engine and
 the model's float32 cache (``load_s``) against the same prefix as uncompressed bf16 blocks copied
 into a bf16 cache (``load_s_raw``), on a testbed with a pid-based prefix; and switchd's ``prefix``
 policy's hit ratio on the shared trace when the switch's bytes for 2 % of the trace's blocks at
-16 bits hold ``ratio`` times as many compressed blocks (``testbed.sim.evaluate``).
+16 bits hold ``ratio`` times as many compressed blocks (``testbed.sim.evaluate``); and (part
+``loaded``, ``compress_loaded``) the TTFT of readers asking for one long prefix at once over a
+shared pool link, with and without each codec.
 
 Each prompt is a window of one text: ``prefix_tokens`` (whole blocks, the KV under test), then
 ``suffix_tokens`` computed exactly and ``new_tokens`` generated greedily; the perplexity runs over
 the ``cont_tokens`` after the prefix. JSON: ``{"model", "config", "results": [{"codec",
 "ratio", "ppl_delta_pct", "token_agreement", "decode_gbytes_per_s", "load_s", "load_s_raw",
-"hit_ratio_at_2pct_bytes", ...}], "entropy"}``; a plot beside it.
+"hit_ratio_at_2pct_bytes", ...}], "entropy", "loaded"}``; a plot beside it.
 """
 from __future__ import annotations
 
@@ -31,10 +35,12 @@ NS = 28
 
 # ---- prompts and the model ------------------------------------------------------------------
 def windows(tok, need: int, count: int) -> list[tuple[str, list[int]]]:
-    """``count`` windows of ``need`` tokens from the license texts, spread over every text long
-    enough (round robin, each text's windows evenly spaced)."""
+    """``count`` windows of ``need`` tokens from the license texts no calibration uses, spread
+    over every text long enough (round robin, each text's windows evenly spaced)."""
+    from hostagent.inference.codec_pca import CALIBRATION_TEXTS
     from testbed.demos.realmodel import texts
-    ids = {name: tok(text)["input_ids"] for name, text in texts().items()}
+    ids = {name: tok(text)["input_ids"] for name, text in texts().items()
+           if name not in CALIBRATION_TEXTS}
     ids = {n: t for n, t in ids.items() if len(t) >= need}
     per = {n: 0 for n in ids}
     while sum(per.values()) < count and any(len(ids[n]) >= need * (per[n] + 1) for n in ids):
@@ -131,7 +137,8 @@ def quality(model, layout, codecs, prompts, prefix_tokens, cont_tokens, suffix_t
 
 def speed(layout, codecs, block_kv, reps: int = 5) -> dict:
     """Encode and decode GB/s of 16-bit KV on one core, over real blocks ``block_kv``
-    ([n, L, 2, H, T, D] float32); decode straight into a cache-shaped float32 tensor. Decode
+    ([n, L, 2, H, T, D] float32, block i at position i * T); decode straight into a
+    cache-shaped float32 tensor. Decode
     per wall second (best of ``reps``) and per second of the thread's CPU time (what the loop
     costs when other processes share the core)."""
     import torch
@@ -145,11 +152,11 @@ def speed(layout, codecs, block_kv, reps: int = 5) -> dict:
         dest = torch.empty(L, 2, H, n * T, D)
         for c in codecs:
             codec = codec_for(layout, c)
-            coded = [codec.encode(block_kv[i]) for i in range(n)]
+            coded = [codec.encode(block_kv[i], i * T) for i in range(n)]
             codec.decode_into(coded[0], dest, 0)                 # compiles the kernel
             t0 = time.perf_counter()
             for _ in range(reps):
-                coded = [codec.encode(block_kv[i]) for i in range(n)]
+                coded = [codec.encode(block_kv[i], i * T) for i in range(n)]
             enc = (time.perf_counter() - t0) / reps
             best = cpu = math.inf
             for _ in range(reps):
@@ -227,8 +234,9 @@ def node_put(pools, chunk_size, codec, dtype, shape, kv_path, model_id) -> dict:
 
     async def go():
         async with KVClient(pools, chunk_size, 64, 60) as client:
-            for k, b in zip(keys, kv):
-                await client.put_block(NS, k, co.encode(b.to(layout.dtype)))
+            for i, (k, b) in enumerate(zip(keys, kv)):        # block i at position i * T
+                await client.put_block(NS, k, co.encode(b.to(layout.dtype),
+                                                        i * layout.block_tokens))
     asyncio.run(go())
     return {"keys": [k.hex() for k in keys], "block_bytes": co.nbytes}
 
@@ -322,7 +330,8 @@ def run_compress(codecs=("none", "int8", "fp8", "int4", "int4h"), prompts: int =
                  new_tokens: int = 64, load_blocks: int = 32, chunk_size: int = 3072,
                  trace_path: str | None = None, json_path: str | None = None,
                  plot_path: str | None = None, parts=("quality", "speed", "load", "policy"),
-                 update: bool = False, log=print) -> dict:
+                 update: bool = False, readers: int = 8, pool_gbit: float = 1.0,
+                 log=print) -> dict:
     """Measure every codec; the result (see the module doc), written to ``json_path`` after
     each part. ``update``: keep what ``json_path`` already holds and update it (a run split
     into parts)."""
@@ -337,6 +346,9 @@ def run_compress(codecs=("none", "int8", "fp8", "int4", "int4h"), prompts: int =
     log(f"bench compress: parts {', '.join(parts)}; loading the model ...")
     model, tok, mid = load()
     layout = BlockLayout.of(model.config, torch.float32, BLOCK_TOKENS)
+    from .compress_pca import ensure_calibration, pca_entropy, uses_pca
+    if uses_pca(codecs):
+        ensure_calibration(model, tok, log)
     for c in codecs:
         codec_for(layout, c)             # an unknown name fails here, before any work
     if prefix_tokens % BLOCK_TOKENS:
@@ -373,14 +385,13 @@ def run_compress(codecs=("none", "int8", "fp8", "int4", "int4h"), prompts: int =
         write_json(json_path, out)
         final.clear()
         final.update(out)
-    # real KV for the speed and load parts: the first prompts' prefix blocks
-    kv = []
-    for _, ids in windows_[:4] if {"speed", "load"} & set(parts) else []:
-        cache = DynamicCache(config=model.config)
+    # real KV for the speed and load parts: the first 4 blocks of the longest text
+    block_kv = None
+    if {"speed", "load", "loaded"} & set(parts):
         from hostagent.inference.connectors.hf import prefill
-        prefill(model, ids[:prefix_tokens], cache, BLOCK_TOKENS)
-        kv.append(cache_block_tensor(cache, layout))
-    block_kv = torch.cat(kv) if kv else None
+        cache = DynamicCache(config=model.config)
+        prefill(model, windows(tok, 4 * BLOCK_TOKENS, 1)[0][1], cache, BLOCK_TOKENS)
+        block_kv = cache_block_tensor(cache, layout)
     if "quality" in parts:
         log("bench compress: quality ...")
         q = quality(model, layout, codecs, windows_, prefix_tokens, cont_tokens, suffix_tokens,
@@ -393,6 +404,9 @@ def run_compress(codecs=("none", "int8", "fp8", "int4", "int4h"), prompts: int =
         for c, s in speed(layout, codecs, block_kv).items():
             per[c].update({k: v for k, v in s.items() if k != "ratio"})
         result["entropy"] = entropy(layout, block_kv)
+        for c in codecs:
+            if uses_pca([c]):
+                result["entropy"][c] = pca_entropy(codec_for(layout, c), block_kv)
         save()
     if "load" in parts:
         log("bench compress: load from the switch ...")
@@ -403,6 +417,14 @@ def run_compress(codecs=("none", "int8", "fp8", "int4", "int4h"), prompts: int =
                            "load_vs_raw": round(lt[c]["load_s"] / lt["none"]["load_s"], 3),
                            "load_vs_raw_paired": lt[c]["load_vs_raw_paired"],
                            "load": lt[c]})
+        save()
+    if "loaded" in parts:
+        from .compress_loaded import loaded_ttft
+        log(f"bench compress: {readers} readers at once over a {pool_gbit:g} Gbit/s pool link ...")
+        result["loaded"] = loaded_ttft(block_kv, codecs, load_blocks, chunk_size,
+                                       f"cld{os.getpid() % 10000}", readers, pool_gbit, log=log)
+        for c, row in result["loaded"]["codecs"].items():
+            per[c]["loaded_ttft_p50_vs_raw"] = row.get("ttft_p50_vs_raw")
         save()
     if "policy" in parts and trace_path:
         # the switch's bytes are those of 2 % of the distinct blocks at 16 bits
