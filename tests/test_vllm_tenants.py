@@ -1,10 +1,13 @@
 """`vllm serve` with the kvswitch connector as tenants use it (e2e): two servers over a plain
-bridge share one pool node; a 1,173-token prompt computed by server 1 under ``cache_salt``
-tenant-A is never loaded by server 2 for tenant-B or for a request without a salt (0 blocks,
-vLLM's external hits unchanged), and is loaded for tenant-A (9 blocks, 1,152 tokens, the same
-text); the connector's numbers are on both servers' /metrics. Then a load beside the steps:
-while server 2 streams a long decode, a request whose prefix is in the pool (a load of about
-2 s over 0.2 Gbit/s links) waits for its KV without stalling the decode."""
+bridge share two pool nodes, each block held by both (``replicas`` 2); a 1,173-token prompt
+computed by server 1 under ``cache_salt`` tenant-A is never loaded by server 2 for tenant-B or
+for a request without a salt (0 blocks, vLLM's external hits unchanged), and is loaded for
+tenant-A (9 blocks, 1,152 tokens, the same text); the connector's numbers are on both servers'
+/metrics. Then a load beside the steps: while server 2 streams a long decode, a request whose
+prefix is in the pool (a load of about 2 s over 0.2 Gbit/s links) waits for its KV without
+stalling the decode. Last, a pool node dies (its server killed, its link down) just before a
+load: the request completes with the same text, its blocks loaded from the other holder after
+one silence."""
 import json
 import os
 import random
@@ -123,7 +126,7 @@ def _await_saved(lab, node: str, blocks: float, timeout: float = 120) -> dict:
 @pytest.fixture(scope="module")
 def two_servers():
     """Two `vllm serve` (SmolLM2-135M, 128-token blocks) on h1 and h2, the connector on both,
-    one pool node, a plain bridge, every link 0.2 Gbit/s."""
+    two pool nodes holding each block, a plain bridge, every link 0.2 Gbit/s."""
     _need_vllm()
     from testbed.bench.serve.vllm_server import ServerSpec, VllmServer
     from testbed.demos import realmodel
@@ -131,10 +134,11 @@ def two_servers():
     model_dir = str(realmodel.model_dir())
     with tempfile.TemporaryDirectory(prefix="kvtest-tenants-") as tmp, \
             leaves_no_namespaces("vkt"), \
-            Lab("vkt", hosts=2, pools=1, switch=False, chunk_size=3072, pool_capacity="1GiB",
+            Lab("vkt", hosts=2, pools=2, switch=False, chunk_size=3072, pool_capacity="1GiB",
                 link_gbit=LINK_GBIT) as lab:
         spec = ServerSpec(model_dir, "smollm2", 1280, 24, BLOCK, connector={
-            "pools": lab.pool_addrs, "chunk_size": 3072, "model_id": realmodel.model_id()})
+            "pools": lab.pool_addrs, "chunk_size": 3072, "model_id": realmodel.model_id(),
+            "replicas": 2})
         ncpu = len(os.sched_getaffinity(0))
         servers = [VllmServer(lab.topo, f"h{i + 1}", spec, os.path.join(tmp, f"h{i + 1}.log"),
                               core=i % ncpu) for i in range(2)]
@@ -209,3 +213,36 @@ def test_a_load_waits_beside_a_decode_that_keeps_going(two_servers):
     assert max(gaps) < load_s / 2, (max(gaps), load_s)
     print(f"beside a load of {load_s:.2f} s: {len(during)} tokens streamed meanwhile, the "
           f"longest gap {max(gaps) * 1e3:.0f} ms; request {out['end'] - out['start']:.2f} s")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+def test_a_pool_node_dead_before_a_load_costs_one_silence(two_servers):
+    """With every block on both pool nodes, p1 dies (its server SIGKILLed, its link down) and
+    server 2 asks for a prefix server 1 saved: the request completes with server 1's text, every
+    block loaded (from p2: those whose first holder was p1 after one silence of 1 s), no load
+    failure; each of the connector's processes says once that p1 does not answer, none blames p2."""
+    import signal
+    from testbed.lab.topology import ip
+    lab, (s1, s2) = two_servers
+    prompt = _prompt(4)
+    saved = _metrics(lab, "h1").get("vllm:kvswitch_blocks_saved_total", 0)
+    first = _post(lab, "h1", _body(prompt, "tenant-K"))
+    _await_saved(lab, "h1", saved + PROMPT_LEN // BLOCK)
+    lab.stop_pool(0, signal.SIGKILL)
+    ip("link", "set", lab.topo.pool_nodes[0].name, "down", ns=lab.topo.switch_ns)
+    mark, before = s2.log_size(), _metrics(lab, "h2")
+    again = _post(lab, "h2", _body(prompt, "tenant-K"))
+    own = _delta(_metrics(lab, "h2"), before)
+    assert again["text"] == first["text"]
+    assert own["vllm:kvswitch_blocks_loaded_total{pool}"] == LOADABLE, own
+    assert not any(k.startswith("vllm:kvswitch_load_failures") for k in own), own
+    said = [ln for ln in s2.log(since=mark).splitlines() if "does not answer" in ln]
+    # the scheduler's process and the worker's each keep their own placement: once each
+    speakers = [ln.split(")")[0] for ln in said]
+    assert len(set(speakers)) == len(speakers) <= 2, said
+    assert all(lab.pool_addrs[0] in ln for ln in said), said
+    # one silence (1 s) at most in the load's way, then p2's blocks over a 0.2 Gbit/s link
+    assert own["vllm:kvswitch_load_seconds_sum"] < 1.0 + 4.0, own
+    print(f"p1 dead: the load took {own['vllm:kvswitch_load_seconds_sum']:.2f} s, the request "
+          f"{again['seconds']:.2f} s")
