@@ -142,11 +142,12 @@ bench-sim:
 	  --nodes 16,24,32,48,64,96,128,192,256,384,512 --switch-gib 64 --sharing 0,0.5,0.9 \
 	  --skew-cases '' --switch-budget 250000 --json bench/results/sim-sweep-int4.json \
 	  --plot bench/results/sim-breakeven-int4.png
+	$(VENV)/bin/testbed sim fabric --trace $(TRACE) --json bench/results/sim-fabric.json \
+	  --plot bench/results/sim-fabric.png
+	# the validations last: a verdict that fails stops make after the model's runs
 	$(VENV)/bin/testbed sim validate --trace $(TRACE) --json bench/results/sim-validate.json
 	$(VENV)/bin/testbed sim validate --serve --trace $(TRACE) \
 	  --json bench/results/sim-validate-serve.json
-	$(VENV)/bin/testbed sim fabric --trace $(TRACE) --json bench/results/sim-fabric.json \
-	  --plot bench/results/sim-fabric.png
 	$(VENV)/bin/testbed sim validate --serve --racks 2 --json bench/results/sim-validate-fabric.json
 	$(VENV)/bin/testbed sim validate --serve --racks 2 --pools 1 \
 	  --live-json bench/results/serve-fabric-1pool.json \
