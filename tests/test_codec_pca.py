@@ -17,7 +17,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from conftest import local_pool
 from hostagent.inference import codec, codec_calibrate, codec_pca
 from hostagent.inference.connectors.hf import (BlockLayout, KVConnector, blocks_to_cache,
-                                              cache_block_tensor, codec_for, greedy, prefill)
+                                               cache_block_tensor, codec_for, greedy, prefill)
 
 BT = 64
 CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=224, num_hidden_layers=2,
@@ -173,7 +173,7 @@ def test_the_decode_loops_are_the_documented_format(model, cal_dir, monkeypatch,
     coded = [c.encode(kv[i], i * BT) for i in range(3)]
     assert all(len(x) == c.nbytes for x in coded) and c.ratio >= 8
     cache = blocks_to_cache(coded, _layout(model), codec=c)
-    got = torch.stack([torch.stack((l.keys[0], l.values[0])) for l in cache.layers])
+    got = torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers])
     for i in range(3):
         ref = _reference_decode(c, coded[i])
         mine = got[:, :, :, i * BT:(i + 1) * BT].double()
