@@ -112,6 +112,7 @@ bench:
 	  --placement split --json bench/results/serve-fabric-place-split.json
 	$(VENV)/bin/testbed bench lmcache --json bench/results/lmcache.json
 	OMP_NUM_THREADS=1 $(VENV)/bin/testbed bench compress --trace $(TRACE) \
+	  --codecs none,int8,fp8,int4,int4/g64,int4h,pca,pca/x10,pca/x11,pca/x12 \
 	  --json bench/results/compress.json --plot bench/results/compress.png
 	OMP_NUM_THREADS=1 $(VENV)/bin/testbed bench compress --codecs none,pca --parts loaded \
 	  --load-blocks 16 --update --json bench/results/compress.json --plot bench/results/compress.png

@@ -14,12 +14,13 @@ def _row(mode, loads, fault, server, ttfts, itls, failed=0, texts=("a", "b")):
             "connector_loads": {"failed": 0}}
 
 
-def _rows(switch_ttft, switch_itl, failed=0, texts=("a", "b")):
+def _rows(switch_ttft, switch_itl, failed=0, texts=("a", "b"), stall=1.0):
     rows = []
     for p in PASSES:
-        fast = p.mode == "switch" and p.loads == "async" and p.fault is None
+        fast = p.mode == "switch" and p.loads == "async"
+        slow = stall if p.fault else 1.0         # the fault pass's stall, if any
         for server in (0, 1):
-            ttft = [switch_ttft] * 4 if fast and server else [1.0] * 4
+            ttft = [switch_ttft * slow] * 4 if fast and server else [1.0] * 4
             itl = [switch_itl] * 10 if fast and server else [0.05] * 10
             rows.append(_row(p.mode, p.loads, p.fault, server, ttft, itl,
                              failed if p.fault else 0, texts if p.fault else ("a", "b")))
@@ -39,6 +40,7 @@ def test_a_pass_that_loads_fast_without_stalling_meets_the_targets():
     ({"switch_ttft": 0.3, "switch_itl": 0.07}, "itl_p99_switch_over_local"),
     ({"switch_ttft": 0.3, "switch_itl": 0.05, "failed": 1}, "no_failed_request"),
     ({"switch_ttft": 0.3, "switch_itl": 0.05, "texts": ("a", "c")}, "outputs_match"),
+    ({"switch_ttft": 0.3, "switch_itl": 0.05, "stall": 3.0}, "ttft_p99_fault_over_no_fault"),
 ])
 def test_every_verdict_can_fail(kw, unmet):
     s = busy_summary(_rows(**kw))
