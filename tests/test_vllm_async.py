@@ -237,7 +237,7 @@ def test_async_saves_keep_a_finished_requests_blocks_until_copied(model_dir, poo
     from hostagent.inference.connectors.vllm import KVSwitchMetadata
     from hostagent.inference.connectors.vllm_blocks import SaveSpec
     read = w._paged.read
-    w._paged.read = lambda ids: (time.sleep(0.3), read(ids))[1]
+    w._paged.read = lambda ids, *pos: (time.sleep(0.3), read(ids, *pos))[1]
     w._async_saves.submit(SaveSpec("h", keys[:1], 0, [[40]]))
     start = time.monotonic()
     w.handle_preemptions(KVSwitchMetadata(preempted=True))
