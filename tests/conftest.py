@@ -90,6 +90,36 @@ async def local_pool(capacity: int = 64 << 20, store=None, ready_within: float =
 
 
 @contextlib.contextmanager
+def pool_in_thread(capacity: int = 64 << 20):
+    """``local_pool`` run by an event loop thread of its own, for callers that block (the
+    connectors' own I/O loop talks to it): yields its address, ``"127.0.0.1:PORT"``."""
+    import threading
+    loop, ready, done, out = asyncio.new_event_loop(), threading.Event(), None, {}
+
+    async def main():
+        nonlocal done
+        done = asyncio.Event()
+        async with local_pool(capacity, ready_within=10) as proto:
+            out["addr"] = "%s:%d" % proto.sock.getsockname()[:2]
+            ready.set()
+            await done.wait()
+
+    def run():
+        try:
+            loop.run_until_complete(main())
+        finally:
+            ready.set()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(10) and "addr" in out, "the loopback pool node did not start"
+    try:
+        yield out["addr"]
+    finally:
+        loop.call_soon_threadsafe(done.set)
+        thread.join(10)
+
+
+@contextlib.contextmanager
 def leaves_no_namespaces(prefix: str):
     """Around a testbed named ``prefix``: afterwards none of its namespaces may be left."""
     from testbed.lab.topology import namespaces_of

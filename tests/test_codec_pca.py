@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from conftest import local_pool
+from conftest import local_pool, pool_in_thread
 from hostagent.inference import codec, codec_calibrate, codec_pca
 from hostagent.inference.connectors.hf import (BlockLayout, KVConnector, blocks_to_cache,
                                                cache_block_tensor, codec_for, greedy, prefill)
@@ -290,8 +290,6 @@ def test_the_vllm_connector_gives_the_tokens_of_the_round_trip(model, cal_dir):
     from hostagent.inference.connectors.paged_kv import PagedKV
     from hostagent.inference.connectors.vllm_blocks import LoadSpec, PoolLayout, Settings
     from hostagent.inference.connectors.vllm_pool import PoolBackend, drain_load
-    from hostagent.pool.server import serve
-    import threading
     tokens, _, kv = _kv(model)
     L, H, D, vb = 2, 2, 16, 16
     raw, coded = (PoolLayout(L, H, D, torch.float32, BT, vb, s) for s in ("none", "pca"))
@@ -306,23 +304,8 @@ def test_the_vllm_connector_gives_the_tokens_of_the_round_trip(model, cal_dir):
     blocks = [PagedKV(src, coded).read(ids[j], j * BT) for j in range(3)]
     assert all(len(b) == coded.coded_bytes for b in blocks)
 
-    loop, ready, handle = asyncio.new_event_loop(), threading.Event(), {}
-
-    def run():
-        async def main():
-            started, stop = asyncio.Event(), asyncio.Event()
-            handle["stop"] = stop
-            task = asyncio.create_task(serve("127.0.0.1", 0, 64 << 20, started, stop, handle))
-            await started.wait()
-            ready.set()
-            await task
-        loop.run_until_complete(main())
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    host, port = handle["protocol"].sock.getsockname()
-    try:
-        b = PoolBackend(Settings.from_extra({"pools": [f"{host}:{port}"], "chunk_size": 512,
+    with pool_in_thread() as addr:
+        b = PoolBackend(Settings.from_extra({"pools": [addr], "chunk_size": 512,
                                              "namespace": 4, "kv_codec": "pca"}))
         keys = coded.keys(tokens, "m")[:3]
         b.save(4, keys, blocks)
@@ -332,9 +315,6 @@ def test_the_vllm_connector_gives_the_tokens_of_the_round_trip(model, cal_dir):
         loaded, _, error = drain_load(ld, b.fetch(4, keys, coded.nchunks(512)),
                                       PagedKV(dst, coded), 20)
         assert (loaded, error) == (3, None)
-    finally:
-        loop.call_soon_threadsafe(handle["stop"].set)
-        thread.join(10)
     got = torch.stack([torch.frombuffer(bytearray(PagedKV(dst, raw).read(ids[j])),
                                         dtype=torch.float32).view(raw.shape)
                        for j in range(3)])

@@ -2,10 +2,8 @@
 scheduler's plan, copies between vLLM's CPU paged cache and pool blocks, the I/O backend against
 a loopback pool node), and end to end (e2e tier) two vLLM engines sharing a short prefix through
 the switch on the testbed (``testbed.demos.vllm``, the minimal version of `make demo-vllm`)."""
-import asyncio
 import json
 import queue
-import threading
 import time
 
 import numpy as np
@@ -17,9 +15,9 @@ except ImportError as exc:
     pytest.fail(f"{exc}: install the inference extra (pip install -e '.[inference]', "
                 "or run 'make setup')", pytrace=False)
 
+from conftest import pool_in_thread
 from hostagent.common.transfer import BlockNotFound, TransferStats
 from hostagent.common.hashing import block_hashes
-from hostagent.pool.server import serve
 from hostagent.inference.connectors.paged_kv import PagedKV
 from hostagent.inference.connectors.vllm_blocks import (LoadSpec, Planner, PoolLayout,
                                                         Settings, load_targets)
@@ -350,25 +348,8 @@ def test_a_failed_block_ends_the_load_there():
 @pytest.fixture
 def pool():
     """A pool node served on 127.0.0.1 by its own event loop thread: its address."""
-    loop, ready, handle = asyncio.new_event_loop(), threading.Event(), {}
-
-    def run():
-        async def main():
-            started, stop = asyncio.Event(), asyncio.Event()
-            handle["stop"] = stop
-            task = asyncio.create_task(serve("127.0.0.1", 0, 64 << 20, started, stop, handle))
-            await started.wait()
-            ready.set()
-            await task
-        loop.run_until_complete(main())
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    host, port = handle["protocol"].sock.getsockname()
-    yield f"{host}:{port}"
-    loop.call_soon_threadsafe(handle["stop"].set)
-    thread.join(10)
+    with pool_in_thread() as addr:
+        yield addr
 
 
 def test_backend_probes_fetches_and_saves(pool):
