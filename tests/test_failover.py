@@ -45,12 +45,14 @@ def test_a_silent_node_goes_to_the_end_and_its_back_off_doubles(caplog):
     first, *rest = p.read_order(1, key)
     caplog.set_level("WARNING", logger="kvswitch.pools")
     p.failed(first, "read", NoAnswer("nothing"))
-    assert p.read_order(1, key) == rest + [first] and not p.usable(first)
+    assert p.read_order(1, key) == rest and not p.usable(first)      # not asked meanwhile
     p.failed(first, "read", NoAnswer("nothing"))          # failing again: twice as long
     assert p._down[first][1] == pytest.approx(0.1)
     time.sleep(0.12)
     assert p.usable(first) and p.read_order(1, key)[0] == first       # asked again
+    assert p.suspect(first) and p.read_order(1, key, wary=True) == rest   # not by the wary
     p.answered(first)
+    assert not p.suspect(first) and p.read_order(1, key, wary=True)[0] == first
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2, said                  # one line when it goes, one when it is back
     assert "does not answer" in said[0] and "asked of the next node holding them" in said[0]
@@ -108,8 +110,8 @@ async def _get_asking_first(c: KVClient, place: Placement, addr):
     """``c.get_block(1, KEY)`` with ``addr`` asked first (read_order pinned for the call)."""
     real = place.read_order
 
-    def pinned(ns, key):
-        order = real(ns, key)
+    def pinned(ns, key, wary=False):
+        order = real(ns, key, wary)
         return [addr] + [a for a in order if a != addr]
     place.read_order = pinned
     try:
@@ -203,3 +205,83 @@ def test_hostagent_refuses_more_replicas_than_pools():
     r = CliRunner().invoke(main, ["get", "--pool", "198.18.0.101", "--key", "00" * 16,
                                   "--replicas", "2"])
     assert r.exit_code == 2 and "2 replicas, but 1 --pool node(s)" in r.output
+
+
+def test_a_left_out_holder_is_not_asked_and_a_suspect_is_bounded_by_the_silence():
+    """The stall a killed pool node caused under `vllm serve` (bench vllm --workload busy): a
+    block its live holder lacks was asked of the silent one, the last holder, until the deadline
+    (the scheduler's probe, every step). Now: while the silent node is left out the live
+    holder's NOT_FOUND is the answer at once; past its back-off it is asked again but, a suspect,
+    only for the silence limit; a wary caller never asks it; a background check (``due`` then
+    ``recheck``) claims it once and learns whether it answers."""
+    quiet = _silent_socket()
+
+    async def body():
+        async with local_pool() as a:
+            live, silent = a.sock.getsockname(), quiet.getsockname()
+            place = Placement([f"{h}:{p}" for h, p in (live, silent)], replicas=2,
+                              silence_s=0.3, retry_s=0.2)
+            out = {}
+            async with KVClient(place, 1024, deadline=20) as c:
+                place.failed(silent, "read", NoAnswer("killed"))
+                t0 = time.monotonic()
+                with pytest.raises(BlockNotFound):
+                    await c.get_block(1, KEY)                 # the live holder's answer
+                out["left_out"] = time.monotonic() - t0
+                await asyncio.sleep(0.25)                     # the back-off is over
+                assert place.read_order(1, KEY, wary=True) == [live]
+                real = place.read_order                       # the live node asked first
+                place.read_order = lambda ns, key, wary=False: [
+                    x for x in (live, silent) if x in real(ns, key, wary)]
+                t0 = time.monotonic()
+                with pytest.raises(Silent):
+                    await c.get_block(1, KEY)                 # NOT_FOUND, then the suspect
+                out["suspect"] = time.monotonic() - t0
+                place.read_order = real
+                out["backoff"] = place._down[silent][1]
+                place._down[silent] = (0.0, out["backoff"])   # past its back-off again
+                assert place.due(1, KEY) == silent and place.due(1, KEY) is None   # once
+                await c.recheck(silent, 1, KEY)
+                out["rechecked"] = place._down[silent][1]
+                place.failed(live, "read", NoAnswer("a test's"))
+                await c.recheck(live, 1, KEY)                 # NOT_FOUND is an answer
+                out["live_suspect"] = place.suspect(live)
+            return out
+
+    out = asyncio.run(body())
+    quiet.close()
+    assert out["left_out"] < 0.25, out               # not one silence, let alone the deadline
+    assert 0.3 <= out["suspect"] < 2.0, out          # the silence limit, not the 20 s deadline
+    assert out["backoff"] == pytest.approx(0.4) and out["rechecked"] == pytest.approx(0.8)
+    assert not out["live_suspect"]
+
+
+def test_the_switchs_answers_in_a_nodes_name_do_not_clear_its_suspicion():
+    """The switch answers a GET for a chunk it holds in the pool node's name (FROM_SWITCH): that
+    says nothing of the node, which stays a suspect; a reply of its own clears it."""
+    import dataclasses
+    from kvproto import Flag, Message
+    data = os.urandom(3_000)
+
+    async def body():
+        async with local_pool() as a:
+            addr = a.sock.getsockname()
+            place = Placement(["%s:%d" % addr])
+            async with KVClient(place, 1024, deadline=5) as c:
+                await c.put_block(1, KEY, data)
+                place.failed(addr, "read", NoAnswer("a test's"))
+                place._down[addr] = (0.0, 5.0)                # its back-off is over
+                real = a.send
+
+                def as_switch(parts, to):         # one datagram, in parts
+                    m = Message.decode(b"".join(parts))
+                    real([dataclasses.replace(m, flags=m.flags | Flag.FROM_SWITCH).encode()], to)
+                a.send = as_switch
+                got, _ = await c.get_block(1, KEY)
+                after_switch = place.suspect(addr)
+                a.send = real
+                again, _ = await c.get_block(1, KEY)
+            return got, again, after_switch, place.suspect(addr)
+
+    got, again, after_switch, after_node = asyncio.run(body())
+    assert got == data == again and after_switch and not after_node

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import leaves_no_namespaces
 from hostagent.common.pools import Placement
+from hostagent.common.transfer import BlockNotFound, NoAnswer, Silent
 from hostagent.inference.fetch import FetchEngine
 from testbed.lab import Lab
 from testbed.lab.topology import ip
@@ -75,3 +76,36 @@ def test_a_silent_holder_costs_one_silence_then_none(lab):
             ip("link", "set", "p1", "up", ns=lab.topo.switch_ns)
     assert 1.0 <= moved_after < 4.0, moved_after         # one silence, not a 20 s deadline
     assert straight < 0.5 and e.stats.moved == 1, straight
+
+
+def test_a_left_out_or_suspect_holder_never_holds_a_read_to_the_deadline(lab):
+    """A block the live holder lacks, its other holder cut off: while that one is left out the
+    live holder's NOT_FOUND is the answer at once; past its back-off it is asked again, but as a
+    suspect only for one silence, though it is the last holder left (the deadline is 20 s)."""
+    place = Placement(lab.pool_addrs, replicas=2, silence_s=0.5, retry_s=0.3)
+    hung, live = lab.pool_addrs
+    [(known, data)] = _blocks(lab, place, live, 1, seed=4)
+    rng = random.Random(5)
+    nowhere = next(k for k in iter(lambda: rng.randbytes(16), None)
+                   if place.read_order(NS, k)[0][0] == live)      # asked of the live one first
+    with FetchEngine(place, CS, netns=lab.topo.node("h1").netns, deadline=20) as e:
+        b = e.get_block(NS, known)                                # the engine is answered
+        assert b.tobytes() == data
+        b.release()
+        ip("link", "set", "p1", "down", ns=lab.topo.switch_ns)
+        try:
+            place.failed((hung, 19286), "read", NoAnswer("its cable is out"))
+            t0 = time.monotonic()
+            with pytest.raises(BlockNotFound):
+                e.get_block(NS, nowhere, no_cache=True)
+            left_out = time.monotonic() - t0
+            time.sleep(0.35)                                      # its back-off is over
+            t0 = time.monotonic()
+            with pytest.raises(Silent):
+                e.get_block(NS, nowhere, no_cache=True)
+            suspect = time.monotonic() - t0
+        finally:
+            ip("link", "set", "p1", "up", ns=lab.topo.switch_ns)
+    assert left_out < 0.4, left_out
+    assert 0.5 <= suspect < 3.0, suspect
+    assert place._down[(hung, 19286)][1] == pytest.approx(0.6)    # silent again: doubled

@@ -400,14 +400,17 @@ def test_only_silence_takes_a_pool_node_out_of_use():
 def test_a_silent_pool_node_is_skipped_for_a_while_with_one_log_line(caplog):
     """Nothing answers at the pool's address: the first probe waits its deadline, says miss and
     logs one line; while the node is out of use probes say miss at once and saves are dropped;
-    after the back-off it is asked again (and again nothing answers: no second line)."""
+    after the back-off the probe still says miss at once (the scheduler never waits for a
+    suspect) and the node is asked again in the background (nothing answers: its back-off
+    doubles, no second line)."""
     import socket
     quiet = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)     # bound, never read: silent
     quiet.bind(("127.0.0.1", 0))
     addr = "%s:%d" % quiet.getsockname()
     s = Settings.from_extra({"pools": [addr], "chunk_size": 256, "probe_deadline": 0.3,
-                             "retry_s": 0.6, "fetch_engine": "off"})
+                             "retry_s": 0.6, "silence_s": 0.2, "fetch_engine": "off"})
     b = PoolBackend(s)
+    node = b.placement.pools[0]
     layout = PoolLayout(L, H, D, torch.float32, 32, 16)
     keys = layout.keys(list(range(3, 3 + 4 * 32)), "m")
     with caplog.at_level("WARNING", logger="vllm.kvswitch"):
@@ -421,10 +424,38 @@ def test_a_silent_pool_node_is_skipped_for_a_while_with_one_log_line(caplog):
         assert b.snapshot()["probes_skipped"] >= 1
         time.sleep(0.7)                                          # the back-off is over
         start = time.monotonic()
-        assert b.probe(4, keys)[0] == 0 and time.monotonic() - start >= 0.25   # asked again
+        assert b.probe(4, keys)[0] == 0 and time.monotonic() - start < 0.1   # not waited for
+        end = time.monotonic() + 5
+        while b.placement._down[node][1] < 1.2 and time.monotonic() < end:
+            time.sleep(0.02)                                     # the background check
+        assert b.placement._down[node][1] == pytest.approx(1.2)  # asked again: still silent
     lines = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
     assert 0.25 <= first < 2 and len(lines) == 1 and addr in lines[0], lines
     quiet.close()
+
+
+def test_a_pool_node_back_after_its_silence_is_probed_again(pool):
+    """A consumer that only probes (no saves re-ask the node) finds a pool node again once it
+    answers: past the back-off the probe says miss at once and checks the node in the
+    background; the next probe finds the blocks."""
+    from hostagent.common.transfer import NoAnswer
+    layout = PoolLayout(L, H, D, torch.float32, 32, 16)
+    s = Settings.from_extra({"pools": [pool], "chunk_size": 256, "retry_s": 0.2,
+                             "fetch_engine": "off"})
+    b = PoolBackend(s)
+    keys = layout.keys(list(range(3, 3 + 2 * 32)), "m")
+    b.save(4, keys, [bytes(layout.block_bytes)] * 2)
+    assert b.flush(20) and b.probe(4, keys)[0] == 2
+    node = b.placement.pools[0]
+    b.placement.failed(node, "read", NoAnswer("a test's silence"))
+    assert b.probe(4, keys)[0] == 0                              # left out: a miss at once
+    time.sleep(0.25)
+    start = time.monotonic()
+    assert b.probe(4, keys)[0] == 0 and time.monotonic() - start < 0.1
+    end = time.monotonic() + 5
+    while b.placement.suspect(node) and time.monotonic() < end:
+        time.sleep(0.02)
+    assert not b.placement.suspect(node) and b.probe(4, keys)[0] == 2
 
 
 # ---- end to end ----------------------------------------------------------------------------

@@ -186,6 +186,24 @@ def test_async_loads_land_beside_the_steps_and_fail_only_what_did_not_land(model
     assert w.get_kv_connector_stats() is None            # reset: nothing since
 
 
+def test_a_request_not_admitted_yet_reuses_its_probe(model_dir, pool, monkeypatch):
+    """vLLM asks about a waiting request every step while it has no room for its blocks: the
+    pool is probed once per ``PROBE_REUSE_S``, not once a step (under the busy workload a slow
+    probe held every step while a request waited for room)."""
+    from hostagent.inference.connectors import vllm as connector
+    s, w = _connectors(model_dir, pool)
+    keys, data = _blocks_of(w, None)
+    w.backend.save(w.ns, keys, data)
+    assert w.backend.flush(20)
+    calls, real = [], s.backend.probe
+    monkeypatch.setattr(s.backend, "probe", lambda ns, ks: calls.append(len(ks)) or real(ns, ks))
+    req = _request("waits")
+    answers = [s.get_num_new_matched_tokens(req, 0) for _ in range(6)]
+    assert answers == [(5 * BS, True)] * 6 and calls == [5]
+    monkeypatch.setattr(connector, "PROBE_REUSE_S", 0.0)
+    assert s.get_num_new_matched_tokens(req, 0) == (5 * BS, True) and calls == [5, 5]
+
+
 def test_sync_mode_loads_in_the_step(model_dir, pool):
     s, w = _connectors(model_dir, pool, load_mode="sync")
     keys, data = _blocks_of(w, None)

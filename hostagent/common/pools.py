@@ -12,9 +12,13 @@ one hot block share its holders' links instead of queueing at its owner's.
 Failover. A node that left a transfer unanswered for ``silence_s`` (the clients judge it per
 transfer: no reply to it, and none to any transfer on that node, for that long) is left out for
 a back-off that doubles while it keeps failing (``retry_s`` .. ``RETRY_CAP``); meanwhile reads
-ask the block's next holder at once and PUTs skip it (a lost PUT is a future miss). A read
-whose every holder is left out still asks them (one may be back). One log line when a node
-goes, one when it answers again.
+ask only the block's other holders (one that lacks it is a miss) and PUTs skip it (a lost PUT
+is a future miss). A read whose every holder is left out still asks them (one may be back).
+Past its back-off a node is asked again by reads and PUTs, but it stays a suspect until it
+answers: a transfer to a suspect is bounded by the silence limit even where it is the last
+holder left, and a caller that must not wait (the vLLM scheduler's probe: ``wary``) never asks
+one while another holder answers, nor at all when none does. One log line when a node goes, one
+when it answers again.
 """
 from __future__ import annotations
 
@@ -84,16 +88,19 @@ class Placement:
         order = rendezvous(self.pools, ns, key)
         return order[:1] if self.shared else order[:self.replicas]
 
-    def read_order(self, ns: int, key: bytes) -> list[Addr]:
+    def read_order(self, ns: int, key: bytes, wary: bool = False) -> list[Addr]:
         """The nodes to ask for the block, in turn: its holders (any node, with a shared
-        store) in rendezvous order (a random one with ``spread``), those answering now first."""
+        store) in rendezvous order (a random one with ``spread``) that are not left out now,
+        or all of them if every one is. ``wary``: only those that answered last time (no
+        suspect), maybe none."""
         order = rendezvous(self.pools, ns, key)
         if not self.shared:
             order = order[:self.replicas]
         if self.spread:
             random.shuffle(order)
-        up = [p for p in order if self.usable(p)]
-        return up + [p for p in order if p not in up]
+        if wary:
+            return [p for p in order if p not in self._down]
+        return [p for p in order if self.usable(p)] or order
 
     def owner(self, ns: int, key: bytes) -> Addr:
         """The node asked first for the block now."""
@@ -101,8 +108,13 @@ class Placement:
 
     # ---- reachability ------------------------------------------------------------------------
     def usable(self, addr: Addr) -> bool:
+        """Not left out now (its back-off, if any, is over)."""
         state = self._down.get(addr)
         return state is None or time.monotonic() >= state[0]
+
+    def suspect(self, addr: Addr) -> bool:
+        """Left a transfer unanswered and has not answered since (back-off over or not)."""
+        return addr in self._down
 
     def failed(self, addr: Addr, what: str, exc: BaseException | str) -> None:
         """``addr`` left a ``what`` (probe, load, save, read) unanswered: leave it out."""
@@ -120,16 +132,32 @@ class Placement:
             return "its blocks are asked of the next node holding them"
         return "its blocks are misses and not saved"
 
+    def due(self, ns: int, key: bytes) -> Addr | None:
+        """A holder of the block that is a suspect past its back-off, claimed for one check (its
+        back-off starts again, not doubled, so that no other caller asks it meanwhile); None if
+        there is none. For a caller that never asks suspects itself (``wary``)."""
+        now = time.monotonic()
+        with self._lock:
+            for addr in self.holders(ns, key):
+                until, backoff = self._down.get(addr, (None, 0.0))
+                if until is not None and now >= until:
+                    self._down[addr] = (now + backoff, backoff)
+                    return addr
+        return None
+
     def answered(self, addr: Addr) -> None:
+        """``addr`` answered a transfer: a suspect no more (cheap when it was none)."""
+        if addr not in self._down:
+            return
         with self._lock:
             back = self._down.pop(addr, None) is not None
         if back:
             self.log.warning("kvswitch: pool node %s:%d answers again", *addr)
 
     def readable(self, ns: int, key: bytes) -> bool:
-        """Whether a node that would be asked for the block answers now (a caller that must
-        not wait, such as a scheduler's probe, takes the block for a miss otherwise)."""
-        return self.usable(self.owner(ns, key))
+        """Whether a holder of the block answered last time (a caller that must not wait,
+        such as a scheduler's probe, takes the block for a miss otherwise)."""
+        return bool(self.read_order(ns, key, wary=True))
 
     def writable(self, ns: int, key: bytes) -> bool:
         """Whether a node that would hold the block answers now."""

@@ -13,7 +13,8 @@ first ``replicas`` of its rendezvous order). A PUT goes to each holder answering
 them in turn: a transfer left unanswered for the placement's silence limit (no accepted reply
 to it, nor to any other transfer from that node, for that long) leaves its node out for a while
 and asks the next holder for the chunks still missing (``Silent`` when none is left: the last
-holder is waited for until the deadline).
+holder is waited for until the deadline, unless it is a suspect, silent before and not heard
+since).
 
 Request ids are random (``secrets``) and never reused while a reply to them can arrive: one
 in use or retired less than ``RID_HOLD`` seconds ago is not drawn again, so an off-path host
@@ -74,6 +75,7 @@ class _Transfer:
         self.client, self.addr, self.build, self.accept, self.stats = (
             client, addr, build, accept, stats)
         self.silence, self.heard = silence, time.monotonic()     # the last accepted reply
+        self.from_node = False          # a reply from the node itself (not the switch's)
         self.todo = list(reversed(items))
         self.left = self.total = len(items)
         # item -> rid, sent, due, tries
@@ -159,6 +161,7 @@ class _Transfer:
         if verdict == IGNORE:
             return
         self.heard = self.client._heard[self.addr] = time.monotonic()
+        self.from_node |= not msg.flags & (Flag.FROM_SWITCH | Flag.REPLICA)
         if verdict == RETRY_BYPASS:
             self._send(item, tries, Flag.NO_CACHE)
             return
@@ -345,17 +348,35 @@ class KVClient:
         return Block.of_bytes(ns, key, data, self.chunk_size, stats), stats
 
     async def first_chunk(self, ns: int, key: bytes, stats: TransferStats | None = None,
-                          deadline: float | None = None) -> int:
+                          deadline: float | None = None, wary: bool = False) -> int:
         """GET chunk 0 of a block alone, as every GET is made (window, retransmission, CRC
         check and bypass), within ``deadline`` seconds (the client's by default): the block's
         chunk count, or BlockNotFound if its pool node lacks it. For a caller that asks whether
-        a block is there without fetching it (the vLLM connector's probe)."""
+        a block is there without fetching it (the vLLM connector's probe); ``wary``: of the
+        holders that answered last time only (``Placement.read_order``), ``Silent`` if none."""
         stats = TransferStats() if stats is None else stats
         known: dict = {"n": None}
         build, accept = self._get_chunk(ns, key, {}, known, stats, 0)
         await self._read(ns, key, [0], build, accept, stats,
-                         self.deadline if deadline is None else deadline)
+                         self.deadline if deadline is None else deadline, wary)
         return known["n"]
+
+    async def recheck(self, addr, ns: int, key: bytes) -> None:
+        """Ask ``addr`` (a suspect, ``Placement.due``) for chunk 0 of a block, past the switch's
+        cache, within the silence limit: the placement learns whether it answers (a NACK is an
+        answer too)."""
+        place, known = self.placement, {"n": None}
+        build, accept = self._get_chunk(ns, key, {}, known, TransferStats(), Flag.NO_CACHE)
+        t = _Transfer(self, addr, [0], build, accept, TransferStats(), place.silence_s,
+                      place.silence_s)
+        try:
+            await t.run()
+        except NoAnswer as exc:
+            place.failed(addr, "read", exc)
+            return
+        except (BlockNotFound, Refused):
+            pass
+        place.answered(addr)
 
     async def _get_raw(self, ns: int, key: bytes, nchunks: int | None,
                        no_cache: bool) -> tuple[bytes, TransferStats]:
@@ -405,16 +426,20 @@ class KVClient:
 
         return build, accept
 
-    async def _read(self, ns, key, items, build, accept, stats, deadline: float) -> None:
+    async def _read(self, ns, key, items, build, accept, stats, deadline: float,
+                    wary: bool = False) -> None:
         """Ask the block's holders for ``items`` in turn (module docstring): the next one when
         a node stays silent, lacks the block (restarted empty) or refuses it as UNAVAILABLE
         (its store cannot reach it now), within ``deadline`` seconds in all."""
         place = self.placement
-        order, end = place.read_order(ns, key), time.monotonic() + deadline
+        order, end = place.read_order(ns, key, wary), time.monotonic() + deadline
+        if not order:
+            raise Silent(f"no node holding block {key.hex()} answered last time")
         for n, addr in enumerate(order, 1):
             last = n == len(order)
+            patient = last and not place.suspect(addr)      # waited for until the deadline
             t = _Transfer(self, addr, list(items), build, accept, stats,
-                          max(0.0, end - time.monotonic()), None if last else place.silence_s)
+                          max(0.0, end - time.monotonic()), None if patient else place.silence_s)
             try:
                 await t.run()
             except BlockNotFound:          # a holder that lost it (restarted empty): the next
@@ -434,5 +459,6 @@ class KVClient:
                     raise
                 items = t.remaining()
                 continue
-            place.answered(addr)
+            if t.from_node:                # a suspect no more (the switch's hits say nothing)
+                place.answered(addr)
             return

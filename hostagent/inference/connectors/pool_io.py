@@ -10,8 +10,10 @@ timeout) or ``awaitable`` (from another event loop; ``await_on`` hands back a re
 caller gave up). The calls every connector makes:
 
   prefix   how many leading blocks the pool (or the switch) has: a GET of each block's chunk 0,
-           in flight at once in chain order; the first miss, refusal or silence ends the prefix
-           and cancels the probes after it; a block no answering node holds is a miss at once;
+           in flight at once in chain order, of holders that answered last time only (a
+           suspect is asked again in the background, ``readable``); the first miss, refusal or
+           silence ends the prefix and cancels the probes after it; a block no answering node
+           holds is a miss at once;
   view     a whole block (``Block``; the caller releases it);
   put      a block to its holders (saved, refused as stored already, failed, or dropped
            because none of its holders answers now): never an exception.
@@ -98,6 +100,7 @@ class PoolIO:
         self.call(self.client.__aenter__(), 10)
         self.getter = self.client if s.fetch_engine == "off" else None
         self._opening: asyncio.Future | None = None       # the loop thread's only
+        self._rechecks: set[asyncio.Task] = set()          # the loop thread's only
 
     @classmethod
     def key(cls, settings) -> tuple:
@@ -172,6 +175,19 @@ class PoolIO:
         return self.getter
 
     # ---- what connectors call (on the loop thread) --------------------------------------------
+    def readable(self, ns: int, key: bytes) -> bool:
+        """Whether a holder of the block answered last time (``Placement.readable``: a caller
+        that must not wait asks only those). If none did, a holder past its back-off is asked
+        again in the background (``KVClient.recheck``), so that such callers find it again once
+        it answers."""
+        if self.placement.readable(ns, key):
+            return True
+        if (addr := self.placement.due(ns, key)) is not None:
+            task = asyncio.ensure_future(self.client.recheck(addr, ns, key))
+            self._rechecks.add(task)
+            task.add_done_callback(self._rechecks.discard)
+        return False
+
     async def prefix(self, ns: int, keys: Sequence[bytes], window: int,
                      stats: TransferStats | None = None) -> int:
         """How many leading ``keys`` the pool (or the switch) has (module docstring)."""
@@ -184,12 +200,12 @@ class PoolIO:
             async with sem:
                 if i > found:
                     return
-                if not self.placement.readable(ns, keys[i]):
+                if not self.readable(ns, keys[i]):
                     self.placement.skipped += 1
                     found = min(found, i)
                     return
                 try:
-                    await self.client.first_chunk(ns, keys[i], stats, deadline)
+                    await self.client.first_chunk(ns, keys[i], stats, deadline, wary=True)
                 except Exception as exc:       # unconfirmed: the prefix ends here
                     if not isinstance(exc, BlockNotFound) and not unreachable(exc):
                         self.log.warning("kvswitch: probe of block %s failed: %s",

@@ -115,7 +115,7 @@ class StoreIO(PoolIO):
 
     async def get(self, ns: int, key: bytes, sink: Callable[[memoryview], Any] = bytes):
         """``sink(view of the block)`` (on the loop thread), or None for a miss or a failure."""
-        if not self.placement.readable(ns, key):
+        if not self.readable(ns, key):
             self.placement.skipped += 1
             return None
         try:

@@ -23,6 +23,9 @@ Scheduler side. ``get_num_new_matched_tokens`` derives the prompt's block keys a
 loadable blocks (never the one holding the last prompt token) with a chunk-0 GET each, all in
 flight at once: the longest present prefix, minus what vLLM holds locally, is the external hit.
 The probe moves one chunk per block, never the blocks: the scheduler does not fetch twice.
+It asks only holders that answered last time (``pools.Placement``: the scheduler never waits
+for a silent pool node) and a request vLLM cannot admit yet (no room for its blocks), which
+vLLM asks about again every step, reuses its answer for ``PROBE_REUSE_S``.
 With ``load_mode`` async (the default) the hit is loaded asynchronously: vLLM holds the request
 in ``WAITING_FOR_REMOTE_KVS`` while every other request keeps decoding, and its load goes to the
 worker in the next step's metadata (``update_state_after_alloc``); with ``sync`` it is loaded in
@@ -79,6 +82,8 @@ from .vllm_blocks import LoadSpec, Planner, PoolLayout, SaveSpec, Settings
 from .vllm_pool import LoadOutcome, backend_for, drain, log
 from .vllm_stats import KVSwitchPromMetrics, KVSwitchStats
 
+PROBE_REUSE_S = 2.0        # seconds a request not admitted yet reuses its probe's answer
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -127,7 +132,7 @@ class KVSwitchConnector(KVConnectorBase_V1):
             tc.kv_load_failure_policy = s.load_failure      # the scheduler reads it after us
         self.backend = backend_for(s)
         self.stats = KVSwitchStats()
-        self._probed: dict[str, tuple[int, int]] = {}        # req -> (blocks asked, found)
+        self._probed: dict[str, tuple[int, int, float]] = {}  # req -> (asked, found, when)
         self._ready: list[LoadSpec] = []                     # async loads for the next step
         self._hold: set[str] = set()                         # finished, for the next step
         self._paged: PagedKV | None = None
@@ -158,18 +163,20 @@ class KVSwitchConnector(KVConnectorBase_V1):
         if not loadable:
             return 0, False
         keys = self.planner.request_keys(rid, tokens)
-        found, stats = self.backend.probe(self.ns, keys[:loadable])
+        asked, found, at = self._probed.get(rid, (0, 0, -PROBE_REUSE_S))
+        if asked != loadable or time.monotonic() - at >= PROBE_REUSE_S:
+            found, stats = self.backend.probe(self.ns, keys[:loadable])
+            self._probed[rid] = (loadable, found, time.monotonic())
+            self.backend.record(ev="probe", req=rid, prompt=len(tokens), blocks=loadable,
+                                local=num_computed_tokens, found=found, **_brief(stats))
         external = self.planner.matched(rid, keys, found, num_computed_tokens)
-        self._probed[rid] = (loadable, found)
-        self.backend.record(ev="probe", req=rid, prompt=len(tokens), local=num_computed_tokens,
-                            blocks=loadable, found=found, external=external, **_brief(stats))
         return external, self.async_mode and external > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         rid = request.request_id
         if rid in self._probed:          # admitted: its probe counts once
-            asked, found = self._probed.pop(rid)
+            asked, found, _ = self._probed.pop(rid)
             self.stats.count("blocks_asked", asked)
             self.stats.count("blocks_found", found)
         self.planner.allocated(rid, num_external_tokens)

@@ -17,8 +17,9 @@ Which pool node a transfer asks is the engine's ``Placement`` (``hostagent.commo
 transfer silent for its silence limit (its node answering no other transfer either) moves on to
 the block's next holder, as does one answered NOT_FOUND (a holder restarted empty) or
 UNAVAILABLE; the silent node is left out, once this engine was answered at all (else its own
-path may be what is silent: ``NoReply``). With no carrier on the engine's own interface a
-transfer fails at once (``LinkDown``), blaming no node: the caller computes, not waits.
+path may be what is silent: ``NoReply``); the last holder is waited for until the deadline
+unless a suspect (silent before, not heard since). With no carrier on the engine's own
+interface a transfer fails at once (``LinkDown``), blaming no node: the caller computes.
 
 A block of unknown size is fetched in two steps: a one-slot probe transfer asks for chunk 0
 (the program then accepts only chunk 0 and records the reply's chunk count), then a contiguous
@@ -221,10 +222,10 @@ class FetchEngine:
         """Ask the block's next holder (module docstring); a silent node is left out."""
         if isinstance(why, NoAnswer) and (down := self._link_down()) is not None:
             return self._fail(t, down)                # our cable, not the node
-        if not t.others:
-            return self._fail(t, why)
         if isinstance(why, NoAnswer) and self.answered:
             self.placement.failed(t.route.addr, "read", why)
+        if not t.others:
+            return self._fail(t, why)
         t.route.iface.settled += t.inflight          # never to come: not waited for
         t.move(self._routes[t.others.pop(0)])
         t.auth = authcheck.check_for(self.keyring, t.ns, t.key, self.chunk_size)
@@ -371,6 +372,7 @@ class FetchEngine:
             if status:
                 self.answered = True
                 t.route.heard = t0
+                self.placement.answered(t.route.addr)        # the node's own answer
                 self._on_status(t, status, int(x["err"]), int(x["seen_nchunks"]))
                 continue
             received = int(x["received"])
@@ -394,7 +396,8 @@ class FetchEngine:
                 else:
                     self._grow(t, x)
             elif (time.monotonic() - max(t.heard, t.route.heard) > silence
-                  and (t.others or self._link_down() is not None)):
+                  and (t.others or self._link_down() is not None
+                       or self.placement.suspect(t.route.addr))):
                 self._move_on(t, Silent(
                     f"{t.route.addr[0]}:{t.route.addr[1]} left a transfer unanswered for "
                     f"{silence:g} s"))
@@ -453,6 +456,8 @@ class FetchEngine:
 
         data = (t.auth.data_off, t.auth.data_len) if t.auth is not None else None
         t.result = finish(t, x, self.prog.meta, self.prog.arena, self.chunk_size, release, data)
+        if t.result.stats.from_pool:          # the node itself answered, not only the switch
+            self.placement.answered(t.route.addr)
         self._retire(t)
 
     def _auth_failed(self, t: Transfer, exc: auth_mod.AuthError) -> None:
