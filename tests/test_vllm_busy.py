@@ -14,11 +14,11 @@ def _row(mode, loads, fault, server, ttfts, itls, failed=0, texts=("a", "b")):
             "connector_loads": {"failed": 0}}
 
 
-def _rows(switch_ttft, switch_itl, failed=0, texts=("a", "b"), stall=1.0):
+def _rows(switch_ttft, switch_itl, failed=0, texts=("a", "b"), stall=1.0, stalls="pool-kill"):
     rows = []
     for p in PASSES:
         fast = p.mode == "switch" and p.loads == "async"
-        slow = stall if p.fault else 1.0         # the fault pass's stall, if any
+        slow = stall if p.fault == stalls else 1.0   # that fault pass's stall, if any
         for server in (0, 1):
             ttft = [switch_ttft * slow] * 4 if fast and server else [1.0] * 4
             itl = [switch_itl] * 10 if fast and server else [0.05] * 10
@@ -30,7 +30,7 @@ def _rows(switch_ttft, switch_itl, failed=0, texts=("a", "b"), stall=1.0):
 def test_a_pass_that_loads_fast_without_stalling_meets_the_targets():
     s = busy_summary(_rows(switch_ttft=0.3, switch_itl=0.05))
     assert set(s["passes"]) == {"local", "pool-async", "switch-sync", "switch-async",
-                                "switch-async-pool-kill"}
+                                "switch-async-pool-kill", "switch-async-pool-hang"}
     assert s["ttft_p50_switch_over_local"] == 0.3 and s["itl_p99_switch_over_local"] == 1.0
     assert all(s["met"].values()) and s["targets"] == TARGETS
 
@@ -41,6 +41,8 @@ def test_a_pass_that_loads_fast_without_stalling_meets_the_targets():
     ({"switch_ttft": 0.3, "switch_itl": 0.05, "failed": 1}, "no_failed_request"),
     ({"switch_ttft": 0.3, "switch_itl": 0.05, "texts": ("a", "c")}, "outputs_match"),
     ({"switch_ttft": 0.3, "switch_itl": 0.05, "stall": 3.0}, "ttft_p99_fault_over_no_fault"),
+    ({"switch_ttft": 0.3, "switch_itl": 0.05, "stall": 3.0, "stalls": "pool-hang"},
+     "ttft_p99_hang_over_no_fault"),
 ])
 def test_every_verdict_can_fail(kw, unmet):
     s = busy_summary(_rows(**kw))

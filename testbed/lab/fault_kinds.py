@@ -10,6 +10,8 @@ an operator or a failing machine does, through the same commands:
                  a node's XDP sends, which a NIC does not).
   flush          the switch's cache flushed while GETs are held (`switchd cache flush`).
   pool-kill      a pool server killed with SIGKILL, started again ``seconds`` later.
+  pool-hang      a pool server stopped with SIGSTOP (hung, not dead: its node still has its
+                 link and its address), continued with SIGCONT ``seconds`` later.
   flap-host      an inference node's link down for ``seconds``, then up.
   flap-pool      a pool node's link down for ``seconds``, then up.
   loss           20 % of the KV frames lost both ways on every pool link for ``seconds``.
@@ -29,11 +31,11 @@ from ..errors import TestbedError
 from .links import link_netns
 from .topology import attach_loss, ip, namespaces_of, plain_bridge_ports
 
-FAULTS = ("switchd-kill", "detach", "flush", "pool-kill", "flap-host", "flap-pool", "loss",
-          "memory-limit")
+FAULTS = ("switchd-kill", "detach", "flush", "pool-kill", "pool-hang", "flap-host", "flap-pool",
+          "loss", "memory-limit")
 SWITCH_FAULTS = ("switchd-kill", "detach", "flush", "memory-limit")   # need the switch running
-SECONDS = {"switchd-kill": 0.0, "detach": 3.0, "flush": 0.0, "pool-kill": 2.0, "flap-host": 2.0,
-           "flap-pool": 2.0, "loss": 5.0, "memory-limit": 5.0}
+SECONDS = {"switchd-kill": 0.0, "detach": 3.0, "flush": 0.0, "pool-kill": 2.0, "pool-hang": 2.0,
+           "flap-host": 2.0, "flap-pool": 2.0, "loss": 5.0, "memory-limit": 5.0}
 LOSS = 0.2
 MEMORY_LIMIT = 64 << 10           # bytes of new charges; switchd holds ~400 MiB (Python, BCC)
 
@@ -59,6 +61,10 @@ def inject(lab, fault: str, target: Target) -> dict:
     if fault == "pool-kill":
         index = [n.name for n in lab.topo.pool_nodes].index(target.pool)
         return {"pool": target.pool, "exit": lab.stop_pool(index, signal.SIGKILL)}
+    if fault == "pool-hang":
+        index = [n.name for n in lab.topo.pool_nodes].index(target.pool)
+        lab.pools[index].send_signal(signal.SIGSTOP)
+        return {"pool": target.pool, "pid": lab.pools[index].pid}
     if fault in ("flap-host", "flap-pool"):
         node = target.host if fault == "flap-host" else target.pool
         _link(lab, node, "down")
@@ -86,6 +92,10 @@ def heal(lab, fault: str, target: Target) -> dict:
     if fault == "pool-kill":
         index = [n.name for n in lab.topo.pool_nodes].index(target.pool)
         return {"restarted": lab.start_pool(index)}
+    if fault == "pool-hang":
+        index = [n.name for n in lab.topo.pool_nodes].index(target.pool)
+        lab.pools[index].send_signal(signal.SIGCONT)
+        return {}
     if fault in ("flap-host", "flap-pool"):
         _link(lab, target.host if fault == "flap-host" else target.pool, "up")
         return {}

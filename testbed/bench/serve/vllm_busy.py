@@ -17,14 +17,17 @@ both, ``replicas`` 2, so that the fault pass differs from the others by the faul
           the engine's step) and then asynchronous (the default: the request waits for its
           blocks while the others keep decoding);
   switch, loads asynchronous, with pool node p1 killed (its server SIGKILLed, its link down) a
-          few seconds into the loading servers' requests: loads fail over to the replica.
+          few seconds into the loading servers' requests: loads fail over to the replica;
+  switch, loads asynchronous, with p1 hung (its server stopped, SIGSTOP) for ``HANG_S`` at the
+          same moment, then continued: a node that is not dead, only silent for a while.
 
 Rows: ``{"workload": "busy", "mode", "loads", "fault", "server", "vllm": vLLM's own result}``
 and the connector's log lines; ``summary`` has vLLM's TTFT, TPOT and ITL per pass over the
 loading servers (1..S-1) and the targets: ITL p99 through the switch with asynchronous loads
 within 1.1x vLLM alone's, TTFT p50 at most 0.5x, no failed request and every text identical in
-every pass (temperature 0); with a pool node killed, TTFT p99 and ITL p99 within 2x the same
-pass's without the fault (a death costs a silence and the replica's reads, never a stall).
+every pass (temperature 0); with a pool node killed or hung, TTFT p99 and ITL p99 within 2x
+the same pass's without the fault (a death costs a silence and the replica's reads, never a
+stall).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ...lab import Lab, TestbedError
+from ...lab.fault_kinds import Target, heal, inject
 from ...lab.topology import ip
 from .vllm_server import VllmServer, Workload, run_clients
 
@@ -49,10 +53,13 @@ KV_BLOCKS = 24               # vLLM blocks per server: 3,072 tokens, 4 requests 
 #                              of 4,096 prefix tokens still does not fit)
 OFFSET_S = 20.0              # the loading servers' clients start this much later
 KILL_AFTER_S = 10.0          # the fault strikes this long into the loading servers' pass
+HANG_S = 10.0                # how long pool-hang keeps p1 stopped
 POOLS = 2
 TARGETS = {"itl_p99_switch_over_local": 1.1, "ttft_p50_switch_over_local": 0.5,
            # a pool node's death costs its silence and a replica's reads, never a stall
-           "ttft_p99_fault_over_no_fault": 2.0, "itl_p99_fault_over_no_fault": 2.0}
+           "ttft_p99_fault_over_no_fault": 2.0, "itl_p99_fault_over_no_fault": 2.0,
+           "ttft_p99_hang_over_no_fault": 2.0, "itl_p99_hang_over_no_fault": 2.0}
+FAULT_VERDICTS = {"pool-kill": "fault", "pool-hang": "hang"}   # the verdicts' names per fault
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,8 @@ class Pass:
 
 
 PASSES = (Pass("local", None), Pass("pool", "async"), Pass("switch", "sync"),
-          Pass("switch", "async"), Pass("switch", "async", "pool-kill"))
+          Pass("switch", "async"), Pass("switch", "async", "pool-kill"),
+          Pass("switch", "async", "pool-hang"))
 
 
 def run_busy(cfg, model_dir: str, model_id: str, tmp: str, log) -> list[dict]:
@@ -108,7 +116,7 @@ def _run_pass(cfg, p: Pass, model_dir: str, model_id: str, tmp: str, log) -> lis
                 "later) ...")
             timer = None
             if p.fault:
-                timer = threading.Timer(OFFSET_S + KILL_AFTER_S, _kill_pool, (lab, fault))
+                timer = threading.Timer(OFFSET_S + KILL_AFTER_S, STRIKE[p.fault], (lab, fault))
                 timer.start()
             delays = [0.0] + [OFFSET_S] * (len(servers) - 1)
             results = run_clients(lab.topo, [s.node for s in servers], wl, spec, tmp, name,
@@ -135,6 +143,19 @@ def _kill_pool(lab, out: dict) -> None:
     out["at"] = time.time()
     out["exit"] = lab.stop_pool(0, signal.SIGKILL)
     ip("link", "set", lab.topo.pool_nodes[0].name, "down", ns=lab.topo.switch_ns)
+
+
+def _hang_pool(lab, out: dict) -> None:
+    """Pool node p1 hangs for ``HANG_S``: its server stopped (SIGSTOP), then continued."""
+    target = Target(pool=lab.topo.pool_nodes[0].name)
+    out["at"] = time.time()
+    out.update(inject(lab, "pool-hang", target))
+    time.sleep(HANG_S)                     # the timer's own thread
+    heal(lab, "pool-hang", target)
+    out["continued_at"] = time.time()
+
+
+STRIKE = {"pool-kill": _kill_pool, "pool-hang": _hang_pool}
 
 
 def _itl_p99(rows: list[dict]) -> float | None:
@@ -177,11 +198,12 @@ def busy_summary(rows: list[dict]) -> dict:
         out["itl_p99_switch_over_local"] = round(sw["itl_p99_ms"] / local["itl_p99_ms"], 3)
     if local.get("ttft_p50_s") and sw.get("ttft_p50_s") is not None:
         out["ttft_p50_switch_over_local"] = round(sw["ttft_p50_s"] / local["ttft_p50_s"], 3)
-    fault = passes.get("switch-async-pool-kill", {})
-    for what, unit in (("ttft_p99", "s"), ("itl_p99", "ms")):
-        if sw.get(f"{what}_{unit}") and fault.get(f"{what}_{unit}") is not None:
-            out[f"{what}_fault_over_no_fault"] = round(
-                fault[f"{what}_{unit}"] / sw[f"{what}_{unit}"], 3)
+    for kind, name in FAULT_VERDICTS.items():
+        fault = passes.get(f"switch-async-{kind}", {})
+        for what, unit in (("ttft_p99", "s"), ("itl_p99", "ms")):
+            if sw.get(f"{what}_{unit}") and fault.get(f"{what}_{unit}") is not None:
+                out[f"{what}_{name}_over_no_fault"] = round(
+                    fault[f"{what}_{unit}"] / sw[f"{what}_{unit}"], 3)
     out["met"] = {k: out.get(k) is not None and out[k] <= v for k, v in TARGETS.items()}
     out["met"]["no_failed_request"] = not any(p["failed"] for p in passes.values())
     out["met"]["outputs_match"] = out["outputs_match"]
