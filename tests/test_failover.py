@@ -285,3 +285,35 @@ def test_the_switchs_answers_in_a_nodes_name_do_not_clear_its_suspicion():
 
     got, again, after_switch, after_node = asyncio.run(body())
     assert got == data == again and after_switch and not after_node
+
+
+def test_a_node_another_client_hears_from_is_not_taken_for_silent():
+    """The placement's ``heard`` is every client's: a node whose server is too busy to answer
+    this transfer while it answers another client (the fetch engine's GETs, served in its
+    kernel) is not silent; once nobody hears from it, one silence moves the read on."""
+    quiet = _silent_socket()
+
+    async def body():
+        async with local_pool() as a:
+            live, silent = a.sock.getsockname(), quiet.getsockname()
+            place = Placement([f"{h}:{p}" for h, p in (silent, live)], replicas=2,
+                              silence_s=0.3)
+            async with KVClient([f"{h}:{p}" for h, p in (live,)], 1024) as w:
+                await w.put_block(1, KEY, b"x" * 3000)
+            heard_until = time.monotonic() + 1.0
+
+            async def other_client():                 # replies to "the engine" for 1 s
+                while time.monotonic() < heard_until:
+                    place.heard[silent] = time.monotonic()
+                    await asyncio.sleep(0.05)
+            beat = asyncio.ensure_future(other_client())
+            async with KVClient(place, 1024, deadline=20) as c:
+                t0 = time.monotonic()
+                got, _ = await _get_asking_first(c, place, silent)
+                took = time.monotonic() - t0
+            await beat
+            return got, took
+
+    got, took = asyncio.run(body())
+    quiet.close()
+    assert got == b"x" * 3000 and 1.2 <= took < 3.0, took   # heard for 1 s, then one silence

@@ -10,7 +10,9 @@ its own) a PUT goes to the first node alone and a read may be asked of any node.
 one hot block share its holders' links instead of queueing at its owner's.
 
 Failover. A node that left a transfer unanswered for ``silence_s`` (the clients judge it per
-transfer: no reply to it, and none to any transfer on that node, for that long) is left out for
+transfer: no reply to it, and none to any transfer on that node, for that long; ``heard`` holds
+each node's last reply to either client sharing the placement, so a node whose PUTs wait for
+its busy server while its kernel answers the engine's GETs is not taken for dead) is left out for
 a back-off that doubles while it keeps failing (``retry_s`` .. ``RETRY_CAP``); meanwhile reads
 ask only the block's other holders (one that lacks it is a miss) and PUTs skip it (a lost PUT
 is a future miss). A read whose every holder is left out still asks them (one may be back).
@@ -74,6 +76,7 @@ class Placement:
         self.retry_s, self.silence_s = retry_s, silence_s
         self.log = log or logging.getLogger("kvswitch.pools")
         self._down: dict[Addr, tuple[float, float]] = {}        # addr -> (until, back-off)
+        self.heard: dict[Addr, float] = {}      # addr -> its last reply to any client (monotonic)
         self._lock = threading.Lock()
         self.skipped = 0                # reads or PUTs a silent node was spared
 

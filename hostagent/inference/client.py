@@ -191,7 +191,7 @@ class KVClient:
         self.rtt = _RttEstimator()
         self.malformed = 0
         self._waiters: dict[int, _Transfer] = {}
-        self._heard: dict[tuple[str, int], float] = {}      # pool node -> its last answer
+        self._heard = self.placement.heard     # pool node -> its last answer (any client's)
         self._retired: collections.OrderedDict[int, float] = collections.OrderedDict()
         self.keyring = auth_mod.resolve(auth)
         self._sock: socket.socket | None = None

@@ -365,13 +365,13 @@ class FetchEngine:
     def _collect(self) -> int:
         """Verify every chunk that arrived since the last look; finish transfers."""
         t0, got, prog = time.monotonic(), 0, self.prog
-        silence = self.placement.silence_s
+        silence, heard = self.placement.silence_s, self.placement.heard   # node -> last reply
         for t in list(self._active):
             x = prog.xfers[t.idx]
             status = int(x["status"])
             if status:
                 self.answered = True
-                t.route.heard = t0
+                heard[t.route.addr] = t0
                 self.placement.answered(t.route.addr)        # the node's own answer
                 self._on_status(t, status, int(x["err"]), int(x["seen_nchunks"]))
                 continue
@@ -379,7 +379,7 @@ class FetchEngine:
             if received:
                 self.answered = True
             if received != t.seen_received:
-                t.heard = t.route.heard = t0
+                t.heard = heard[t.route.addr] = t0
                 t.seen_received = received
                 got += verify(t, x, prog.meta, prog.arena_mv, self.chunk_size, self.folder,
                               self._ring, self.rto_floor, self.reo_floor, self.max_window)
@@ -395,7 +395,7 @@ class FetchEngine:
                     self._finish(t, x)
                 else:
                     self._grow(t, x)
-            elif (time.monotonic() - max(t.heard, t.route.heard) > silence
+            elif (time.monotonic() - max(t.heard, heard.get(t.route.addr, 0.0)) > silence
                   and (t.others or self._link_down() is not None
                        or self.placement.suspect(t.route.addr))):
                 self._move_on(t, Silent(

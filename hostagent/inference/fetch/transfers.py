@@ -174,7 +174,6 @@ class Route:
         self.bw = 0.0                      # delivery rate, chunks/s (max filter, decaying)
         self.inflight = 0                  # chunks asked for and not verified, all transfers
         self._acc, self._t0 = 0, time.monotonic()
-        self.heard = 0.0                   # when a transfer on it last got a reply (monotonic)
 
     def rtt_sample(self, rtt: float, least: float, own: bool = True) -> None:
         """``rtt``: a batch's mean round trip; ``least``: its last-asked chunk's. The base round

@@ -260,7 +260,7 @@ def run_lmcache_bench(cfg: LmcacheBench, json_path: str | None = None,
                 with lab_for(cfg, group[0], shaped) as lab:
                     turns = 1 if shaped else cfg.single_rounds
                     for turn in range(turns):
-                        for store in group[turn % len(group):] + group[:turn % len(group)]:
+                        for store in turn_order(group, turn):
                             _one_store(cfg, lab, store, shaped, turn, tmp, per_token, results,
                                        raw, log)
     config = {**asdict(cfg), "stores": list(cfg.stores), "kv_bytes_per_token": per_token,
@@ -274,6 +274,12 @@ def run_lmcache_bench(cfg: LmcacheBench, json_path: str | None = None,
     if plot_path:
         plot(out, plot_path)
     return out
+
+
+def turn_order(stores: list[str], turn: int) -> list[str]:
+    """The stores in the order they take turn ``turn`` (rotating: each goes first in turn)."""
+    k = turn % len(stores)
+    return stores[k:] + stores[:k]
 
 
 def _one_store(cfg: LmcacheBench, lab: Lab, store: str, shaped: bool, turn: int, tmp: str,
