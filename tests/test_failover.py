@@ -317,3 +317,28 @@ def test_a_node_another_client_hears_from_is_not_taken_for_silent():
     got, took = asyncio.run(body())
     quiet.close()
     assert got == b"x" * 3000 and 1.2 <= took < 3.0, took   # heard for 1 s, then one silence
+
+
+def test_when_every_holder_went_silent_the_last_is_waited_for():
+    """Every holder a suspect at once (the reader's own cable, say): no holder is ``doubtful``,
+    and the last one asked is waited for until the deadline instead of one silence (the link
+    may be back by then); a suspect beside an answering holder is doubtful."""
+    q1, q2 = _silent_socket(), _silent_socket()
+    a1, a2 = q1.getsockname(), q2.getsockname()
+    place = Placement([f"{h}:{p}" for h, p in (a1, a2)], replicas=2, silence_s=0.3)
+    place.failed(a1, "read", NoAnswer("a test's"))
+    assert place.doubtful(a1, 1, KEY) and not place.doubtful(a2, 1, KEY)
+    place.failed(a2, "read", NoAnswer("a test's"))
+    assert not place.doubtful(a1, 1, KEY) and not place.doubtful(a2, 1, KEY)
+
+    async def body():
+        async with KVClient(place, 1024, deadline=1.5) as c:
+            t0 = time.monotonic()
+            with pytest.raises(NoAnswer):
+                await c.get_block(1, KEY)
+            return time.monotonic() - t0
+
+    took = asyncio.run(body())
+    q1.close()
+    q2.close()
+    assert 1.4 <= took < 3.0, took          # the deadline, not two silences (0.6 s)

@@ -18,9 +18,10 @@ ask only the block's other holders (one that lacks it is a miss) and PUTs skip i
 is a future miss). A read whose every holder is left out still asks them (one may be back).
 Past its back-off a node is asked again by reads and PUTs, but it stays a suspect until it
 answers: a transfer to a suspect is bounded by the silence limit even where it is the last
-holder left, and a caller that must not wait (the vLLM scheduler's probe: ``wary``) never asks
-one while another holder answers, nor at all when none does. One log line when a node goes, one
-when it answers again.
+holder left, while another holder of the block is no suspect (``doubtful``; when every holder
+went silent at once the reader's own path is the likelier cause, and the last is waited for);
+a caller that must not wait (the vLLM scheduler's probe: ``wary``) never asks a suspect. One
+log line when a node goes, one when it answers again.
 """
 from __future__ import annotations
 
@@ -118,6 +119,15 @@ class Placement:
     def suspect(self, addr: Addr) -> bool:
         """Left a transfer unanswered and has not answered since (back-off over or not)."""
         return addr in self._down
+
+    def doubtful(self, addr: Addr, ns: int, key: bytes) -> bool:
+        """``addr`` is a suspect while another node that may hold the block is not: a transfer
+        to it is bounded by the silence limit, even as the last holder asked."""
+        if addr not in self._down:
+            return False
+        order = rendezvous(self.pools, ns, key)
+        return any(p not in self._down for p in (order if self.shared else
+                                                 order[:self.replicas]) if p != addr)
 
     def failed(self, addr: Addr, what: str, exc: BaseException | str) -> None:
         """``addr`` left a ``what`` (probe, load, save, read) unanswered: leave it out."""

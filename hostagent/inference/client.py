@@ -14,7 +14,7 @@ them in turn: a transfer left unanswered for the placement's silence limit (no a
 to it, nor to any other transfer from that node, for that long) leaves its node out for a while
 and asks the next holder for the chunks still missing (``Silent`` when none is left: the last
 holder is waited for until the deadline, unless it is a suspect, silent before and not heard
-since).
+since, while another holder is not).
 
 Request ids are random (``secrets``) and never reused while a reply to them can arrive: one
 in use or retired less than ``RID_HOLD`` seconds ago is not drawn again, so an off-path host
@@ -437,7 +437,7 @@ class KVClient:
             raise Silent(f"no node holding block {key.hex()} answered last time")
         for n, addr in enumerate(order, 1):
             last = n == len(order)
-            patient = last and not place.suspect(addr)      # waited for until the deadline
+            patient = last and not place.doubtful(addr, ns, key)   # waited for to the deadline
             t = _Transfer(self, addr, list(items), build, accept, stats,
                           max(0.0, end - time.monotonic()), None if patient else place.silence_s)
             try:

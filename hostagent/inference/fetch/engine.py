@@ -18,7 +18,7 @@ transfer silent for its silence limit (its node answering no other transfer eith
 the block's next holder, as does one answered NOT_FOUND (a holder restarted empty) or
 UNAVAILABLE; the silent node is left out, once this engine was answered at all (else its own
 path may be what is silent: ``NoReply``); the last holder is waited for until the deadline
-unless a suspect (silent before, not heard since). With no carrier on the engine's own
+unless a suspect while another holder is not (``doubtful``). With no carrier on the engine's own
 interface a transfer fails at once (``LinkDown``), blaming no node: the caller computes.
 
 A block of unknown size is fetched in two steps: a one-slot probe transfer asks for chunk 0
@@ -397,7 +397,7 @@ class FetchEngine:
                     self._grow(t, x)
             elif (time.monotonic() - max(t.heard, heard.get(t.route.addr, 0.0)) > silence
                   and (t.others or self._link_down() is not None
-                       or self.placement.suspect(t.route.addr))):
+                       or self.placement.doubtful(t.route.addr, t.ns, t.key))):
                 self._move_on(t, Silent(
                     f"{t.route.addr[0]}:{t.route.addr[1]} left a transfer unanswered for "
                     f"{silence:g} s"))
