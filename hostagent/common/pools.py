@@ -92,14 +92,18 @@ class Placement:
         order = rendezvous(self.pools, ns, key)
         return order[:1] if self.shared else order[:self.replicas]
 
+    def _readers(self, ns: int, key: bytes) -> list[Addr]:
+        """The nodes a read of the block may ask, in rendezvous order: its holders, or any node
+        with a shared store."""
+        order = rendezvous(self.pools, ns, key)
+        return order if self.shared else order[:self.replicas]
+
     def read_order(self, ns: int, key: bytes, wary: bool = False) -> list[Addr]:
         """The nodes to ask for the block, in turn: its holders (any node, with a shared
         store) in rendezvous order (a random one with ``spread``) that are not left out now,
         or all of them if every one is. ``wary``: only those that answered last time (no
         suspect), maybe none."""
-        order = rendezvous(self.pools, ns, key)
-        if not self.shared:
-            order = order[:self.replicas]
+        order = self._readers(ns, key)
         if self.spread:
             random.shuffle(order)
         if wary:
@@ -123,11 +127,8 @@ class Placement:
     def doubtful(self, addr: Addr, ns: int, key: bytes) -> bool:
         """``addr`` is a suspect while another node that may hold the block is not: a transfer
         to it is bounded by the silence limit, even as the last holder asked."""
-        if addr not in self._down:
-            return False
-        order = rendezvous(self.pools, ns, key)
-        return any(p not in self._down for p in (order if self.shared else
-                                                 order[:self.replicas]) if p != addr)
+        return addr in self._down and any(p not in self._down
+                                          for p in self._readers(ns, key) if p != addr)
 
     def failed(self, addr: Addr, what: str, exc: BaseException | str) -> None:
         """``addr`` left a ``what`` (probe, load, save, read) unanswered: leave it out."""

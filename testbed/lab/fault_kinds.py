@@ -59,10 +59,10 @@ def inject(lab, fault: str, target: Target) -> dict:
     if fault == "flush":
         return {"said": lab.switchd("cache", "flush").stdout.strip()}
     if fault == "pool-kill":
-        index = [n.name for n in lab.topo.pool_nodes].index(target.pool)
+        index = _pool_index(lab, target)
         return {"pool": target.pool, "exit": lab.stop_pool(index, signal.SIGKILL)}
     if fault == "pool-hang":
-        index = [n.name for n in lab.topo.pool_nodes].index(target.pool)
+        index = _pool_index(lab, target)
         lab.pools[index].send_signal(signal.SIGSTOP)
         return {"pool": target.pool, "pid": lab.pools[index].pid}
     if fault in ("flap-host", "flap-pool"):
@@ -90,10 +90,10 @@ def heal(lab, fault: str, target: Target) -> dict:
         lab.stop_switch(signal.SIGKILL)
         return {"restarted": lab.start_switch(replace=True)}
     if fault == "pool-kill":
-        index = [n.name for n in lab.topo.pool_nodes].index(target.pool)
+        index = _pool_index(lab, target)
         return {"restarted": lab.start_pool(index)}
     if fault == "pool-hang":
-        index = [n.name for n in lab.topo.pool_nodes].index(target.pool)
+        index = _pool_index(lab, target)
         lab.pools[index].send_signal(signal.SIGCONT)
         return {}
     if fault in ("flap-host", "flap-pool"):
@@ -112,6 +112,11 @@ def heal(lab, fault: str, target: Target) -> dict:
             out["restarted"] = lab.start_switch()
         return out
     return {}
+
+
+def _pool_index(lab, target: Target) -> int:
+    """The index of the pool node ``target`` names in ``lab.pools``."""
+    return [n.name for n in lab.topo.pool_nodes].index(target.pool)
 
 
 def _link(lab, node: str, state: str) -> None:
