@@ -164,12 +164,14 @@ class KVSwitchConnector(KVConnectorBase_V1):
             return 0, False
         keys = self.planner.request_keys(rid, tokens)
         asked, found, at = self._probed.get(rid, (0, 0, -PROBE_REUSE_S))
+        stats = None
         if asked != loadable or time.monotonic() - at >= PROBE_REUSE_S:
             found, stats = self.backend.probe(self.ns, keys[:loadable])
             self._probed[rid] = (loadable, found, time.monotonic())
-            self.backend.record(ev="probe", req=rid, prompt=len(tokens), blocks=loadable,
-                                local=num_computed_tokens, found=found, **_brief(stats))
         external = self.planner.matched(rid, keys, found, num_computed_tokens)
+        if stats is not None:            # a probe made now, not one reused
+            self.backend.record(ev="probe", req=rid, prompt=len(tokens), local=num_computed_tokens,
+                                blocks=loadable, found=found, external=external, **_brief(stats))
         return external, self.async_mode and external > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
