@@ -185,6 +185,38 @@ def test_the_decode_loops_are_the_documented_format(model, cal_dir, monkeypatch,
     assert ((got[:, :, :, :codec_pca.SINK] - sink).abs() <= step * 0.51 + 1e-6).all()
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_streamed_rows_equal_stored_ones_and_an_unaligned_cache_is_stored(
+        model, cal_dir, monkeypatch, bf16):
+    """The decode writes an aligned cache with streaming stores (finish(..., True)): the same
+    bits as the plain stores; a cache whose rows are not 64-byte aligned gets the plain ones
+    (a streamed store there would fault), the same bits again."""
+    from hostagent.inference import codec_pca_kernels as kern
+    monkeypatch.setattr(codec_pca, "BF16", bf16)
+    c = codec_for(_layout(model), "pca")
+    _, _, kv = _kv(model)
+    coded = [c.encode(kv[i], i * BT) for i in range(3)]
+    L, _, H, _, D = kv[0].shape
+    used = []
+    real = kern.finish
+    monkeypatch.setattr(kern, "finish", lambda bf16, stream: (used.append(stream),
+                                                              real(bf16, stream))[1])
+
+    def decoded(stream: bool, shift: int) -> torch.Tensor:
+        monkeypatch.setattr(codec_pca, "STREAM", stream)
+        flat = torch.empty(L * 2 * H * 3 * BT * D + shift)
+        out = flat[shift:].view(L, 2, H, 3 * BT, D)
+        for i in range(3):
+            c.decode_into(coded[i], out, i * BT)
+        return out
+    plain = decoded(False, 0)
+    assert set(used) == {False}
+    used.clear()
+    assert torch.equal(decoded(True, 0), plain) and set(used) == {True}
+    used.clear()
+    assert torch.equal(decoded(True, 1), plain) and set(used) == {False}
+
+
 def test_sizes_are_fixed_by_layout_and_ratio(model, cal_dir):
     layout = _layout(model)
     for n in (2, 4, 8, 16, 32):

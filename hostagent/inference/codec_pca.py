@@ -208,6 +208,8 @@ def _bf16_ok() -> bool:
 
 
 BF16 = _bf16_ok() and os.environ.get("KVSWITCH_PCA_FLOAT32") != "1"
+# decodes write an aligned cache with streaming stores (codec_pca_kernels, STREAM_ALIGN)
+STREAM = os.environ.get("KVSWITCH_PCA_STREAM") != "0"
 
 
 def _buckets(k: np.ndarray, n: int = 3) -> list[np.ndarray]:
@@ -387,7 +389,8 @@ class PcaCodec:
         goff = plan.goff + off
         cos, sin = (a.numpy() for a in self._rope(pos0, T))
         o = out.view(-1).numpy()
-        fin = kern.finish if self.bf16 else kern.finish32
+        fin = kern.finish(self.bf16, STREAM and D % 16 == 0 and
+                          o.ctypes.data % kern.STREAM_ALIGN == 0)
         for (gids, _, dec), (coef, ct, y, yn) in zip(plan.batches, self._buffers(plan)):
             kern.unpack(src, goff, gids, plan.bits, plan.slot, plan.levels, coef)
             torch.bmm(ct, dec, out=y)
@@ -441,7 +444,9 @@ def warm_up() -> None:
                     np.zeros((1, 8, 8), dt))
     kern.quantise(np.zeros((1, 8, 8), np.float32), np.zeros((1, 8, 255), np.float32), bits,
                   np.zeros(24, np.uint8), 0)
-    y = np.zeros((1, 8, 8), dt)
-    cs = np.ones((8, 4), np.float32)
-    (kern.finish if BF16 else kern.finish32)(y, gids, np.zeros((1, 8), np.float32), cs, cs, 1, 2,
-                                             4, np.zeros(128, np.float32), 32, 0)
+    y = np.zeros((1, 8, 32), dt)
+    cs = np.ones((8, 8), np.float32)
+    out = torch.zeros(256).numpy()                   # torch's allocations are 64-byte aligned
+    for stream in (False, True):
+        kern.finish(BF16, stream)(y, gids, np.zeros((1, 32), np.float32), cs, cs, 1, 2, 16, out,
+                                  128, 0)
