@@ -1,6 +1,8 @@
 """testbed.provenance.depends: what a result depends on is derived from what its command's code
 imports and loads — Python modules followed through imports (lazy, relative, packages), the
 modules it runs as tasks or with -m, the C programs it names and what those include."""
+from pathlib import Path
+
 from conftest import ROOT
 
 from testbed.provenance.depends import dependencies, why
@@ -93,6 +95,9 @@ def test_commands_name_their_entries():
         "testbed.bench.fetch.fetch_auth")
     assert entry_of("/elsewhere/testbed/bench/fetch/fetch_auth.py", ROOT) == Entry(
         "testbed.bench.fetch.fetch_auth")
+    # another checkout's path, which exists (a worktree): still the module, not the path
+    here = str(Path(ROOT).resolve() / "testbed/bench/fetch/fetch_auth.py")
+    assert entry_of(f"{here} out.json", ROOT) == Entry("testbed.bench.fetch.fetch_auth")
     assert entry_of("python -m testbed bench fetch", ROOT) == Entry("testbed.bench.fetch.cli",
                                                                     "fetch")
 
