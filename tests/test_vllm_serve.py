@@ -1,12 +1,11 @@
-"""vLLM as users run it: the `vllm` command of the venv (`vllm --version`, `vllm serve --help`),
+"""vLLM as users run it: the `vllm` command of the venv (`vllm serve --help`, the CPU build),
 `vllm serve` with the kvswitch connector driven by vLLM's own client on the testbed (a tiny
-`testbed bench vllm`: every mode, outputs equal), a server whose pool does not answer (requests
-complete by recompute, the same text, one log line) and a malformed connector config (the
-server does not start; one line names the key)."""
+`testbed bench vllm`: every mode, outputs equal) and a malformed connector config (the server
+does not start; one line names the key). A server whose pool nodes are all dead is in
+test_vllm_tenants.py (requests complete by recompute, the same text, one line a process)."""
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,8 +29,8 @@ def test_the_vllm_command_runs_from_the_venv():
     _need_vllm()
     from hostagent.inference.vllm_dist import ensure
     assert ensure() is not None                          # idempotent: already there
-    r = subprocess.run([VLLM, "--version"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("+cpu"), r.stderr[-800:]
+    from importlib.metadata import version
+    assert version("vllm").endswith("+cpu")              # the CPU build (what --version says)
     r = subprocess.run([VLLM, "serve", "--help=all"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and "--kv-transfer-config" in r.stdout, r.stderr[-800:]
@@ -83,43 +82,6 @@ def test_a_tiny_vllm_bench_runs_every_mode_with_the_same_outputs(tiny_bench):
     assert 0 < switch["chunks_from_switch"] <= by["switch"]["switch_counters"]["get_hit"]
     assert by["local"]["connector_loads"]["loads"] == 0
     assert by["pool"]["server_metrics"]["vllm:external_prefix_cache_hits"] > 0
-
-
-@pytest.mark.e2e
-@pytest.mark.timeout(600)
-def test_a_silent_pool_costs_a_bounded_wait_and_recomputes_the_same_text(tiny_bench, tmp_path):
-    """The connector's pool node address answers nothing: every request completes by recompute,
-    none waits much past the probe's deadline plus vLLM's own time (a hang would be the load's
-    10 s deadline or the client's 300 s), the text is vLLM's alone, and the server says so in
-    one line."""
-    from testbed.bench.serve.vllm_server import ServerSpec, VllmServer, Workload, run_clients
-    from testbed.demos import realmodel
-    from testbed.lab import Lab
-    bench, _ = tiny_bench
-    local = next(r for r in bench["results"] if r["mode"] == "local")["vllm"]
-    with leaves_no_namespaces("vbq"), Lab("vbq", hosts=1, pools=1, switch=True) as lab:
-        silent = "198.18.0.150"                          # on the testbed's subnet, nobody there
-        spec = ServerSpec(str(realmodel.model_dir()), "smollm2", 384, 4, connector={
-            "pools": [silent], "chunk_size": 3072, "model_id": realmodel.model_id(),
-            "probe_deadline": 1.0, "retry_s": 60})          # one probe of the silent node
-        server = VllmServer(lab.topo, "h1", spec, str(tmp_path / "server.log"), core=0)
-        server.start()
-        try:
-            server.wait_ready()
-            start = time.monotonic()
-            [res] = run_clients(lab.topo, ["h1"], Workload(**TINY), spec, str(tmp_path),
-                                "silent", 300)
-            seconds = time.monotonic() - start
-        finally:
-            server.stop()
-        log = server.log()
-    assert res["completed"] == 4 and res["failed"] == 0
-    assert res["generated_texts"] == local["generated_texts"]
-    # one probe of 1 s in the queue's way, and room for a busy box (the two runs are apart)
-    assert max(res["ttfts"]) < max(local["ttfts"]) + 1.0 + 5.0, (res["ttfts"], local["ttfts"])
-    lines = [ln for ln in log.splitlines() if "does not answer" in ln]
-    assert len(lines) == 1 and silent in lines[0], lines
-    print(f"silent pool: 4 requests in {seconds:.1f} s, TTFTs {res['ttfts']}")
 
 
 @pytest.mark.timeout(300)

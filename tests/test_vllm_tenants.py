@@ -7,7 +7,8 @@ tenant-A (9 blocks, 1,152 tokens, the same text); the connector's numbers are on
 prefix is in the pool (a load of about 2 s over 0.2 Gbit/s links) waits for its KV without
 stalling the decode. Last, a pool node dies (its server killed, its link down) just before a
 load: the request completes with the same text, its blocks loaded from the other holder after
-one silence."""
+one silence; and when every pool node is dead, a request recomputes its prefix after one bounded
+silence and gets the same text."""
 import json
 import os
 import random
@@ -123,6 +124,14 @@ def _await_saved(lab, node: str, blocks: float, timeout: float = 120) -> dict:
     raise AssertionError(f"{node} did not save {blocks} blocks in {timeout} s: {m}")
 
 
+def _computed_and_saved(lab, prompt, salt) -> dict:
+    """Server 1 computes ``prompt`` under ``salt`` and its full blocks reach the pool."""
+    saved = _metrics(lab, "h1").get("vllm:kvswitch_blocks_saved_total", 0)
+    first = _post(lab, "h1", _body(prompt, salt))
+    _await_saved(lab, "h1", saved + PROMPT_LEN // BLOCK)
+    return first
+
+
 @pytest.fixture(scope="module")
 def two_servers():
     """Two `vllm serve` (SmolLM2-135M, 128-token blocks) on h1 and h2, the connector on both,
@@ -190,9 +199,7 @@ def test_a_salt_is_loaded_only_by_its_own_tenant_across_servers(two_servers):
 def test_a_load_waits_beside_a_decode_that_keeps_going(two_servers):
     lab, (s1, s2) = two_servers
     prompt = _prompt(2)
-    saved = _metrics(lab, "h1").get("vllm:kvswitch_blocks_saved_total", 0)
-    first = _post(lab, "h1", _body(prompt, "tenant-Q"))
-    _await_saved(lab, "h1", saved + PROMPT_LEN // BLOCK)
+    first = _computed_and_saved(lab, prompt, "tenant-Q")
     mark, before = s2.log_size(), _metrics(lab, "h2")
     decode = _body(_prompt(3, 64), max_tokens=200, stream=True)
     r = lab.topo.run("h2", [sys.executable, "-c", DECODE_BESIDE_A_LOAD, json.dumps(decode),
@@ -226,9 +233,7 @@ def test_a_pool_node_dead_before_a_load_costs_one_silence(two_servers):
     from testbed.lab.topology import ip
     lab, (s1, s2) = two_servers
     prompt = _prompt(4)
-    saved = _metrics(lab, "h1").get("vllm:kvswitch_blocks_saved_total", 0)
-    first = _post(lab, "h1", _body(prompt, "tenant-K"))
-    _await_saved(lab, "h1", saved + PROMPT_LEN // BLOCK)
+    first = _computed_and_saved(lab, prompt, "tenant-K")
     lab.stop_pool(0, signal.SIGKILL)
     ip("link", "set", lab.topo.pool_nodes[0].name, "down", ns=lab.topo.switch_ns)
     mark, before = s2.log_size(), _metrics(lab, "h2")
@@ -246,3 +251,39 @@ def test_a_pool_node_dead_before_a_load_costs_one_silence(two_servers):
     assert own["vllm:kvswitch_load_seconds_sum"] < 1.0 + 4.0, own
     print(f"p1 dead: the load took {own['vllm:kvswitch_load_seconds_sum']:.2f} s, the request "
           f"{again['seconds']:.2f} s")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+def test_every_pool_node_dead_costs_a_bounded_wait_and_recomputes_the_same_text(two_servers):
+    """Server 1 saves a prefix, then every pool node dies (those still alive SIGKILLed, their
+    links down): server 2's request for it completes by recompute with server 1's text, loads
+    nothing and fails no load, waits at most one silence more than server 1 took to compute it
+    (a hang would be the load's deadline or the client's), and says once per process that the
+    nodes that died now do not answer."""
+    import signal
+    from testbed.lab.topology import ip
+    lab, (s1, s2) = two_servers
+    prompt = _prompt(5)
+    first = _computed_and_saved(lab, prompt, "tenant-Z")
+    mark, before = s2.log_size(), _metrics(lab, "h2")
+    newly = [i for i, p in enumerate(lab.pools) if p is not None]
+    for i in newly:
+        lab.stop_pool(i, signal.SIGKILL)
+    for node in lab.topo.pool_nodes:
+        ip("link", "set", node.name, "down", ns=lab.topo.switch_ns)
+    again = _post(lab, "h2", _body(prompt, "tenant-Z"))
+    own = _delta(_metrics(lab, "h2"), before)
+    assert again["text"] == first["text"]
+    assert not any(k.startswith(("vllm:kvswitch_blocks_loaded", "vllm:kvswitch_load_failures"))
+                   for k in own), own
+    # one silence (1 s) in the way at most, and room for a busy box
+    assert again["seconds"] < first["seconds"] + 1.0 + 5.0, (again, first)
+    said = [ln for ln in s2.log(since=mark).splitlines() if "does not answer" in ln]
+    assert all(any(a in ln for a in lab.pool_addrs) for ln in said), said
+    for i in newly:                    # the nodes that died now: said once by a process or two
+        lines = [ln for ln in said if lab.pool_addrs[i] in ln]
+        speakers = [ln.split(")")[0] for ln in lines]
+        assert 1 <= len(lines) == len(set(speakers)) <= 2, (lab.pool_addrs[i], said)
+    print(f"every pool node dead: the request took {again['seconds']:.2f} s (server 1 computed "
+          f"it in {first['seconds']:.2f} s)")
