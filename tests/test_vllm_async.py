@@ -307,3 +307,16 @@ def test_the_numbers_reach_prometheus():
                  'vllm:kvswitch_load_bytes_total{engine="0",model_name="m"} 1000.0',
                  'vllm:kvswitch_load_seconds_count{engine="0",model_name="m"} 2.0'):
         assert line in text, line
+
+
+def test_load_mode_auto_is_async_only_where_the_engine_core_has_its_own_process():
+    """`make demo-vllm` runs vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): asynchronous
+    loads there ran 15x slower than in the step or timed out, the engine's loop stepping in the
+    same interpreter; `vllm serve` keeps its engine core apart and loads beside its steps."""
+    from hostagent.inference.connectors.vllm_blocks import Settings, resolve_load_mode
+    assert Settings.from_extra({"pools": ["127.0.0.1"]}).load_mode == "auto"
+    assert resolve_load_mode("auto", multiprocessing=True) == "async"
+    assert resolve_load_mode("auto", multiprocessing=False) == "sync"
+    for mode in ("async", "sync"):
+        assert resolve_load_mode(mode, multiprocessing=False) == mode
+        assert resolve_load_mode(mode, multiprocessing=True) == mode

@@ -26,10 +26,15 @@ The probe moves one chunk per block, never the blocks: the scheduler does not fe
 It asks only holders that answered last time (``pools.Placement``: the scheduler never waits
 for a silent pool node) and a request vLLM cannot admit yet (no room for its blocks), which
 vLLM asks about again every step, reuses its answer for ``PROBE_REUSE_S``.
-With ``load_mode`` async (the default) the hit is loaded asynchronously: vLLM holds the request
+With ``load_mode`` async (``auto``, the default, where vLLM runs its engine core in a process of
+its own, as ``vllm serve`` does) the hit is loaded asynchronously: vLLM holds the request
 in ``WAITING_FOR_REMOTE_KVS`` while every other request keeps decoding, and its load goes to the
 worker in the next step's metadata (``update_state_after_alloc``); with ``sync`` it is loaded in
-the request's first step, the step waiting for it. ``build_connector_meta`` turns hits and
+the request's first step, the step waiting for it (``auto`` where the engine core runs in the
+caller's process, as an offline ``LLM`` does with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: there
+the engine's own loop keeps stepping in the same interpreter while it waits, and loads beside it
+ran 15x slower or timed out in `make demo-vllm`: 7.1 s and timeouts against 0.50 s in the step).
+``build_connector_meta`` turns hits and
 allocations into per-step loads and saves (``vllm_blocks.Planner``).
 
 Worker side, async (``vllm_async``): loads land in the paged cache from a thread of
@@ -78,7 +83,7 @@ from hostagent.common.transfer import TransferStats
 from .block_keys import vllm_request_extras
 from .paged_kv import PagedKV
 from .vllm_async import AsyncLoads, AsyncSaves
-from .vllm_blocks import LoadSpec, Planner, PoolLayout, SaveSpec, Settings
+from .vllm_blocks import LoadSpec, Planner, PoolLayout, SaveSpec, Settings, resolve_load_mode
 from .vllm_pool import LoadOutcome, backend_for, drain, log
 from .vllm_stats import KVSwitchPromMetrics, KVSwitchStats
 
@@ -123,7 +128,7 @@ class KVSwitchConnector(KVConnectorBase_V1):
                                  s.block_tokens or cc.block_size, cc.block_size, s.kv_codec)
         self.model_id = s.model_id or (f"{mc.model}@{mc.revision}" if mc.revision else mc.model)
         self.ns, self.nchunks = s.namespace, self.layout.nchunks(s.chunk_size)
-        self.async_mode = s.load_mode == "async"
+        self.async_mode = resolve_load_mode(s.load_mode) == "async"
         self.planner = Planner(self.layout, self.model_id, load=tc.is_kv_consumer,
                                save=tc.is_kv_producer)
         if tc.kv_load_failure_policy != s.load_failure:
@@ -144,7 +149,8 @@ class KVSwitchConnector(KVConnectorBase_V1):
         log.info("kvswitch connector (%s): pools %s ns %d, %d-token blocks of %d bytes (codec "
                  "%s: %d bytes) in %d chunks, %s loads, key extra %r", role.name,
                  ",".join(s.pools), self.ns, self.layout.block_tokens, self.layout.block_bytes,
-                 s.kv_codec, self.layout.coded_bytes, self.nchunks, s.load_mode,
+                 s.kv_codec, self.layout.coded_bytes, self.nchunks,
+                 "async" if self.async_mode else "sync",
                  self.layout.extra(self.model_id))
 
     @property

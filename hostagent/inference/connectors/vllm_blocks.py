@@ -33,6 +33,18 @@ class SettingsError(ValueError):
                                                    if key else "") + why)
 
 
+def resolve_load_mode(mode: str, multiprocessing: bool | None = None) -> str:
+    """``load_mode`` as it applies here: ``auto`` is async where vLLM runs its engine core in a
+    process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING``, on by default: ``vllm serve``),
+    sync where it runs in the caller's (``multiprocessing``: that setting; None reads vLLM's)."""
+    if mode != "auto":
+        return mode
+    if multiprocessing is None:
+        from vllm import envs
+        multiprocessing = bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING)
+    return "async" if multiprocessing else "sync"
+
+
 @dataclass(frozen=True)
 class Settings:
     """``kv_connector_extra_config``, checked. Only ``pools`` is required."""
@@ -54,7 +66,8 @@ class Settings:
     fetch_engine: str = "auto"         # auto: the XDP fetch engine where it can run; off
     kv_codec: str = "none"             # none, int8, fp8, int4, int4h, NAME/gTOKENS, pca[/xN][@C]
     load_failure: str = "recompute"    # a block that cannot be loaded: recompute, or fail
-    load_mode: str = "async"           # async: loads beside the engine's steps; sync: in them
+    load_mode: str = "auto"            # async: loads beside the engine's steps; sync: in them;
+    #                                    auto: async where the engine core has its own process
     auth_key_file: str | None = None   # keyed authentication; default $KVSWITCH_AUTH_KEY_FILE
 
     @classmethod
@@ -73,7 +86,7 @@ class Settings:
                         "max_pending_save_mib": (1, 1 << 20)},
                 '["IP[:PORT]", ...]', {"fetch_engine": ("auto", "off"),
                                        "load_failure": ("recompute", "fail"),
-                                       "load_mode": ("async", "sync")})
+                                       "load_mode": ("auto", "async", "sync")})
             options.kv_codec(extra.get("kv_codec", "none"))
         except options.BadOption as exc:
             raise SettingsError(exc.key, exc.why) from None
