@@ -5,13 +5,13 @@ destination cache (mean added, RoPE put back on the keys, float32 written straig
 cache's rows).
 
 Where the cache's rows start 64-byte aligned (``STREAM_ALIGN``; a head dimension that is a
-multiple of 16), ``finish_stream`` writes them with non-temporal (streaming) stores: a block's
-11.8 MB of float32 would otherwise be read into the cache before it is overwritten and push the
-transform's tables out on the way (the pass took 1.9 ms a block into a cold cache that way
-against 0.9 ms streamed, here; a whole decode 5.9 ms against 4.6). ``finish``, the plain
-stores, serves caches that are not aligned so. A store fence ends the streamed pass, so what it
-wrote is ordered before whatever the caller writes next (the hand-over to the thread that reads
-the cache).
+multiple of 16), ``finish(bf16, stream=True)`` writes them with non-temporal (streaming) stores:
+a block's 11.8 MB of float32 would otherwise be read into the cache before it is overwritten and
+push the transform's tables out on the way (the pass took 1.9 ms a block into a cold cache that
+way against 0.9 ms streamed, here; a whole decode 5.9 ms against 4.6). The plain stores
+(``stream=False``) serve caches that are not aligned so. A store fence ends the streamed pass,
+so what it wrote is ordered before whatever the caller writes next (the hand-over to the thread
+that reads the cache).
 
 Code streams: component j of group g holds the codes of the block's coded tokens at ``bits[g, j]``
 bits each, least significant bit first, eight codes in ``bits`` bytes (the coded tokens are a
@@ -27,7 +27,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-STREAM_ALIGN = 64                          # bytes: where every row finish_stream writes starts
+STREAM_ALIGN = 64                          # bytes: where every row a streamed pass writes starts
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
