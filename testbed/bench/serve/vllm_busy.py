@@ -185,7 +185,8 @@ def _pct(values, q) -> float | None:
 
 
 def _key(row: dict) -> str:
-    return "-".join(x for x in (row["mode"], row["loads"], row["fault"]) if x)
+    """The name of the pass a row is of (``Pass.name``)."""
+    return Pass(row["mode"], row["loads"], row["fault"]).name
 
 
 def _pass_summary(rs: list[dict]) -> dict:
