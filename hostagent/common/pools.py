@@ -127,7 +127,7 @@ class Placement:
     def doubtful(self, addr: Addr, ns: int, key: bytes) -> bool:
         """``addr`` is a suspect while another node that may hold the block is not: a transfer
         to it is bounded by the silence limit, even as the last holder asked."""
-        return addr in self._down and any(p not in self._down
+        return self.suspect(addr) and any(not self.suspect(p)
                                           for p in self._readers(ns, key) if p != addr)
 
     def failed(self, addr: Addr, what: str, exc: BaseException | str) -> None:

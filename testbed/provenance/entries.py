@@ -91,9 +91,9 @@ def entry_of(command: str, root: str | Path) -> Entry:
                 return _click_entry(scripts[argv[2]], argv[3:], command)
             return Entry(argv[2])
         argv = argv[1:]
-    if argv[0].endswith(".py"):           # the path's tail that names a module here (another
-        parts = Path(argv[0]).with_suffix("").parts    # checkout's absolute path is not one)
-        parts = parts[1:] if Path(argv[0]).is_absolute() else parts
+    if argv[0].endswith(".py"):           # the path's tail that names a module here: never
+        path = Path(argv[0]).with_suffix("")    # its root (another checkout's absolute path)
+        parts = path.parts[path.is_absolute():]
         for k in range(len(parts), 0, -1):
             if (root / Path(*parts[-k:])).with_suffix(".py").is_file():
                 return Entry(".".join(parts[-k:]))
